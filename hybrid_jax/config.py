@@ -1,0 +1,278 @@
+"""Model configuration: frozen, self-validating dataclasses; the layer pattern is data.
+
+A model is a stack of residual layers described by `ModelConfig.layers`, a tuple of
+`LayerSpec(kind, window)`. Every layer has a temporal sub-block (pre-norm, then one
+or more mixers on the same normed input, summed into the residual) and, when
+`ModelConfig.mlp` is set, a channel sub-block (pre-norm, gated MLP). The mixers are:
+
+- ATTENTION: GQA/MQA attention, sliding (`window` = W: a query at q sees keys
+  q-W < k <= q) or global (`window` None).
+- MAMBA2: the Mamba2 mixer (SSD).
+- RGLRU: Griffin's recurrent block (conv1d + RG-LRU).
+- HYBRID: attention AND Mamba2 in parallel on the same input, outputs summed
+  (Falcon-H1's layer; with a window it is hybrid-jax's native parallel hybrid layer).
+
+Sub-configs hold each mixer's shapes; architecture quirks that change numerics are
+explicit fields, never inferred from the architecture name. This module knows
+nothing of weights, checkpoints or serving.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class LayerKind(enum.StrEnum):
+    ATTENTION = "attention"
+    MAMBA2 = "mamba2"
+    RGLRU = "rglru"
+    HYBRID = "hybrid"
+
+    @property
+    def has_attention(self) -> bool:
+        return self in (LayerKind.ATTENTION, LayerKind.HYBRID)
+
+    @property
+    def has_mamba2(self) -> bool:
+        return self in (LayerKind.MAMBA2, LayerKind.HYBRID)
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """One layer of the pattern: its kind and, for attention kinds, its window (None = global)."""
+
+    kind: LayerKind
+    window: int | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", LayerKind(self.kind))
+        if self.window is not None:
+            if not self.kind.has_attention:
+                raise ValueError(f"window={self.window} given for a {self.kind} layer, which has none")
+            if self.window < 1:
+                raise ValueError(f"window={self.window} must be >= 1 (or None for global)")
+
+
+def _positive(**values: float | int) -> None:
+    for name, value in values.items():
+        if value <= 0:
+            raise ValueError(f"{name}={value} must be > 0")
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    """Attention shapes and quirks. `rotary_dim` < head_dim rotates only the first dims."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float = 10_000.0
+    rotary_dim: int | None = None  # None: the whole head_dim
+    qkv_bias: bool = False
+    o_bias: bool = False
+    softcap: float | None = None  # logits = c * tanh(logits / c)
+    key_multiplier: float = 1.0  # Falcon-H1: keys scaled BEFORE rotary
+    scale: float | None = None  # None: head_dim ** -0.5
+
+    def __post_init__(self) -> None:
+        _positive(num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim)
+        _positive(rope_theta=self.rope_theta)
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}"
+            )
+        rd = self.rotary_dim
+        if rd is not None and (rd <= 0 or rd > self.head_dim or rd % 2):
+            raise ValueError(f"rotary_dim={rd} must be even and in (0, head_dim={self.head_dim}]")
+        if self.softcap is not None:
+            _positive(softcap=self.softcap)
+
+    @property
+    def rope_dim(self) -> int:
+        return self.head_dim if self.rotary_dim is None else self.rotary_dim
+
+    @property
+    def query_scale(self) -> float:
+        return self.head_dim**-0.5 if self.scale is None else self.scale
+
+
+@dataclass(frozen=True)
+class Mamba2Config:
+    """Mamba2 mixer. in_proj -> [z | x B C | dt]; conv over x B C; SSD; gated norm; out_proj."""
+
+    num_heads: int
+    head_dim: int
+    state_size: int
+    n_groups: int = 1
+    conv_kernel: int = 4
+    chunk_size: int = 256
+    conv_bias: bool = True
+    in_proj_bias: bool = False
+    out_proj_bias: bool = False
+    dt_limit: tuple[float, float] = (0.0, math.inf)
+    gated_norm: bool = True  # False (Falcon-H1 mamba_rms_norm=false): y * silu(z), no norm
+    norm_before_gate: bool = False  # Mamba2: gate first, then grouped RMS norm
+    norm_eps: float = 1e-5
+    # Falcon-H1 muP: in_proj output segments (z, x, B, C, dt) scaled; not in checkpoints.
+    in_proj_multipliers: tuple[float, float, float, float, float] | None = None
+
+    def __post_init__(self) -> None:
+        _positive(num_heads=self.num_heads, head_dim=self.head_dim, state_size=self.state_size)
+        _positive(n_groups=self.n_groups, conv_kernel=self.conv_kernel, chunk_size=self.chunk_size)
+        if self.num_heads % self.n_groups:
+            raise ValueError(
+                f"num_heads={self.num_heads} must be a multiple of n_groups={self.n_groups}"
+            )
+        lo, hi = self.dt_limit
+        if not 0.0 <= lo < hi:
+            raise ValueError(f"dt_limit={self.dt_limit} must satisfy 0 <= low < high")
+        if self.in_proj_multipliers is not None and len(self.in_proj_multipliers) != 5:
+            raise ValueError(f"in_proj_multipliers={self.in_proj_multipliers} must have 5 entries")
+
+    @property
+    def d_inner(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return self.d_inner + 2 * self.n_groups * self.state_size
+
+
+@dataclass(frozen=True)
+class RGLRUConfig:
+    """Griffin recurrent block: width c split in `num_heads` blocks for the gates."""
+
+    width: int
+    num_heads: int
+    conv_kernel: int = 4
+
+    def __post_init__(self) -> None:
+        _positive(width=self.width, num_heads=self.num_heads, conv_kernel=self.conv_kernel)
+        if self.width % self.num_heads:
+            raise ValueError(f"width={self.width} must be a multiple of num_heads={self.num_heads}")
+
+
+@dataclass(frozen=True)
+class MLPConfig:
+    """Gated MLP: down(act(gate(x) * gate_multiplier) * up(x)) * down_multiplier."""
+
+    intermediate_size: int
+    activation: str = "silu"  # "silu" | "gelu_tanh"
+    bias: bool = False
+    gate_multiplier: float = 1.0
+    down_multiplier: float = 1.0
+
+    def __post_init__(self) -> None:
+        _positive(intermediate_size=self.intermediate_size)
+        if self.activation not in ("silu", "gelu_tanh"):
+            raise ValueError(f"activation={self.activation!r} must be 'silu' or 'gelu_tanh'")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A whole causal LM. Build presets in `configs/`; loaders build it from HF configs."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    layers: tuple[LayerSpec, ...]
+    attention: AttentionConfig | None = None
+    mamba2: Mamba2Config | None = None
+    rglru: RGLRUConfig | None = None
+    mlp: MLPConfig | None = None
+    norm_eps: float = 1e-6
+    norm_offset: bool = False  # RMSNorm scales by (1 + w) (Gemma family)
+    tie_embeddings: bool = False
+    embedding_scale: float = 1.0
+    logits_multiplier: float = 1.0
+    logits_softcap: float | None = None
+    residual_in_fp32: bool = False
+    # Branch multipliers of the temporal sub-block (Falcon-H1 muP); 1.0 elsewhere.
+    attention_in_multiplier: float = 1.0
+    attention_out_multiplier: float = 1.0
+    ssm_in_multiplier: float = 1.0
+    ssm_out_multiplier: float = 1.0
+    max_position_embeddings: int = 8192
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    pad_token_id: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        _positive(vocab_size=self.vocab_size, hidden_size=self.hidden_size, norm_eps=self.norm_eps)
+        _positive(max_position_embeddings=self.max_position_embeddings)
+        layers = tuple(s if isinstance(s, LayerSpec) else LayerSpec(**s) for s in self.layers)
+        object.__setattr__(self, "layers", layers)
+        object.__setattr__(self, "eos_token_ids", tuple(self.eos_token_ids))
+        if not layers:
+            raise ValueError("layers=() must hold at least one layer")
+        kinds = {s.kind for s in layers}
+        needs = {
+            "attention": any(k.has_attention for k in kinds),
+            "mamba2": any(k.has_mamba2 for k in kinds),
+            "rglru": LayerKind.RGLRU in kinds,
+        }
+        for name, needed in needs.items():
+            if needed and getattr(self, name) is None:
+                raise ValueError(f"{name}=None but the layer pattern has {name} layers")
+        if self.logits_softcap is not None:
+            _positive(logits_softcap=self.logits_softcap)
+        for tok in self.eos_token_ids:
+            if not 0 <= tok < self.vocab_size:
+                raise ValueError(f"eos_token_ids contains {tok}, outside [0, {self.vocab_size})")
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def windows(self) -> tuple[int | None, ...]:
+        """Distinct attention windows in pattern order (None = global): the KV groups."""
+        seen: list[int | None] = []
+        for spec in self.layers:
+            if spec.kind.has_attention and spec.window not in seen:
+                seen.append(spec.window)
+        return tuple(seen)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-able data (inf written as the string "inf")."""
+        d = dataclasses.asdict(self)
+        d["layers"] = [{"kind": s.kind.value, "window": s.window} for s in self.layers]
+        if self.mamba2 is not None:
+            d["mamba2"]["dt_limit"] = [_float_out(x) for x in self.mamba2.dt_limit]
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
+        """Inverse of `to_dict`; unknown keys are an error naming them."""
+        d = dict(d)
+        unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ValueError(f"unknown ModelConfig fields: {sorted(unknown)}")
+        subs = {"attention": AttentionConfig, "mamba2": Mamba2Config, "rglru": RGLRUConfig,
+                "mlp": MLPConfig}
+        for name, sub in subs.items():
+            if d.get(name) is not None:
+                d[name] = _sub_from_dict(sub, d[name])
+        d["layers"] = tuple(LayerSpec(**s) for s in d["layers"])
+        return cls(**d)
+
+
+def _float_out(x: float) -> float | str:
+    return "inf" if math.isinf(x) else x
+
+
+def _sub_from_dict(sub: type, d: dict[str, Any]) -> Any:
+    d = dict(d)
+    unknown = set(d) - {f.name for f in dataclasses.fields(sub)}
+    if unknown:
+        raise ValueError(f"unknown {sub.__name__} fields: {sorted(unknown)}")
+    if "dt_limit" in d:
+        d["dt_limit"] = tuple(float(x) for x in d["dt_limit"])
+    if d.get("in_proj_multipliers") is not None:
+        d["in_proj_multipliers"] = tuple(d["in_proj_multipliers"])
+    return sub(**d)
