@@ -11,7 +11,6 @@ save_pretrained, loads it with hybrid_jax, and compares in f32:
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -20,34 +19,13 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from hybrid_jax.checkpoints import load_hf  # noqa: E402
+from hybrid_jax.generate import greedy_steps  # noqa: E402
 from tests.model.hf_models import BUILDERS, build  # noqa: E402
 
 SEQ = 80
 PROMPT = 16
 NEW = 32
 GAP = 1e-3
-
-
-def greedy_full_forward(model, prompt: np.ndarray, new: int) -> tuple[list[int], list[float]]:
-    """Greedy decode by recomputing the full forward each step (padded to a fixed length).
-
-    Right-padding is harmless: every mixer is causal, so the logits at position i only
-    see tokens <= i. Returns tokens and the top-1/top-2 gap at each step.
-    """
-    total = len(prompt) + new
-    fwd = jax.jit(lambda ids: model(ids))
-    ids = np.zeros((1, total), np.int32)
-    ids[0, :len(prompt)] = prompt
-    tokens, gaps = [], []
-    for step in range(new):
-        cur = len(prompt) + step
-        logits = np.asarray(fwd(jnp.asarray(ids)))[0, cur - 1]
-        top2 = np.sort(logits)[-2:]
-        tok = int(np.argmax(logits))
-        tokens.append(tok)
-        gaps.append(float(top2[1] - top2[0]))
-        ids[0, cur] = tok
-    return tokens, gaps
 
 
 def compare_greedy(ours: list[int], gaps: list[float], theirs: list[int]) -> int:
@@ -75,7 +53,7 @@ def test_logits_and_greedy_match_transformers(arch, tmp_path):
         gen = hf_model.generate(torch.tensor(prompt[None]), max_new_tokens=NEW, do_sample=False,
                                 min_new_tokens=NEW, pad_token_id=0)
     theirs = gen[0, PROMPT:].tolist()
-    tokens, gaps = greedy_full_forward(model, prompt, NEW)
+    tokens, gaps = map(list, zip(*greedy_steps(model, prompt.tolist(), NEW), strict=True))
     matched = compare_greedy(tokens, gaps, theirs)
     print(f"{arch}: max rel logit err {err:.2e}, greedy matched {matched}/{NEW}")
     assert matched >= NEW // 2, f"{arch}: only {matched} greedy tokens compared"
