@@ -1,0 +1,33 @@
+"""The hybrid-jax CLI: generate streams the reference greedy continuation; errors exit 2."""
+
+from __future__ import annotations
+
+import pytest
+
+from hybrid_jax.generate import greedy_generate
+from hybrid_jax.loading import load_model
+from serving.cli import main
+
+
+def test_generate_prints_the_greedy_continuation(capsys):
+    assert main(["generate", "--model", "native-tiny", "--max-tokens", "6", "Hi"]) == 0
+    out = capsys.readouterr().out
+    lm = load_model("native-tiny")
+    tokens = greedy_generate(lm.model, lm.tokenizer.encode("Hi", add_bos=True), 6,
+                             eos_ids=lm.config.eos_token_ids)
+    assert out == "Hi" + lm.tokenizer.decode(tokens) + "\n"
+
+
+def test_presets_lists_native_tiny(capsys):
+    assert main(["presets"]) == 0
+    assert "native-tiny" in capsys.readouterr().out.split()
+
+
+def test_bad_max_tokens_is_an_error(capsys):
+    assert main(["generate", "--max-tokens", "0", "x"]) == 2
+    assert "--max-tokens=0" in capsys.readouterr().err
+
+
+def test_unknown_model_is_named():
+    with pytest.raises(ValueError, match="no-such-model"):
+        main(["generate", "--model", "no-such-model", "x"])
