@@ -1,0 +1,106 @@
+"""The serving path: a forward over a ragged batch with paged K/V and slot-indexed state.
+
+Same modules and weights as the full-sequence forward (`CausalLM.__call__`); only the
+mixer cores change: K/V are written into pages and attended through the paged kernels,
+the conv and scans read each sequence's state from its slot (zero when `has_initial`
+is False) and write the final state back. `decode=True` is the one-token-per-sequence
+specialisation (t == b). Kernels come from `pallas_kernels` under its one impl switch.
+Cached decoding through this path reproduces the full forward token for token.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from hybrid_jax.cache import KVCache, LayerCache, Mamba2State, RaggedBatch, RGLRUState, layer_groups
+from hybrid_jax.layers.attention import Attention
+from hybrid_jax.layers.mamba2 import Mamba2Mixer
+from hybrid_jax.layers.rglru import RecurrentBlock
+from hybrid_jax.model import Block, CausalLM, _scale
+from pallas_kernels import conv1d, linear_scan, paged_attention, ssd, ssm_decode
+
+
+def _attention(layer: Attention, x: jax.Array, batch: RaggedBatch, kv: KVCache, group: int,
+               decode: bool) -> tuple[jax.Array, KVCache]:
+    q, k, v = layer.project(x, batch.positions)
+    k_pages, v_pages = paged_attention.write_kv(kv.k, kv.v, k.astype(kv.k.dtype),
+                                                v.astype(kv.v.dtype), batch.slot_mappings[group])
+    common = dict(window=layer.window, softcap=layer.cfg.softcap, scale=layer.cfg.query_scale)
+    table = batch.page_tables[group]
+    if decode:
+        o = paged_attention.paged_attention_decode(q, k_pages, v_pages, batch.lengths, table,
+                                                   **common)
+    else:
+        o = paged_attention.paged_attention_prefill(q, k_pages, v_pages, batch.cu_seqlens,
+                                                    batch.lengths, table, **common)
+    return layer.output(o.astype(x.dtype)), KVCache(k_pages, v_pages)
+
+
+def _mamba(layer: Mamba2Mixer, x: jax.Array, batch: RaggedBatch, st: Mamba2State,
+           decode: bool) -> tuple[jax.Array, Mamba2State]:
+    cfg = layer.cfg
+    z, xbc, dt = layer.project(x)
+    w, bias = layer.conv_weight[...], layer.conv_bias_value()
+    if decode:
+        xbc, conv = conv1d.conv1d_decode(xbc, w, bias, st.conv, batch.slot_ids, activation="silu")
+    else:
+        xbc, conv = conv1d.conv1d_ragged(xbc, w, bias, batch.cu_seqlens, st.conv, batch.slot_ids,
+                                         batch.has_initial, activation="silu")
+    xs, B, C = layer.split_xbc(xbc)
+    args = (xs, dt, layer.A(), B, C, layer.D[...], layer.dt_bias[...])
+    if decode:
+        y, ssm = ssm_decode.ssm_decode(*args, st.ssm, batch.slot_ids, dt_limit=cfg.dt_limit)
+    else:
+        y, ssm = ssd.ssd_ragged(*args, batch.cu_seqlens, st.ssm, batch.slot_ids, batch.has_initial,
+                                dt_limit=cfg.dt_limit, chunk_size=cfg.chunk_size)
+    return layer.output(y, z, x.dtype), Mamba2State(conv, ssm)
+
+
+def _recurrent(layer: RecurrentBlock, x: jax.Array, batch: RaggedBatch, st: RGLRUState,
+               decode: bool) -> tuple[jax.Array, RGLRUState]:
+    y, u = layer.branches(x)
+    w, bias = layer.conv_weight[...], layer.conv_bias[...]
+    if decode:
+        u, conv = conv1d.conv1d_decode(u, w, bias, st.conv, batch.slot_ids, activation=None)
+    else:
+        u, conv = conv1d.conv1d_ragged(u, w, bias, batch.cu_seqlens, st.conv, batch.slot_ids,
+                                       batch.has_initial, activation=None)
+    a, xt = layer.gates(u, batch.positions)
+    if decode:
+        h, hs = linear_scan.linear_scan_decode(a, xt, st.h, batch.slot_ids)
+    else:
+        h, hs = linear_scan.linear_scan_ragged(a, xt, batch.cu_seqlens, st.h, batch.slot_ids,
+                                               batch.has_initial)
+    return layer.output(h, y), RGLRUState(conv, hs)
+
+
+def block_ragged(block: Block, h: jax.Array, batch: RaggedBatch, cache: LayerCache,
+                 group: int | None, decode: bool) -> tuple[jax.Array, LayerCache]:
+    """One residual layer over the ragged tokens h [t, d]; mirrors `Block.__call__`."""
+    cfg = block.cfg
+    u = block.norm_input(h)
+    out = jnp.zeros_like(u)
+    kv, mamba, rglru = cache
+    if block.attention is not None:
+        a, kv = _attention(block.attention, _scale(u, cfg.attention_in_multiplier), batch, kv,
+                           group, decode)
+        out = out + a * cfg.attention_out_multiplier
+    if block.mamba is not None:
+        m, mamba = _mamba(block.mamba, _scale(u, cfg.ssm_in_multiplier), batch, mamba, decode)
+        out = out + m * cfg.ssm_out_multiplier
+    if block.recurrent is not None:
+        r, rglru = _recurrent(block.recurrent, u, batch, rglru, decode)
+        out = out + r
+    return block.mix(h, out), LayerCache(kv, mamba, rglru)
+
+
+def forward_ragged(model: CausalLM, batch: RaggedBatch, caches: tuple[LayerCache, ...], *,
+                   decode: bool) -> tuple[jax.Array, tuple[LayerCache, ...]]:
+    """Ragged forward -> (logits [b, v] f32 at each sequence's last token, new caches)."""
+    h = model.embed_tokens(batch.tokens)
+    new = []
+    for block, cache, group in zip(model.layers, caches, layer_groups(model.cfg), strict=True):
+        h, cache = block_ragged(block, h, batch, cache, group, decode)
+        new.append(cache)
+    return model.logits(jnp.take(h, batch.last_token, axis=0)), tuple(new)
