@@ -1,0 +1,69 @@
+"""On-device sampling with per-request parameters, inside the jitted step.
+
+Each row b of the batch carries its own temperature, top-k, top-p, min-p and seed.
+The random draw of a row depends only on (seed, generation step) - fold_in of the
+request's key with the index of the token being generated - so a request's tokens
+do not depend on which other requests share its batch. Temperature 0 is greedy.
+Sampling is Gumbel-max over the filtered, tempered logits.
+
+Not yet here: repetition / presence / frequency penalties (they need per-request
+token counts on device) and top-n logprobs.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+class SamplingArrays(NamedTuple):
+    """Per-row parameters, [b] each. top_k <= 0 disables top-k."""
+
+    temperature: jax.Array  # f32, 0 = greedy
+    top_k: jax.Array  # int32
+    top_p: jax.Array  # f32 in (0, 1]
+    min_p: jax.Array  # f32 in [0, 1]
+    seed: jax.Array  # uint32
+    step: jax.Array  # int32: index of the token being generated for this request
+
+    @staticmethod
+    def from_rows(rows: list[dict[str, float | int]]) -> SamplingArrays:
+        """Host-side: build numpy arrays from per-row dicts (missing keys: defaults)."""
+        def col(key: str, default: float | int, dtype: type) -> np.ndarray:
+            return np.asarray([r.get(key, default) for r in rows], dtype)
+
+        return SamplingArrays(col("temperature", 0.0, np.float32), col("top_k", 0, np.int32),
+                              col("top_p", 1.0, np.float32), col("min_p", 0.0, np.float32),
+                              col("seed", 0, np.uint32), col("step", 0, np.int32))
+
+
+def filter_logits(logits: jax.Array, p: SamplingArrays) -> jax.Array:
+    """logits [b, v] f32 -> logits with tokens outside top-k / top-p / min-p set to -inf."""
+    v = logits.shape[-1]
+    order = jnp.argsort(-logits, axis=-1)
+    sorted_l = jnp.take_along_axis(logits, order, axis=-1)
+    rank = jnp.arange(v)[None, :]
+    k = jnp.where(p.top_k > 0, jnp.minimum(p.top_k, v), v)[:, None]
+    keep = rank < k
+    probs = jax.nn.softmax(jnp.where(keep, sorted_l, -jnp.inf), axis=-1)
+    before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each token
+    keep &= (before < p.top_p[:, None]) | (rank == 0)
+    keep &= probs >= p.min_p[:, None] * probs[:, :1]
+    inv = jnp.argsort(order, axis=-1)
+    return jnp.where(jnp.take_along_axis(keep, inv, axis=-1), logits, -jnp.inf)
+
+
+def sample(logits: jax.Array, p: SamplingArrays) -> tuple[jax.Array, jax.Array]:
+    """logits [b, v] f32 -> (tokens [b] int32, logprob of each token under the model [b])."""
+    greedy = p.temperature <= 0.0
+    temp = jnp.where(greedy, 1.0, p.temperature)[:, None]
+    filtered = filter_logits(logits, p) / temp
+    keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(p.seed, p.step)
+    gumbel = jax.vmap(lambda k: jax.random.gumbel(k, logits.shape[-1:]))(keys)
+    drawn = jnp.argmax(filtered + gumbel, axis=-1)
+    tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1), drawn).astype(jnp.int32)
+    logprobs = jax.nn.log_softmax(logits, axis=-1)
+    return tokens, jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
