@@ -21,15 +21,23 @@ EPILOG = """examples:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="hybrid-jax", epilog=EPILOG,
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                description="Serve and run hybrid SSM + sliding-window models.")
+    p = argparse.ArgumentParser(
+        prog="hybrid-jax",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Serve and run hybrid SSM + sliding-window models.",
+    )
     sub = p.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", help="generate a continuation of a prompt (streams)",
-                         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    gen = sub.add_parser(
+        "generate",
+        help="generate a continuation of a prompt (streams)",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     gen.add_argument("prompt", help="prompt text")
-    gen.add_argument("--model", default="native-tiny",
-                     help="HF dir, native dir or preset name (default: native-tiny)")
+    gen.add_argument(
+        "--model", default="native-tiny", help="HF dir, native dir or preset name (default: native-tiny)"
+    )
     gen.add_argument("--max-tokens", type=int, default=32, help="tokens to generate (default 32)")
     gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     gen.add_argument("--seed", type=int, default=0, help="seed for preset weights")
@@ -56,9 +64,9 @@ def _generate(args: argparse.Namespace) -> int:
         out.append(tok)
         text = lm.tokenizer.decode(out)
         if not text.endswith("\ufffd"):  # hold back a split multi-byte character
-            print(text[len(shown):], end="", flush=True)
+            print(text[len(shown) :], end="", flush=True)
             shown = text
-    print(lm.tokenizer.decode(out)[len(shown):])  # whatever was held back at the end
+    print(lm.tokenizer.decode(out)[len(shown) :])  # whatever was held back at the end
     return 0
 
 

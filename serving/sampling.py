@@ -18,6 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+SUPPRESS_WIDTH = 8  # token ids per row that can be suppressed (EOS / stop ids under min_tokens)
+
 
 class SamplingArrays(NamedTuple):
     """Per-row parameters, [b] each. top_k <= 0 disables top-k."""
@@ -28,6 +30,7 @@ class SamplingArrays(NamedTuple):
     min_p: jax.Array  # f32 in [0, 1]
     seed: jax.Array  # uint32
     step: jax.Array  # int32: index of the token being generated for this request
+    suppress: jax.Array  # int32 [b, SUPPRESS_WIDTH]: ids that may not be sampled (-1 = none)
 
     @staticmethod
     def from_rows(rows: list[dict[str, float | int]]) -> SamplingArrays:
@@ -35,9 +38,15 @@ class SamplingArrays(NamedTuple):
         def col(key: str, default: float | int, dtype: type) -> np.ndarray:
             return np.asarray([r.get(key, default) for r in rows], dtype)
 
+        suppress = np.full((len(rows), SUPPRESS_WIDTH), -1, np.int32)
+        for i, r in enumerate(rows):
+            ids = list(r.get("suppress", ()))
+            if len(ids) > SUPPRESS_WIDTH:
+                raise ValueError(f"suppress: {len(ids)} ids, at most {SUPPRESS_WIDTH}")
+            suppress[i, :len(ids)] = ids
         return SamplingArrays(col("temperature", 0.0, np.float32), col("top_k", 0, np.int32),
                               col("top_p", 1.0, np.float32), col("min_p", 0.0, np.float32),
-                              col("seed", 0, np.uint32), col("step", 0, np.int32))
+                              col("seed", 0, np.uint32), col("step", 0, np.int32), suppress)
 
 
 def filter_logits(logits: jax.Array, p: SamplingArrays) -> jax.Array:
@@ -58,6 +67,9 @@ def filter_logits(logits: jax.Array, p: SamplingArrays) -> jax.Array:
 
 def sample(logits: jax.Array, p: SamplingArrays) -> tuple[jax.Array, jax.Array]:
     """logits [b, v] f32 -> (tokens [b] int32, logprob of each token under the model [b])."""
+    v = logits.shape[-1]
+    banned = (p.suppress[:, :, None] == jnp.arange(v)[None, None, :]).any(axis=1)
+    logits = jnp.where(banned, -jnp.inf, logits)
     greedy = p.temperature <= 0.0
     temp = jnp.where(greedy, 1.0, p.temperature)[:, None]
     filtered = filter_logits(logits, p) / temp
@@ -65,5 +77,5 @@ def sample(logits: jax.Array, p: SamplingArrays) -> tuple[jax.Array, jax.Array]:
     gumbel = jax.vmap(lambda k: jax.random.gumbel(k, logits.shape[-1:]))(keys)
     drawn = jnp.argmax(filtered + gumbel, axis=-1)
     tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1), drawn).astype(jnp.int32)
-    logprobs = jax.nn.log_softmax(logits, axis=-1)
+    logprobs = jax.nn.log_softmax(logits, axis=-1)  # after suppression: what was sampled from
     return tokens, jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]

@@ -55,3 +55,10 @@ def test_sampling_follows_the_distribution():
     p2 = p._replace(top_k=jnp.full((n,), 2, jnp.int32))
     freq2 = np.bincount(np.asarray(sample_jit(logits, p2)[0]), minlength=4) / n
     np.testing.assert_allclose(freq2, [0.625, 0.375, 0, 0], atol=0.03)
+
+
+def test_suppressed_ids_are_never_sampled():
+    logits = jnp.zeros((2, 6)).at[:, 3].set(10.0)
+    p = SamplingArrays.from_rows([{"suppress": [3]}, {"temperature": 1.0, "suppress": [3, 0]}])
+    tok, _ = sample_jit(logits, p)
+    assert 3 not in np.asarray(tok).tolist() and int(tok[1]) != 0

@@ -1,0 +1,219 @@
+"""Causal depthwise conv1d over a ragged batch, with per-slot conv states.
+
+    y_t = act(sum_j weight[:, j] * x_{t - k + 1 + j} + bias)        k taps, c channels
+
+Inputs before a sequence's first token come from its slot (conv_states
+[num_slots, k-1, c], the last k-1 inputs oldest first) when has_initial, else
+zero. After the call the slot holds the sequence's last k-1 inputs (older ones
+taken from the state when the chunk is shorter than k-1). Padding tokens get 0.
+
+Pallas: the prefill kernel loads each tap as a gather of shifted rows (rows
+before a sequence start come from the slot), over (channel block, row block)
+programs whose row windows are clamped inside [0, t) (overlapping rows are
+rewritten with identical values); a second small kernel writes the states in
+place. Decode rolls the state in one kernel. This module knows nothing of how
+slots are allocated (slot 0 is the dummy for padding).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels.backend import Impl, resolve_impl
+from pallas_kernels.launch import channel_block, launch
+from pallas_kernels.ragged import segments
+from pallas_kernels.ssm_common import check_ragged, silu
+
+ACTIVATIONS = ("silu", None)
+ROW_BLOCK = 16  # token rows per program (prefill); tuned on H100
+
+
+def _check(x, weight, bias, conv_states, activation) -> None:
+    if x.ndim != 2:
+        raise ValueError(f"{x.shape=} must be [t, c]")
+    c = x.shape[1]
+    if weight.ndim != 2 or weight.shape[0] != c or weight.shape[1] < 2:
+        raise ValueError(f"{weight.shape=} must be [c={c}, k>=2]")
+    k = weight.shape[1]
+    if bias is not None and bias.shape != (c,):
+        raise ValueError(f"{bias.shape=} must be {(c,)}")
+    if conv_states.ndim != 3 or conv_states.shape[1:] != (k - 1, c):
+        raise ValueError(f"{conv_states.shape=} must be [num_slots, {k - 1}, {c}]")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"{activation=} must be one of {ACTIVATIONS}")
+
+
+def _act(v, activation):
+    return silu(v) if activation == "silu" else v
+
+
+def conv1d_ragged(x, weight, bias, cu_seqlens, conv_states, slot_ids, has_initial, *,
+                  activation="silu", impl: Impl | None = None):
+    """x [t, c]; weight [c, k]; bias [c] | None; cu_seqlens int32 [b+1];
+    conv_states [num_slots, k-1, c]; slot_ids int32 [b]; has_initial bool [b].
+    Returns (y [t, c] in x.dtype, conv_states)."""
+    impl = resolve_impl(impl)
+    _check(x, weight, bias, conv_states, activation)
+    check_ragged(cu_seqlens, slot_ids, has_initial)
+    bias = jnp.zeros((x.shape[1],), jnp.float32) if bias is None else bias
+    if impl == "reference":
+        return conv1d_ragged_reference(x, weight, bias, cu_seqlens, conv_states, slot_ids,
+                                       has_initial, activation=activation)
+    return _ragged_pallas(x, weight, bias, cu_seqlens.astype(jnp.int32), conv_states,
+                          slot_ids.astype(jnp.int32), has_initial.astype(jnp.int32),
+                          activation=activation, impl=impl)
+
+
+def conv1d_decode(x, weight, bias, conv_states, slot_ids, *, activation="silu",
+                  impl: Impl | None = None):
+    """One token per sequence: x [b, c]; returns (y [b, c], conv_states rolled by one)."""
+    impl = resolve_impl(impl)
+    _check(x, weight, bias, conv_states, activation)
+    bias = jnp.zeros((x.shape[1],), jnp.float32) if bias is None else bias
+    if impl == "reference":
+        return conv1d_decode_reference(x, weight, bias, conv_states, slot_ids,
+                                       activation=activation)
+    return _decode_pallas(x, weight, bias, conv_states, slot_ids.astype(jnp.int32),
+                          activation=activation, impl=impl)
+
+
+@functools.partial(jax.jit, static_argnames=("activation", "impl"))
+def conv1d_ragged_reference(x, weight, bias, cu_seqlens, conv_states, slot_ids, has_initial,
+                            *, activation="silu", impl: Impl | None = None):
+    """Pure-JAX reference of `conv1d_ragged` (bias required here; pass zeros for none)."""
+    del impl
+    t, c = x.shape
+    k, b = weight.shape[1], cu_seqlens.shape[0] - 1
+    f32 = jnp.float32
+    # 1. Each token's sequence, position, slot and previous inputs (k-1 rows).
+    sg = segments(cu_seqlens, t)
+    seq = jnp.minimum(sg.seq, b - 1)
+    init = has_initial[seq] & (sg.pos >= 0)
+    prev = jnp.where(init[:, None, None], conv_states[slot_ids[seq]].astype(f32), 0.0)
+    # 2. Tap j reads x at t - d (d = k-1-j) inside the sequence, else the state.
+    acc = jnp.broadcast_to(bias.astype(f32), (t, c))
+    for j in range(k):
+        d = k - 1 - j
+        inside = x[jnp.maximum(jnp.arange(t) - d, 0)].astype(f32)
+        before = prev[jnp.arange(t), jnp.clip(k - 1 + sg.pos - d, 0, k - 2)]
+        acc = acc + weight[:, j].astype(f32) * jnp.where((sg.pos >= d)[:, None], inside, before)
+    y = jnp.where((sg.pos >= 0)[:, None], _act(acc, activation), 0.0)
+    # 3. New state: the last k-1 inputs of each sequence (older ones from the state).
+    lens = cu_seqlens[1:] - cu_seqlens[:-1]
+    q = lens[:, None] - (k - 1) + jnp.arange(k - 1)  # [b, k-1] positions
+    from_x = x[jnp.clip(cu_seqlens[:-1, None] + q, 0, t - 1)].astype(f32)
+    old = conv_states[slot_ids[:, None], jnp.clip(k - 1 + q, 0, k - 2)].astype(f32)
+    old = jnp.where(has_initial[:, None, None], old, 0.0)
+    new = jnp.where((q >= 0)[..., None], from_x, old)
+    return y.astype(x.dtype), conv_states.at[slot_ids].set(new.astype(conv_states.dtype))
+
+
+@functools.partial(jax.jit, static_argnames=("activation", "impl"))
+def conv1d_decode_reference(x, weight, bias, conv_states, slot_ids, *, activation="silu",
+                            impl: Impl | None = None):
+    """Pure-JAX reference of `conv1d_decode` (bias required here)."""
+    del impl
+    f32 = jnp.float32
+    window = jnp.concatenate([conv_states[slot_ids].astype(f32), x[:, None].astype(f32)], 1)
+    y = jnp.einsum("bkc,ck->bc", window, weight.astype(f32), precision="highest") + bias
+    new = window[:, 1:].astype(conv_states.dtype)
+    return _act(y, activation).astype(x.dtype), conv_states.at[slot_ids].set(new)
+
+
+def _conv_rows_kernel(pos_ref, slot_ref, init_ref, x_ref, w_ref, bias_ref, st_ref, y_ref, *,
+                      k, tb, cb, activation):
+    ci, ti = pl.program_id(0), pl.program_id(1)
+    r0 = jnp.minimum(ti * tb, x_ref.shape[0] - tb)
+    rows = r0 + jax.lax.broadcasted_iota(jnp.int32, (tb,), 0)
+    cols = pl.ds(ci * cb, cb)
+    pos_v = pos_ref[pl.ds(r0, tb)]  # no value slicing on Triton: keep the vector too
+    pos = pos_v[:, None]
+    init = init_ref[pl.ds(r0, tb)][:, None] != 0
+    slot = slot_ref[pl.ds(r0, tb)]
+    acc = jnp.broadcast_to(bias_ref[cols][None, :], (tb, cb))
+    for j in range(k):
+        d = k - 1 - j
+        v = x_ref[jnp.maximum(rows - d, 0), cols].astype(jnp.float32)
+        if d:
+            srow = slot * (k - 1) + jnp.clip(k - 1 + pos_v - d, 0, k - 2)
+            old = jnp.where(init, st_ref[srow, cols].astype(jnp.float32), 0.0)
+            v = jnp.where(pos >= d, v, old)
+        acc = acc + w_ref[j, cols][None, :] * v
+    y = jnp.where(pos >= 0, _act(acc, activation), 0.0)
+    y_ref[pl.ds(r0, tb), cols] = y.astype(y_ref.dtype)
+
+
+def _conv_state_kernel(cu_ref, slot_ref, init_ref, x_ref, st_ref, st_out, *, k, cb):
+    s, ci = pl.program_id(0), pl.program_id(1)
+    cols = pl.ds(ci * cb, cb)
+    start, slot = cu_ref[s], slot_ref[s]
+    length = cu_ref[s + 1] - start
+    new = []
+    for i in range(k - 1):  # load everything before storing: rows overlap in place
+        q = length - (k - 1) + i
+        v = x_ref[jnp.clip(start + q, 0, x_ref.shape[0] - 1), cols].astype(jnp.float32)
+        old = st_ref[slot * (k - 1) + jnp.clip(k - 1 + q, 0, k - 2), cols].astype(jnp.float32)
+        old = jnp.where(init_ref[s] != 0, old, 0.0)
+        new.append(jnp.where(q >= 0, v, old))
+    for i, v in enumerate(new):
+        st_out[slot * (k - 1) + i, cols] = v.astype(st_out.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("activation", "impl", "row_block", "warps"))
+def _ragged_pallas(x, weight, bias, cu, conv_states, slot_ids, has_initial, *, activation, impl,
+                   row_block=ROW_BLOCK, warps=4):
+    t, c = x.shape
+    k, b = weight.shape[1], cu.shape[0] - 1
+    cb, tb = channel_block(c), min(row_block, 1 << (t.bit_length() - 1))
+    sg = segments(cu, t)
+    seq = jnp.minimum(sg.seq, b - 1)
+    tok_slot = slot_ids[seq]
+    tok_init = jnp.where(sg.pos >= 0, has_initial[seq], 0)
+    flat = conv_states.reshape(-1, c)  # [(num_slots * (k-1)), c], row = slot * (k-1) + i
+    w_t, bias32 = weight.astype(jnp.float32).T, bias.astype(jnp.float32)
+    (y,) = launch(
+        functools.partial(_conv_rows_kernel, k=k, tb=tb, cb=cb, activation=activation),
+        impl=impl, grid=(c // cb, pl.cdiv(t, tb)), out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype)],
+        num_warps=warps, name="conv1d_rows",
+    )(sg.pos, tok_slot, tok_init, x, w_t, bias32, flat)
+    (flat,) = launch(
+        functools.partial(_conv_state_kernel, k=k, cb=cb), impl=impl, grid=(b, c // cb),
+        out_shape=[jax.ShapeDtypeStruct(flat.shape, flat.dtype)], aliases={4: 0},
+        name="conv1d_state",
+    )(cu, slot_ids, has_initial, x, flat)
+    return y, flat.reshape(conv_states.shape)
+
+
+def _conv_decode_kernel(slot_ref, x_ref, w_ref, bias_ref, st_ref, y_ref, st_out, *, k, cb,
+                        activation):
+    s, ci = pl.program_id(0), pl.program_id(1)
+    cols = pl.ds(ci * cb, cb)
+    slot = slot_ref[s]
+    window = [st_ref[slot * (k - 1) + i, cols].astype(jnp.float32) for i in range(k - 1)]
+    window.append(x_ref[s, cols].astype(jnp.float32))
+    acc = bias_ref[cols]
+    for j in range(k):
+        acc = acc + w_ref[j, cols] * window[j]
+    y_ref[s, cols] = _act(acc, activation).astype(y_ref.dtype)
+    for i in range(k - 1):
+        st_out[slot * (k - 1) + i, cols] = window[i + 1].astype(st_out.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("activation", "impl"))
+def _decode_pallas(x, weight, bias, conv_states, slot_ids, *, activation, impl):
+    b, c = x.shape
+    k = weight.shape[1]
+    cb = channel_block(c)
+    flat = conv_states.reshape(-1, c)
+    y, flat = launch(
+        functools.partial(_conv_decode_kernel, k=k, cb=cb, activation=activation),
+        impl=impl, grid=(b, c // cb),
+        out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype),
+                   jax.ShapeDtypeStruct(flat.shape, flat.dtype)],
+        aliases={4: 1}, name="conv1d_decode",
+    )(slot_ids, x, weight.astype(jnp.float32).T, bias.astype(jnp.float32), flat)
+    return y, flat.reshape(conv_states.shape)

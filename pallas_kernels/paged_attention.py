@@ -1,0 +1,208 @@
+"""Paged attention ops the engine step calls: decode, ragged prefill, K/V write.
+
+Layouts (docs/shapes.md): per layer, k_pages and v_pages are [k, N, s, e]
+with page 0 a dummy (garbage) page; page_table int32 [b, T] is a ring
+(logical page i of sequence j lives in page_table[j, i % T]); a query at
+position q sees keys q - w < key <= q (window=None: global causal). Logits are
+scale * q.k (scale defaults to e**-0.5), then soft-capped as
+softcap * tanh(x / softcap), then masked.
+
+Each op validates its arguments, resolves `impl` (pallas | interpret |
+reference, see `backend`) and dispatches to the Pallas kernel
+(`paged_decode`, `paged_prefill`) or the pure-JAX reference
+(`paged_attention_ref`). Kernel tuning (tile sizes, warps, splits) is chosen
+here from static shapes. This module knows nothing of scheduling: it trusts
+the host to have checked page indices (JAX clamps out-of-range ones silently).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.backend import Impl, resolve_impl
+from pallas_kernels.paged_attention_ref import (
+    paged_attention_decode_reference,
+    paged_attention_prefill_reference,
+)
+from pallas_kernels.paged_decode import decode_pallas, default_splits
+from pallas_kernels.paged_prefill import prefill_pallas
+from pallas_kernels.paged_tiles import TileConfig
+
+HEAD_DIMS = (64, 128, 256)
+
+
+def _check_pool(k_pages, v_pages, head_dim: int, heads: int) -> None:
+    if k_pages.ndim != 4 or k_pages.shape != v_pages.shape:
+        raise ValueError(f"{k_pages.shape=} and {v_pages.shape=} must both be [k, N, s, e]")
+    nk, _, s, e = k_pages.shape
+    if e != head_dim:
+        raise ValueError(f"query head dim {head_dim} != page head dim {e}")
+    if heads % nk:
+        raise ValueError(f"query heads {heads=} must be a multiple of kv heads {nk=}")
+
+
+def _check_kernel_shapes(k_pages) -> None:
+    """Limits of the Pallas kernels' tiling; the references take any head dim and page size."""
+    _, _, s, e = k_pages.shape
+    if e not in HEAD_DIMS:
+        raise ValueError(f"head dim {e=} must be one of {HEAD_DIMS} for the Pallas kernels")
+    if not 8 <= s <= 64 or s & (s - 1):
+        raise ValueError(f"page size {s=} must be a power of two in [8, 64] for the Pallas kernels")
+
+
+def _check_common(lengths, page_table, batch: int, window, softcap) -> None:
+    if lengths.shape != (batch,) or lengths.dtype != jnp.int32:
+        raise ValueError(f"lengths must be int32 [{batch}], got {lengths.dtype}{lengths.shape}")
+    if page_table.ndim != 2 or page_table.shape[0] != batch or page_table.dtype != jnp.int32:
+        raise ValueError(f"page_table must be int32 [{batch}, T], got "
+                         f"{page_table.dtype}{page_table.shape}")
+    if window is not None and window < 1:
+        raise ValueError(f"{window=} must be >= 1 or None")
+    if softcap is not None and softcap <= 0:
+        raise ValueError(f"{softcap=} must be > 0 or None")
+
+
+def _row_bytes(pages) -> int:
+    return pages.shape[3] * pages.dtype.itemsize
+
+
+def _fit(x: int, lo: int, hi: int) -> int:
+    return max(lo, min(hi, x))
+
+
+def _tile_config(k_pages, page_table, window, softcap, scale, tile_tokens: int) -> TileConfig:
+    s, e = k_pages.shape[2], k_pages.shape[3]
+    return TileConfig(
+        page_size=s,
+        pages_per_tile=max(1, tile_tokens // s),  # a tile holds whole pages
+        num_columns=page_table.shape[1],
+        window=window,
+        softcap=None if softcap is None else float(softcap),
+        scale=float(e**-0.5 if scale is None else scale),
+    )
+
+
+def paged_attention_decode(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    lengths: jax.Array,
+    page_table: jax.Array,
+    *,
+    window: int | None = None,
+    softcap: float | None = None,
+    scale: float | None = None,
+    impl: Impl | None = None,
+) -> jax.Array:
+    """One query token per sequence. q [b, h, e] -> [b, h, e].
+
+    lengths int32 [b]: tokens in cache including the current one (the query is
+    at position lengths - 1); 0 marks a padding row (output zeros). Only pages
+    intersecting [lengths - w, lengths) are read.
+    """
+    b, h, e = q.shape
+    _check_pool(k_pages, v_pages, e, h)
+    _check_common(lengths, page_table, b, window, softcap)
+    impl = resolve_impl(impl)
+    if impl == "reference":
+        return paged_attention_decode_reference(
+            q, k_pages, v_pages, lengths, page_table, window=window, softcap=softcap, scale=scale)
+    _check_kernel_shapes(k_pages)
+    # Measured on H100 (docs/benchmarks.md): 32 KiB K + V tiles, no cp.async
+    # pipelining (num_stages=1) so several programs share an SM, beat deeper stages.
+    tile = _fit(16384 // _row_bytes(k_pages), 16, 128)
+    cfg = _tile_config(k_pages, page_table, window, softcap, scale, tile_tokens=tile)
+    max_keys = page_table.shape[1] * cfg.page_size if window is None else window
+    splits = default_splits(b, k_pages.shape[0], -(-max_keys // cfg.tile_tokens))
+    return decode_pallas(
+        q, k_pages, v_pages, lengths, page_table, cfg=cfg, splits=splits,
+        num_warps=4, num_stages=1, interpret=impl == "interpret")
+
+
+def paged_attention_prefill(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    cu_q_lens: jax.Array,
+    lengths: jax.Array,
+    page_table: jax.Array,
+    *,
+    window: int | None = None,
+    softcap: float | None = None,
+    scale: float | None = None,
+    impl: Impl | None = None,
+) -> jax.Array:
+    """Ragged packed queries. q [t, h, e] -> [t, h, e].
+
+    cu_q_lens int32 [b + 1]: sequence i's queries are q[cu[i]:cu[i+1]];
+    lengths int32 [b]: tokens in cache after this chunk (its K/V already
+    written), so query j of sequence i is at position lengths[i] - n_i + j.
+    Rows past cu[b] are padding and return zeros.
+    """
+    t, h, e = q.shape
+    b = lengths.shape[0]
+    _check_pool(k_pages, v_pages, e, h)
+    _check_common(lengths, page_table, b, window, softcap)
+    if cu_q_lens.shape != (b + 1,) or cu_q_lens.dtype != jnp.int32:
+        raise ValueError(f"cu_q_lens must be int32 [{b + 1}], got "
+                         f"{cu_q_lens.dtype}{cu_q_lens.shape}")
+    impl = resolve_impl(impl)
+    if impl == "reference":
+        return paged_attention_prefill_reference(
+            q, k_pages, v_pages, cu_q_lens, lengths, page_table,
+            window=window, softcap=softcap, scale=scale)
+    _check_kernel_shapes(k_pages)
+    block_q, tile, warps, stages = _prefill_tuning(k_pages, h // k_pages.shape[0])
+    cfg = _tile_config(k_pages, page_table, window, softcap, scale, tile_tokens=tile)
+    return prefill_pallas(
+        q, k_pages, v_pages, cu_q_lens, lengths, page_table, cfg=cfg, block_q=block_q,
+        num_warps=warps, num_stages=stages, interpret=impl == "interpret")
+
+
+def _prefill_tuning(k_pages, group: int) -> tuple[int, int, int, int]:
+    """(block_q, tile_tokens, num_warps, num_stages) for the prefill kernel.
+
+    Q rows take <= 32 KiB (128 rows at bf16, e = 128). 16-bit pools with e <= 128
+    take the measured H100 optimum (64 KiB K + V tiles, 3 stages); others keep
+    half-size tiles and 2 stages to stay inside shared memory.
+    """
+    rows = _fit(32768 // _row_bytes(k_pages), 16, 128)
+    big = k_pages.dtype.itemsize == 2 and k_pages.shape[3] <= 128
+    tile = _fit((32768 if big else 16384) // _row_bytes(k_pages), 16, 128)
+    group = 1 << (group - 1).bit_length()
+    warps = 8 if rows * k_pages.shape[3] >= 128 * 128 else 4
+    return max(1, rows // group), tile, warps, 3 if big else 2
+
+
+def write_kv(
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    k_new: jax.Array,
+    v_new: jax.Array,
+    slot_mapping: jax.Array,
+    *,
+    impl: Impl | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """Write new tokens' K/V into their page slots. k_new, v_new [t, k, e].
+
+    slot_mapping int32 [t] = physical_page * s + offset (padding rows point into
+    page 0). An XLA scatter for every impl: the write is tiny next to the pool,
+    and under jit with the pools donated it updates them in place.
+    """
+    resolve_impl(impl)  # validated for a uniform interface; one implementation
+    nk, n_pages, s, e = k_pages.shape
+    if k_pages.shape != v_pages.shape:
+        raise ValueError(f"{k_pages.shape=} != {v_pages.shape=}")
+    t = slot_mapping.shape[0]
+    if k_new.shape != (t, nk, e) or v_new.shape != (t, nk, e):
+        raise ValueError(f"k_new/v_new must be [{t}, {nk}, {e}], got {k_new.shape}, {v_new.shape}")
+    if slot_mapping.dtype != jnp.int32:
+        raise ValueError(f"slot_mapping must be int32, got {slot_mapping.dtype}")
+
+    def scatter(pages, new):
+        flat = pages.reshape(nk, n_pages * s, e)
+        flat = flat.at[:, slot_mapping].set(new.astype(pages.dtype).transpose(1, 0, 2))
+        return flat.reshape(pages.shape)
+
+    return scatter(k_pages, k_new), scatter(v_pages, v_new)

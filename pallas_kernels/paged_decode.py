@@ -1,0 +1,116 @@
+"""Paged decode attention kernel: one query token per sequence.
+
+Grid (sequence, KV head, split). A program holds the G query heads of one GQA
+group (padded with zero rows to at least 16, the smallest Triton dot) and walks
+the tiles of pages that intersect the window [len - w, len) only, so the cost
+depends on min(context, window), never on the context. With `num_splits` > 1
+each program takes a contiguous share of those tiles and the partial softmax
+states are merged in XLA; that only pays when batch x KV heads is too small to
+fill the GPU.
+
+This module knows the page layout and the ring table, not the serving engine:
+argument checking lives in `paged_attention.py`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.paged_tiles import TileConfig, attend_tiles, finish, init_carry, tile_span
+
+MIN_ROWS = 16  # Triton dots need M >= 16
+
+
+def _whole(shape) -> pl.BlockSpec:
+    return pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
+
+
+def _decode_kernel(lens_ref, pt_ref, q_ref, k_ref, v_ref, *out_refs, cfg: TileConfig, splits):
+    b, s = pl.program_id(0), pl.program_id(2)
+    length = lens_ref[b]
+    q = q_ref[...]
+    rows, e = q.shape
+    qpos = jnp.full((rows,), length - 1, jnp.int32)
+    k_lo, k_hi, t_lo, t_hi, full_lo, full_hi = tile_span(length - 1, length - 1, cfg)
+    t_hi = jnp.where(length > 0, t_hi, t_lo)  # padding rows visit no tile
+    per_split = (t_hi - t_lo + splits - 1) // splits
+    t0 = jnp.minimum(t_lo + s * per_split, t_hi)
+    t1 = jnp.minimum(t0 + per_split, t_hi)
+    span = (k_lo, k_hi, full_lo, full_hi)
+    carry = attend_tiles(q, qpos, k_ref, v_ref, pt_ref, b, span, (t0, t1), init_carry(rows, e), cfg)
+    if splits == 1:
+        (o_ref,) = out_refs
+        o_ref[...] = finish(carry).astype(o_ref.dtype)
+    else:
+        o_ref, m_ref, l_ref = out_refs
+        o_ref[...], m_ref[...], l_ref[...] = carry
+
+
+def _merge_splits(o, m, l):
+    """Combine split partial states o [S,...,r,e], m/l [S,...,r] -> [..., r, e]."""
+    m_all = jnp.max(m, axis=0)
+    w = jnp.exp2(m - m_all[None])
+    l_all = jnp.sum(l * w, axis=0)
+    o_all = jnp.sum(o * w[..., None], axis=0)
+    return o_all / jnp.where(l_all == 0.0, 1.0, l_all)[..., None]
+
+
+@functools.partial(
+    jax.jit, static_argnames=("cfg", "splits", "num_warps", "num_stages", "interpret")
+)
+def decode_pallas(
+    q, k_pages, v_pages, lengths, page_table, *, cfg, splits, num_warps, num_stages, interpret
+):
+    """Kernel launch. q [b, h, e]; pages [k, N, s, e]; returns [b, h, e] in q.dtype."""
+    b, h, e = q.shape
+    nk, n_pages, s, _ = k_pages.shape
+    g = h // nk
+    rows = max(MIN_ROWS, pl.next_power_of_2(g))
+    qg = q.astype(k_pages.dtype).reshape(b, nk, g, e)
+    qg = jnp.pad(qg, ((0, 0), (0, 0), (0, rows - g), (0, 0)))
+    pool_spec = pl.BlockSpec((None, n_pages, s, e), lambda i, j, x: (j, 0, 0, 0))
+    o_blk = (None, None, None, rows, e)
+    if splits == 1:
+        out_shape = jax.ShapeDtypeStruct((b, nk, rows, e), q.dtype)
+        out_specs = pl.BlockSpec((None, None, rows, e), lambda i, j, x: (i, j, 0, 0))
+    else:
+        ml = jax.ShapeDtypeStruct((splits, b, nk, rows), jnp.float32)
+        out_shape = (jax.ShapeDtypeStruct((splits, b, nk, rows, e), jnp.float32), ml, ml)
+        ml_spec = pl.BlockSpec((None, None, None, rows), lambda i, j, x: (x, i, j, 0))
+        out_specs = (pl.BlockSpec(o_blk, lambda i, j, x: (x, i, j, 0, 0)), ml_spec, ml_spec)
+    pt_flat = page_table.reshape(-1)
+    out = pl.pallas_call(
+        functools.partial(_decode_kernel, cfg=cfg, splits=splits),
+        grid=(b, nk, splits),
+        in_specs=[
+            _whole(lengths.shape),
+            _whole(pt_flat.shape),
+            pl.BlockSpec((None, None, rows, e), lambda i, j, x: (i, j, 0, 0)),
+            pool_spec,
+            pool_spec,
+        ],
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="paged_decode",
+    )(lengths, pt_flat, qg, k_pages, v_pages)
+    if splits > 1:
+        # Keep XLA from fusing the merge into a form that reorders the exp2s.
+        out = _merge_splits(*lax.optimization_barrier(out)).astype(q.dtype)
+    return out[:, :, :g].reshape(b, h, e)
+
+
+def default_splits(batch: int, kv_heads: int, max_tiles: int, num_sms: int = 132) -> int:
+    """Split the tile loop only when b x k programs cannot fill the GPU twice."""
+    programs = batch * kv_heads
+    if programs >= 2 * num_sms:
+        return 1
+    want = -(-2 * num_sms // programs)
+    return max(1, min(want, max_tiles // 4, 16))

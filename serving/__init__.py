@@ -1,0 +1,39 @@
+"""hybrid-jax serving engine.
+
+Host-side bookkeeping (scheduler, pools, sequences, sampling parameters) is plain
+Python and imports no JAX; the runner, the engine and the LLM API build on it.
+`LLM` and `LLMEngine` are imported lazily so that `import serving.scheduler` stays
+free of JAX.
+"""
+
+from serving.sampling_params import SamplingParams
+from serving.scheduler import Scheduler, SchedulerStats, StepOutput
+from serving.scheduler_config import AttentionGroup, SchedulerConfig
+from serving.sequence import FinishReason, Sequence, SequenceStatus
+
+
+def __getattr__(name: str):
+    if name == "LLM":
+        from serving.llm import LLM
+
+        return LLM
+    if name == "LLMEngine":
+        from serving.engine import LLMEngine
+
+        return LLMEngine
+    raise AttributeError(name)
+
+
+__all__ = [
+    "LLM",
+    "LLMEngine",
+    "AttentionGroup",
+    "FinishReason",
+    "SamplingParams",
+    "Scheduler",
+    "SchedulerConfig",
+    "SchedulerStats",
+    "Sequence",
+    "SequenceStatus",
+    "StepOutput",
+]

@@ -1,0 +1,78 @@
+"""Incremental detokenization and stop-string matching for one request.
+
+Text is produced as tokens arrive: each step decodes a short window of recent
+tokens and emits only what is new, holding back a trailing U+FFFD (a multi-byte
+character split across tokens) until its remaining bytes arrive. Stop strings are
+matched on the text; a match truncates the output before the stop string. This
+module knows nothing of devices or scheduling.
+"""
+
+from __future__ import annotations
+
+from hybrid_jax.tokenizer import Tokenizer
+
+REPLACEMENT = "\ufffd"
+CONTEXT = 6  # tokens of left context decoded with the new ones (merges, leading spaces)
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], stop: tuple[str, ...] = ()):
+        self.tokenizer = tokenizer
+        self.ids = list(prompt_ids)
+        self.prefix = max(0, len(self.ids) - CONTEXT)  # start of the decoded window
+        self.read = len(self.ids)  # tokens whose text has been emitted
+        self.text = ""
+        self.stop = tuple(s for s in stop if s)
+        self.stopped_on: str | None = None
+        self.shown = 0  # characters of `text` already returned
+
+    def add(self, token_ids: list[int]) -> str:
+        """Append tokens; return the newly visible text (possibly empty)."""
+        self.ids += token_ids
+        prefix_text = self.tokenizer.decode(self.ids[self.prefix:self.read])
+        full = self.tokenizer.decode(self.ids[self.prefix:])
+        if full.endswith(REPLACEMENT) or len(full) < len(prefix_text):
+            return ""  # wait for the rest of a split character
+        new = full[len(prefix_text):]
+        self.prefix = max(self.prefix, self.read - CONTEXT)
+        self.read = len(self.ids)
+        return self._append(new)
+
+    def flush(self) -> str:
+        """At the end of a request: whatever was held back, even if incomplete."""
+        rest = self.tokenizer.decode(self.ids[self.prefix:])
+        done = self.tokenizer.decode(self.ids[self.prefix:self.read])
+        self.read = len(self.ids)
+        return self._append(rest[len(done):], final=True)
+
+    def _append(self, new: str, final: bool = False) -> str:
+        """Add text; return what may be shown now.
+
+        While streaming, a tail that could still grow into a stop string is held
+        back (shown later, or never if the stop string completes).
+        """
+        if self.stopped_on is not None:
+            return ""
+        before = len(self.text)
+        self.text += new
+        end = len(self.text)
+        if self.stop:
+            window_start = max(0, before - max(map(len, self.stop)) + 1)
+            hits = [(i, s) for s in self.stop if (i := self.text.find(s, window_start)) >= 0]
+            if hits:
+                end, self.stopped_on = min(hits)
+                self.text = self.text[:end]
+            elif not final:
+                end -= self._partial_stop_suffix()
+        shown, self.shown = self.text[self.shown:end], max(self.shown, end)
+        return shown
+
+    def _partial_stop_suffix(self) -> int:
+        """Length of the longest text suffix that is a proper prefix of a stop string."""
+        best = 0
+        for s in self.stop:
+            for k in range(min(len(s) - 1, len(self.text)), best, -1):
+                if self.text.endswith(s[:k]):
+                    best = k
+                    break
+        return best

@@ -1,0 +1,185 @@
+"""The LLM engine: requests in, deltas out; one step = schedule, run, update.
+
+Owns the scheduler (host bookkeeping), the runner (device arrays and the compiled
+step) and per-request text state (incremental detokenizer, stop strings, logprobs).
+Requests are validated here, at the boundary, with ValueErrors that name the field;
+a bad request never reaches the scheduler, so it cannot harm the others.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import sys
+from dataclasses import dataclass
+
+import jax
+import numpy as np
+
+from hybrid_jax.loading import DTYPES, LoadedModel, load_model
+from serving.block_table import ring_width
+from serving.detokenizer import IncrementalDetokenizer
+from serving.engine_config import EngineConfig, PoolPlan, plan_pools
+from serving.outputs import RequestDelta
+from serving.runner import ModelRunner, StepResult
+from serving.sampling import SUPPRESS_WIDTH, SamplingArrays
+from serving.sampling_params import SamplingParams
+from serving.schedule import Schedule, flatten
+from serving.scheduler import Scheduler
+from serving.sequence import FinishReason, Sequence
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Request:
+    seq: Sequence
+    detok: IncrementalDetokenizer | None
+    seed: int
+    ban: list[int]  # EOS and stop ids, suppressed while fewer than min_tokens were generated
+
+
+def _device_free_bytes() -> int | None:
+    stats = jax.devices()[0].memory_stats() or {}
+    limit = stats.get("bytes_limit")
+    return None if limit is None else int(limit - stats.get("bytes_in_use", 0))
+
+
+def _progress(i: int, n: int, bucket) -> None:
+    bar = "#" * (20 * i // n)
+    print(f"\rcompiling step buckets [{bar:<20}] {i}/{n} (t={bucket.tokens}, b={bucket.seqs}"
+          f"{', decode' if bucket.decode else ''})", end="\n" if i == n else "", file=sys.stderr,
+          flush=True)
+
+
+class LLMEngine:
+    def __init__(self, model: str | LoadedModel, config: EngineConfig | None = None, *,
+                 seed: int = 0, show_progress: bool = True):
+        self.config = config or EngineConfig()
+        lm = model if isinstance(model, LoadedModel) else load_model(model, dtype=self.config.dtype)
+        self.model_config, self.tokenizer = lm.config, lm.tokenizer
+        weights = sum(x.nbytes for x in jax.tree.leaves(lm.model))
+        self.plan: PoolPlan = plan_pools(lm.config, self.config, free_bytes=_device_free_bytes(),
+                                         weight_bytes=weights, dtype=DTYPES[self.config.dtype])
+        sc = self.plan.scheduler
+        self.scheduler = Scheduler(sc, eos_token_ids=lm.config.eos_token_ids)
+        self.runner = ModelRunner(
+            lm.model, num_pages=tuple(g.num_pages for g in sc.groups), page_size=sc.page_size,
+            num_slots=sc.num_slots,
+            ring_widths=tuple(ring_width(g.window, sc.page_size, sc.max_prefill_chunk,
+                                         sc.max_model_len) for g in sc.groups),
+            max_num_seqs=sc.max_num_seqs, max_num_batched_tokens=sc.max_num_batched_tokens)
+        self.runner.compile_all(_progress if show_progress else None)
+        self.requests: dict[str, _Request] = {}
+        self._ids = itertools.count()
+        self._seeds = np.random.default_rng(seed)
+        log.info("engine ready: %d slots, pages %s, KV %.1f MiB, state %.1f MiB",
+                 sc.num_slots - 1, [g.num_pages - 1 for g in sc.groups],
+                 self.plan.kv_bytes / 2**20, self.plan.state_bytes / 2**20)
+
+    # -- requests ----------------------------------------------------------------
+
+    def add_request(self, prompt: str | None = None, params: SamplingParams | None = None, *,
+                    prompt_token_ids: list[int] | None = None,
+                    request_id: str | None = None) -> str:
+        """Validate and queue a request; returns its id. ValueError names the bad field."""
+        params = params or SamplingParams()
+        ids = self._prompt_ids(prompt, prompt_token_ids)
+        self._check_params(params)
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if rid in self.requests:
+            raise ValueError(f"request_id={rid!r} is already in use")
+        seq = Sequence(rid, ids, params)
+        self.scheduler.add(seq)  # ValueError when prompt + max_tokens > max_model_len
+        detok = (IncrementalDetokenizer(self.tokenizer, ids, params.stop)
+                 if self.tokenizer is not None else None)
+        seed = params.seed if params.seed is not None else int(self._seeds.integers(2**32))
+        eos = () if params.ignore_eos else self.model_config.eos_token_ids
+        self.requests[rid] = _Request(seq, detok, seed, list(dict.fromkeys((*eos, *params.stop_token_ids))))
+        return rid
+
+    def _prompt_ids(self, prompt: str | None, ids: list[int] | None) -> list[int]:
+        if (prompt is None) == (ids is None):
+            raise ValueError("give exactly one of prompt or prompt_token_ids")
+        if prompt is not None:
+            if self.tokenizer is None:
+                raise ValueError("prompt: this model has no tokenizer; pass prompt_token_ids")
+            ids = self.tokenizer.encode(prompt, add_bos=True)
+        ids = [int(t) for t in ids]
+        if not ids:
+            raise ValueError("prompt_token_ids: the prompt is empty")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt_token_ids: {bad[:5]} outside the vocabulary [0, {vocab})")
+        return ids
+
+    def _check_params(self, p: SamplingParams) -> None:
+        unsupported = {"repetition_penalty": p.repetition_penalty != 1.0,
+                       "presence_penalty": p.presence_penalty != 0.0,
+                       "frequency_penalty": p.frequency_penalty != 0.0}
+        for name, used in unsupported.items():
+            if used:
+                raise ValueError(f"{name}: penalties are not supported by this engine yet")
+        if p.stop and self.tokenizer is None:
+            raise ValueError("stop: stop strings need a tokenizer; use stop_token_ids")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in p.stop_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"stop_token_ids: {bad} outside the vocabulary [0, {vocab})")
+        if p.min_tokens and len(set(p.stop_token_ids) | set(self.model_config.eos_token_ids)) \
+                > SUPPRESS_WIDTH:
+            raise ValueError(f"stop_token_ids: at most {SUPPRESS_WIDTH} stop + EOS ids with min_tokens")
+
+    def abort(self, request_id: str) -> bool:
+        """Abort a request now (pages and slot freed at once). False if it is not live."""
+        self.requests.pop(request_id, None)
+        return self.scheduler.abort(request_id) is not None
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- one step ----------------------------------------------------------------
+
+    def step(self) -> list[RequestDelta]:
+        schedule = self.scheduler.schedule()
+        if schedule.is_empty:
+            self.scheduler.update(schedule, [])
+            return []
+        result = self.runner.run(flatten(schedule), self._sampling(schedule))
+        rows = {e.seq.request_id: i for i, e in enumerate(schedule.entries)}
+        outputs = self.scheduler.update(schedule, result.tokens.tolist())
+        return [self._delta(out.seq, out.new_token_ids, result, rows[out.seq.request_id])
+                for out in outputs]
+
+    def _sampling(self, schedule: Schedule) -> SamplingArrays:
+        rows = []
+        for e in schedule.entries:
+            req = self.requests[e.seq.request_id]
+            p, n_out = e.seq.params, e.seq.num_output_tokens
+            rows.append({"temperature": p.temperature, "top_k": max(p.top_k, 0),
+                         "top_p": p.top_p, "min_p": p.min_p, "seed": req.seed, "step": n_out,
+                         "suppress": req.ban if n_out < p.min_tokens else []})
+        return SamplingArrays.from_rows(rows)
+
+    def _delta(self, seq: Sequence, tokens: list[int], result: StepResult, row: int) -> RequestDelta:
+        req = self.requests[seq.request_id]
+        text = ""
+        if req.detok is not None:
+            text = req.detok.add(tokens)
+            if req.detok.stopped_on is not None and not seq.is_finished:
+                self.scheduler.finish(seq, FinishReason.STOP, req.detok.stopped_on)
+            if seq.is_finished:
+                text += req.detok.flush()
+        logprobs = None
+        if seq.params.logprobs is not None:
+            n = seq.params.logprobs
+            entry = {int(result.tokens[row]): float(result.logprobs[row])}
+            entry |= {int(i): float(v) for i, v in zip(result.top_ids[row, :n],
+                                                       result.top_logprobs[row, :n], strict=True)}
+            logprobs = [entry]
+        if seq.is_finished:
+            self.requests.pop(seq.request_id, None)
+        reason = seq.finish_reason.value if seq.finish_reason is not None else None
+        return RequestDelta(seq.request_id, tokens, text, logprobs, seq.is_finished, reason,
+                            seq.num_prompt_tokens, seq.num_output_tokens)

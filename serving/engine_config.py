@@ -1,0 +1,104 @@
+"""Engine settings and pool sizing from a memory budget.
+
+`EngineConfig` is what a user sets (vLLM-like names). `plan_pools` turns it and a
+model into concrete page and slot counts: from explicit numbers when given, else from
+a fraction of device memory after the weights. A configuration that cannot hold one
+sequence of max_model_len is refused with a message that says what to change;
+max_num_seqs larger than the slots that fit is lowered with a warning.
+This module knows nothing of requests.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from hybrid_jax.cache import cache_bytes
+from hybrid_jax.config import ModelConfig
+from serving.block_table import ring_width
+from serving.scheduler_config import AttentionGroup, SchedulerConfig
+
+log = logging.getLogger(__name__)
+CPU_MEMORY_BYTES = 4 << 30  # budget base when the device reports no memory (CPU)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 512
+    max_prefill_chunk: int = 256
+    max_model_len: int | None = None  # None: the model's max_position_embeddings, capped at 8192
+    page_size: int = 16
+    num_pages: int | None = None  # per window group, incl. the dummy page; None: from memory
+    num_slots: int | None = None  # incl. the dummy slot; None: max_num_seqs + 1
+    memory_fraction: float = 0.5  # of device memory after weights, for pages + slots
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_prefill_chunk", "page_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if not 0.0 < self.memory_fraction <= 1.0:
+            raise ValueError(f"memory_fraction={self.memory_fraction} must be in (0, 1]")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len={self.max_model_len} must be >= 2")
+
+
+@dataclass(frozen=True)
+class PoolPlan:
+    scheduler: SchedulerConfig
+    page_bytes: tuple[int, ...]  # one page across its group's layers
+    slot_bytes: int
+
+    @property
+    def kv_bytes(self) -> int:
+        return sum(g.num_pages * b for g, b in zip(self.scheduler.groups, self.page_bytes, strict=True))
+
+    @property
+    def state_bytes(self) -> int:
+        return self.scheduler.num_slots * self.slot_bytes
+
+
+def _pages_per_seq(window: int | None, cfg: EngineConfig, max_len: int) -> int:
+    """Pages one sequence may hold at once (plus the chunk in flight)."""
+    return ring_width(window, cfg.page_size, cfg.max_prefill_chunk, max_len)
+
+
+def plan_pools(model: ModelConfig, cfg: EngineConfig, *, free_bytes: int | None,
+               weight_bytes: int, dtype) -> PoolPlan:
+    """Choose page and slot counts; ValueError when one max-length sequence cannot fit."""
+    max_len = cfg.max_model_len or min(model.max_position_embeddings, 8192)
+    page_bytes, slot_bytes = cache_bytes(model, page_size=cfg.page_size, dtype=dtype)
+    need = [_pages_per_seq(w, cfg, max_len) for w in model.windows]
+    one_seq = sum(n * b for n, b in zip(need, page_bytes, strict=True)) + slot_bytes
+    max_seqs = cfg.max_num_seqs
+    if cfg.num_pages is not None:
+        pages = [cfg.num_pages] * len(need)
+    else:
+        budget = cfg.memory_fraction * ((free_bytes or CPU_MEMORY_BYTES) - weight_bytes)
+        if budget < one_seq:
+            raise ValueError(
+                f"one sequence of max_model_len={max_len} needs {one_seq / 2**20:.1f} MiB of KV "
+                f"pages and state, but the budget is {max(budget, 0) / 2**20:.1f} MiB: lower "
+                "max_model_len or max_prefill_chunk, or raise memory_fraction")
+        fit = int(budget // one_seq)
+        if fit < max_seqs:
+            log.warning("max_num_seqs=%d lowered to %d: that many sequences fit the memory budget",
+                        max_seqs, fit)
+            max_seqs = fit
+        pages = [n * max_seqs + 1 for n in need]
+    for n, p in zip(need, pages, strict=True):
+        if p - 1 < n:
+            raise ValueError(f"num_pages={p} cannot hold one sequence of max_model_len={max_len} "
+                             f"({n} pages): raise num_pages or lower max_model_len")
+    slots = cfg.num_slots or max_seqs + 1
+    if slots - 1 < max_seqs:
+        log.warning("max_num_seqs=%d lowered to %d: num_slots=%d", max_seqs, slots - 1, slots)
+        max_seqs = slots - 1
+    groups = tuple(AttentionGroup(f"w{w}" if w else "global", w, p)
+                   for w, p in zip(model.windows, pages, strict=True))
+    sched = SchedulerConfig(
+        max_num_seqs=max_seqs, max_num_batched_tokens=max(cfg.max_num_batched_tokens, max_seqs),
+        max_prefill_chunk=min(cfg.max_prefill_chunk, cfg.max_num_batched_tokens),
+        max_model_len=max_len, page_size=cfg.page_size, num_slots=slots, groups=groups)
+    return PoolPlan(sched, page_bytes, slot_bytes)

@@ -1,0 +1,318 @@
+"""Continuous-batching scheduler: who runs in the next step, with which pages and slot.
+
+Policy (FCFS by arrival):
+  1. decodes: every running sequence with one token left to compute gets it;
+     when a decode's pages cannot be had, the NEWEST running sequence not yet
+     in this step is preempted by recompute (its pages and slot are freed and
+     it goes back to the waiting queue in arrival order, so normally at its
+     front; the victim may be the decode itself);
+  2. chunked prefill of running, partially prefilled sequences (oldest first),
+     preempting newer unscheduled sequences only if not even one token fits;
+  3. admission of waiting sequences (FCFS, stopping at the first that does not
+     fit; none at all in a step that preempted): a free slot, fewer than
+     max_num_seqs running, token budget left, and pages for its chunk.
+A chunk is min(tokens left, max_prefill_chunk, budget left, what the free pages
+hold). The oldest running sequence is never preempted for a newer one, and a
+sequence alone always fits (SchedulerConfig checks it), so every step makes
+progress.
+
+The scheduler knows nothing of tokenization, text, devices or the model: it
+moves ints between pools and sequences. Stop strings are the engine's (it
+calls `finish`). Not thread-safe: call it from the engine loop only, and call
+`update` with each Schedule before the next `schedule`.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from collections import deque
+from collections.abc import Iterable
+from collections.abc import Sequence as SequenceABC
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from serving.block_table import KVGroup
+from serving.pools import DUMMY_INDEX, SlotPool
+from serving.schedule import Schedule, ScheduledSeq
+from serving.scheduler_config import SchedulerConfig
+from serving.sequence import FinishReason, Sequence, SequenceStatus, check_stop
+
+RUNNING = SequenceStatus.RUNNING
+
+
+class StepOutput(NamedTuple):
+    """What one step produced for one sequence that sampled."""
+
+    seq: Sequence
+    new_token_ids: list[int]
+    finished: bool
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerStats:
+    """Pool usage for metrics. Totals exclude the dummy index 0."""
+
+    num_waiting: int
+    num_running: int
+    slots_in_use: int
+    slots_total: int
+    pages_in_use: dict[str, int]
+    pages_total: dict[str, int]
+    num_preemptions: int
+
+
+@dataclass
+class _Step:
+    """The schedule under construction."""
+
+    budget: int
+    decodes: list[ScheduledSeq] = field(default_factory=list)
+    prefills: list[ScheduledSeq] = field(default_factory=list)
+    scheduled: set[str] = field(default_factory=set)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    def add(self, entry: ScheduledSeq, *, decode: bool) -> None:
+        (self.decodes if decode else self.prefills).append(entry)
+        self.scheduled.add(entry.seq.request_id)
+        self.budget -= entry.num_tokens
+
+
+class Scheduler:
+    """Owns the waiting/running queues, the slot pool and one page pool per group."""
+
+    def __init__(self, config: SchedulerConfig, eos_token_ids: Iterable[int] = ()) -> None:
+        self.config = config
+        self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
+        self.groups = tuple(
+            KVGroup(g.name, g.window, g.num_pages, config.page_size,
+                    config.max_prefill_chunk, config.max_model_len)
+            for g in config.groups
+        )  # fmt: skip
+        self.slots = SlotPool(config.num_slots)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # sorted by arrival: the last is the newest
+        self.num_preemptions = 0
+        self._live: dict[str, Sequence] = {}  # unfinished sequences by request id
+        self._arrivals = itertools.count()
+        self._pending: Schedule | None = None
+
+    # -- requests -------------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new sequence. ValueError if it could never be served or its id is live."""
+        if seq.request_id in self._live:
+            raise ValueError(f"request_id={seq.request_id!r} is already queued or running")
+        if seq.status is not SequenceStatus.WAITING or seq.arrival >= 0:
+            raise ValueError(f"request {seq.request_id!r}: only a new sequence can be added")
+        total = seq.num_tokens + seq.params.max_tokens
+        if total > self.config.max_model_len:
+            raise ValueError(
+                f"request {seq.request_id!r}: prompt ({seq.num_tokens} tokens) + "
+                f"max_tokens ({seq.params.max_tokens}) = {total} exceeds "
+                f"max_model_len={self.config.max_model_len}"
+            )
+        seq.arrival = next(self._arrivals)
+        seq.rings = tuple(g.new_ring() for g in self.groups)
+        self.waiting.append(seq)
+        self._live[seq.request_id] = seq
+
+    def abort(self, request_id: str) -> Sequence | None:
+        """Finish a live request as ABORT, freeing its pages and slot now. None if not live."""
+        seq = self._live.get(request_id)
+        if seq is not None:
+            self._finish(seq, FinishReason.ABORT)
+        return seq
+
+    def finish(
+        self,
+        seq: Sequence,
+        reason: FinishReason = FinishReason.STOP,
+        stop_reason: int | str | None = None,
+    ) -> None:
+        """Finish `seq` now (e.g. the engine matched a stop string); frees its pages and slot.
+
+        A sequence that is already finished is left as it is.
+        """
+        if seq.is_finished:
+            return
+        seq.stop_reason = stop_reason
+        self._finish(seq, reason)
+
+    def get(self, request_id: str) -> Sequence | None:
+        return self._live.get(request_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._live)
+
+    # -- one step -------------------------------------------------------------
+
+    def schedule(self) -> Schedule:
+        """Choose the next step's work and allocate its pages (see the module docstring)."""
+        if self._pending is not None:
+            raise RuntimeError("schedule() called again before update() of the last Schedule")
+        step = _Step(budget=self.config.max_num_batched_tokens)
+        self._schedule_decodes(step)
+        self._schedule_partial_prefills(step)
+        if not step.preempted:  # pages are short: let the preempted go first next step
+            self._admit_waiting(step)
+        self._pending = Schedule(
+            entries=tuple(step.decodes + step.prefills),
+            num_decodes=len(step.decodes),
+            group_names=tuple(g.name for g in self.groups),
+            ring_widths=tuple(g.width for g in self.groups),
+            page_size=self.config.page_size,
+            preempted=tuple(step.preempted),
+        )
+        return self._pending
+
+    def update(self, schedule: Schedule, sampled_token_ids: SequenceABC[int]) -> list[StepOutput]:
+        """Record a finished step: advance caches, free out-of-window pages, append samples.
+
+        `sampled_token_ids[i]` is the token sampled for `schedule.entries[i]`
+        (ignored where `samples` is False). Entries whose sequence finished
+        or was aborted since `schedule()` are skipped. Returns one StepOutput per
+        sequence that sampled; finished ones have already released everything.
+        """
+        if schedule is not self._pending:
+            raise RuntimeError("update() needs the Schedule returned by the last schedule()")
+        if len(sampled_token_ids) != len(schedule.entries):
+            raise ValueError(
+                f"{len(sampled_token_ids)=} must equal the number of entries ({len(schedule.entries)})"
+            )
+        self._pending = None
+        outputs: list[StepOutput] = []
+        for entry, token in zip(schedule.entries, sampled_token_ids, strict=True):
+            seq = entry.seq
+            if seq.status is not RUNNING:
+                continue
+            seq.num_computed_tokens += entry.num_tokens
+            for group, ring in zip(self.groups, seq.rings, strict=True):
+                group.release(ring, seq.num_computed_tokens)
+            if not entry.samples:
+                continue
+            seq.append_token(int(token))
+            reason = check_stop(seq, self.eos_token_ids)
+            if reason is not None:
+                self._finish(seq, reason)
+            outputs.append(StepOutput(seq, [int(token)], reason is not None))
+        return outputs
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_waiting=len(self.waiting),
+            num_running=len(self.running),
+            slots_in_use=self.slots.num_used,
+            slots_total=self.slots.capacity,
+            pages_in_use={g.name: g.pool.num_used for g in self.groups},
+            pages_total={g.name: g.pool.capacity for g in self.groups},
+            num_preemptions=self.num_preemptions,
+        )
+
+    # -- internals ------------------------------------------------------------
+
+    def _schedule_decodes(self, step: _Step) -> None:
+        """One token for every running sequence that has one left, oldest first."""
+        for seq in list(self.running):
+            if seq.status is not RUNNING or seq.num_uncomputed_tokens != 1:
+                continue
+            if self._make_room(seq, step, may_preempt_self=True):
+                step.add(self._commit(seq, 1), decode=True)
+
+    def _schedule_partial_prefills(self, step: _Step) -> None:
+        """Next chunks of running sequences still in their prefill, oldest first."""
+        for seq in list(self.running):
+            if step.budget == 0:
+                return
+            if seq.status is not RUNNING or seq.request_id in step.scheduled:
+                continue
+            if self._make_room(seq, step, may_preempt_self=False):
+                step.add(self._commit(seq, self._chunk(seq, step.budget)), decode=False)
+
+    def _admit_waiting(self, step: _Step) -> None:
+        """Admit waiting sequences in order until one does not fit (strict FCFS)."""
+        while step.budget > 0 and self._can_admit():
+            seq = self.waiting[0]
+            c = self._chunk(seq, step.budget)
+            if c < 1:
+                return
+            self._admit(self.waiting.popleft())
+            step.add(self._commit(seq, c), decode=False)
+
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        want = min(seq.num_uncomputed_tokens, self.config.max_prefill_chunk, budget)
+        return self._fit(seq, want)
+
+    def _can_admit(self) -> bool:
+        return bool(self.waiting) and len(self.running) < self.config.max_num_seqs and self.slots.num_free > 0
+
+    def _fit(self, seq: Sequence, want: int) -> int:
+        """Largest chunk <= want whose new pages are free in every group (may be 0)."""
+        n = seq.num_computed_tokens
+        fits = [g.max_chunk(ring, n) for g, ring in zip(self.groups, seq.rings, strict=True)]
+        return max(0, min([want, *fits]))
+
+    def _make_room(self, seq: Sequence, step: _Step, *, may_preempt_self: bool) -> bool:
+        """Preempt the newest unscheduled running sequences until one token of `seq` fits.
+
+        False when `seq` cannot run this step (it was preempted itself, or may
+        not be and is the newest unscheduled one).
+        """
+        while self._fit(seq, 1) < 1:
+            victim = next((s for s in reversed(self.running) if s.request_id not in step.scheduled), None)
+            if victim is None or (victim is seq and not may_preempt_self):
+                return False
+            self._preempt(victim)
+            step.preempted.append(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def _commit(self, seq: Sequence, c: int) -> ScheduledSeq:
+        """Allocate the pages for tokens [n, n + c) of `seq` and describe the work."""
+        assert c >= 1 and seq.status is RUNNING, (c, seq)
+        n = seq.num_computed_tokens
+        pairs = tuple(zip(self.groups, seq.rings, strict=True))
+        for group, ring in pairs:
+            group.allocate(ring, n, c)
+        return ScheduledSeq(
+            seq=seq,
+            token_ids=tuple(seq.token_ids[n : n + c]),
+            start=n,
+            slot=seq.slot,
+            ring_rows=tuple(g.row(r) for g, r in pairs),
+            slot_mappings=tuple(tuple(g.slot_mapping(r, n, c)) for g, r in pairs),
+            samples=n + c == seq.num_tokens,
+        )
+
+    def _admit(self, seq: Sequence) -> None:
+        seq.slot = self.slots.allocate()
+        seq.status = RUNNING
+        bisect.insort(self.running, seq, key=lambda s: s.arrival)
+
+    def _release(self, seq: Sequence) -> None:
+        """Give back the pages and slot of a running sequence and take it off `running`."""
+        for group, ring in zip(self.groups, seq.rings, strict=True):
+            group.free(ring)
+        self.slots.free(seq.slot)
+        seq.slot = DUMMY_INDEX
+        self.running.remove(seq)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self._release(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        # Back in arrival order: ahead of every request that arrived after it
+        # (normally the front of the queue).
+        bisect.insort(self.waiting, seq, key=lambda s: s.arrival)
+
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        if seq.status is RUNNING:
+            self._release(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        del self._live[seq.request_id]
