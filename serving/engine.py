@@ -139,6 +139,15 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def stats(self) -> dict[str, object]:
+        """Memory and pool usage: KV and state bytes reserved, pages and slots in use."""
+        s = self.scheduler.stats()
+        return {"kv_bytes": self.plan.kv_bytes, "state_bytes": self.plan.state_bytes,
+                "pages_in_use": s.pages_in_use, "pages_total": s.pages_total,
+                "slots_in_use": s.slots_in_use, "slots_total": s.slots_total,
+                "num_running": s.num_running, "num_waiting": s.num_waiting,
+                "num_preemptions": s.num_preemptions}
+
     # -- one step ----------------------------------------------------------------
 
     def step(self) -> list[RequestDelta]:
