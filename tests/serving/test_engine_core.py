@@ -1,0 +1,83 @@
+"""The background engine core: concurrent submits, abort frees at once, bounded queue."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from serving.engine import LLMEngine
+from serving.engine_config import EngineConfig
+from serving.engine_core import EngineCore, QueueFull
+from serving.sampling_params import SamplingParams
+
+CFG = EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, max_prefill_chunk=16,
+                   max_model_len=128, page_size=8)
+
+
+@pytest.fixture(scope="module")
+def engine() -> LLMEngine:
+    return LLMEngine("native-tiny", CFG, show_progress=False)
+
+
+def test_concurrent_streams_equal_sequential_results(engine):
+    core = EngineCore(engine).start()
+    try:
+        params = [SamplingParams(temperature=0.0, max_tokens=3 + i % 5, ignore_eos=True)
+                  for i in range(12)]
+        prompts = [[3 + i, 4 + i, 5] for i in range(12)]
+        want = [[t for d in core.submit(prompt_token_ids=p, params=sp) for t in d.token_ids]
+                for p, sp in zip(prompts, params, strict=True)]
+        got: dict[int, list[int]] = {}
+
+        def client(i: int) -> None:
+            stream = core.submit(prompt_token_ids=prompts[i], params=params[i])
+            got[i] = [t for d in stream for t in d.token_ids]
+
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(12)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert [got[i] for i in range(12)] == want
+    finally:
+        core.shutdown()
+
+
+def test_abort_frees_pages_and_slot_and_ends_the_stream(engine):
+    core = EngineCore(engine).start()
+    try:
+        stream = core.submit(prompt_token_ids=[5, 6, 7],
+                             params=SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True))
+        first = stream.get(timeout=60)
+        assert not first.finished
+        assert core.abort(stream.request_id)
+        deltas = list(stream)
+        assert deltas[-1].finished and deltas[-1].finish_reason == "abort"
+        stats = core.stats()
+        assert stats["slots_in_use"] == 0 and sum(stats["pages_in_use"].values()) == 0
+    finally:
+        core.shutdown()
+
+
+def test_bounded_waiting_queue_rejects_the_excess(engine):
+    core = EngineCore(engine, max_waiting=2)  # not started: nothing leaves the queue
+    params = SamplingParams(temperature=0.0, max_tokens=2)
+    a = core.submit(prompt_token_ids=[1], params=params)
+    b = core.submit(prompt_token_ids=[2], params=params)
+    with pytest.raises(QueueFull):
+        core.submit(prompt_token_ids=[3], params=params)
+    core.start()
+    try:
+        assert list(a)[-1].finished and list(b)[-1].finished
+    finally:
+        core.shutdown()
+
+
+def test_shutdown_aborts_what_outlives_the_grace_period(engine):
+    core = EngineCore(engine).start()
+    stream = core.submit(prompt_token_ids=[5], params=SamplingParams(
+        temperature=0.0, max_tokens=120, ignore_eos=True))
+    core.shutdown(grace_s=0.0)
+    assert list(stream)[-1].finish_reason == "abort"
+    assert engine.stats()["slots_in_use"] == 0
