@@ -115,12 +115,6 @@ class LLMEngine:
         return ids
 
     def _check_params(self, p: SamplingParams) -> None:
-        unsupported = {"repetition_penalty": p.repetition_penalty != 1.0,
-                       "presence_penalty": p.presence_penalty != 0.0,
-                       "frequency_penalty": p.frequency_penalty != 0.0}
-        for name, used in unsupported.items():
-            if used:
-                raise ValueError(f"{name}: penalties are not supported by this engine yet")
         if p.stop and self.tokenizer is None:
             raise ValueError("stop: stop strings need a tokenizer; use stop_token_ids")
         vocab = self.model_config.vocab_size
@@ -168,7 +162,9 @@ class LLMEngine:
             p, n_out = e.seq.params, e.seq.num_output_tokens
             rows.append({"temperature": p.temperature, "top_k": max(p.top_k, 0),
                          "top_p": p.top_p, "min_p": p.min_p, "seed": req.seed, "step": n_out,
-                         "suppress": req.ban if n_out < p.min_tokens else []})
+                         "suppress": req.ban if n_out < p.min_tokens else [],
+                         "repetition": p.repetition_penalty, "presence": p.presence_penalty,
+                         "frequency": p.frequency_penalty, "prompt_len": e.seq.num_prompt_tokens})
         return SamplingArrays.from_rows(rows)
 
     def _delta(self, seq: Sequence, tokens: list[int], result: StepResult, row: int) -> RequestDelta:

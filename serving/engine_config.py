@@ -69,6 +69,7 @@ def plan_pools(model: ModelConfig, cfg: EngineConfig, *, free_bytes: int | None,
     """Choose page and slot counts; ValueError when one max-length sequence cannot fit."""
     max_len = cfg.max_model_len or min(model.max_position_embeddings, 8192)
     page_bytes, slot_bytes = cache_bytes(model, page_size=cfg.page_size, dtype=dtype)
+    slot_bytes += model.vocab_size * 5  # penalty statistics per slot (serving/penalties.py)
     need = [_pages_per_seq(w, cfg, max_len) for w in model.windows]
     one_seq = sum(n * b for n, b in zip(need, page_bytes, strict=True)) + slot_bytes
     max_seqs = cfg.max_num_seqs

@@ -26,6 +26,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from hybrid_jax.cache import RaggedBatch, init_caches
 from hybrid_jax.model import CausalLM
 from hybrid_jax.ragged import forward_ragged
+from serving.penalties import TokenStats, apply_penalties, init_token_stats, update_token_stats
 from serving.sampling import SamplingArrays, sample
 from serving.schedule import StepArrays
 
@@ -66,14 +67,26 @@ def make_buckets(max_num_seqs: int, max_num_batched_tokens: int, min_tokens: int
 
 
 def _step_fn(graphdef: nnx.GraphDef, decode: bool) -> Callable:
-    def step(params, caches, batch: RaggedBatch, sampling: SamplingArrays):
+    """The step: forward, penalties from per-slot token statistics, sampling, logprobs.
+
+    Logprobs (of the sampled token and the top-n) are the model's raw distribution,
+    before penalties and filters.
+    """
+
+    def step(params, caches, stats: TokenStats, batch: RaggedBatch, sampling: SamplingArrays):
         model = nnx.merge(graphdef, params)
         logits, caches = forward_ragged(model, batch, caches, decode=decode)
-        tokens, logprobs = sample(logits, sampling)
-        top_lp, top_ids = jax.lax.top_k(jax.nn.log_softmax(logits, axis=-1), TOP_LOGPROBS)
-        return caches, tokens, logprobs, top_ids.astype(jnp.int32), top_lp
+        stats = update_token_stats(stats, batch.tokens, batch.positions, batch.cu_seqlens,
+                                   batch.slot_ids, batch.has_initial, sampling.prompt_len)
+        shaped = apply_penalties(logits, stats, batch.slot_ids, sampling.repetition,
+                                 sampling.presence, sampling.frequency)
+        tokens, _ = sample(shaped, sampling)
+        raw = jax.nn.log_softmax(logits, axis=-1)
+        top_lp, top_ids = jax.lax.top_k(raw, TOP_LOGPROBS)
+        logprobs = jnp.take_along_axis(raw, tokens[:, None], axis=-1)[:, 0]
+        return caches, stats, tokens, logprobs, top_ids.astype(jnp.int32), top_lp
 
-    return jax.jit(step, donate_argnums=(1,))
+    return jax.jit(step, donate_argnums=(1, 2))
 
 
 class ModelRunner:
@@ -90,6 +103,7 @@ class ModelRunner:
         caches = init_caches(self.cfg, num_pages=num_pages, page_size=page_size,
                              num_slots=num_slots, dtype=model.dtype)
         self.caches = jax.device_put(caches, self.replicated)
+        self.stats = jax.device_put(init_token_stats(num_slots, self.cfg.vocab_size), self.replicated)
         self.ring_widths = ring_widths
         self.page_size = page_size
         self.buckets = make_buckets(max_num_seqs, max_num_batched_tokens)
@@ -100,7 +114,7 @@ class ModelRunner:
         fns = {d: _step_fn(self.graphdef, d) for d in (True, False)}
         for i, bucket in enumerate(self.buckets):
             batch, sampling = self._dummy(bucket)
-            lowered = fns[bucket.decode].lower(self.params, self.caches, batch, sampling)
+            lowered = fns[bucket.decode].lower(self.params, self.caches, self.stats, batch, sampling)
             self.compiled[bucket] = lowered.compile()
             if progress is not None:
                 progress(i + 1, len(self.buckets), bucket)
@@ -119,8 +133,8 @@ class ModelRunner:
         batch = self._pad(arrays, bucket)
         samp = SamplingArrays(*(_pad_rows(np.asarray(x), bucket.seqs) for x in sampling))
         with self.mesh:
-            self.caches, tokens, lps, top_ids, top_lps = self.compiled[bucket](
-                self.params, self.caches, batch, samp)
+            self.caches, self.stats, tokens, lps, top_ids, top_lps = self.compiled[bucket](
+                self.params, self.caches, self.stats, batch, samp)
         b = len(arrays.slot_ids)
         tokens, lps, top_ids, top_lps = jax.device_get((tokens, lps, top_ids, top_lps))
         return StepResult(tokens[:b], lps[:b], top_ids[:b], top_lps[:b])

@@ -6,8 +6,7 @@ request's key with the index of the token being generated - so a request's token
 do not depend on which other requests share its batch. Temperature 0 is greedy.
 Sampling is Gumbel-max over the filtered, tempered logits.
 
-Not yet here: repetition / presence / frequency penalties (they need per-request
-token counts on device) and top-n logprobs.
+Penalties are applied before this (serving/penalties.py), from per-slot statistics.
 """
 
 from __future__ import annotations
@@ -31,6 +30,10 @@ class SamplingArrays(NamedTuple):
     seed: jax.Array  # uint32
     step: jax.Array  # int32: index of the token being generated for this request
     suppress: jax.Array  # int32 [b, SUPPRESS_WIDTH]: ids that may not be sampled (-1 = none)
+    repetition: jax.Array  # f32, 1 = off
+    presence: jax.Array  # f32, 0 = off
+    frequency: jax.Array  # f32, 0 = off
+    prompt_len: jax.Array  # int32: positions >= this are output tokens (penalty statistics)
 
     @staticmethod
     def from_rows(rows: list[dict[str, float | int]]) -> SamplingArrays:
@@ -46,7 +49,9 @@ class SamplingArrays(NamedTuple):
             suppress[i, :len(ids)] = ids
         return SamplingArrays(col("temperature", 0.0, np.float32), col("top_k", 0, np.int32),
                               col("top_p", 1.0, np.float32), col("min_p", 0.0, np.float32),
-                              col("seed", 0, np.uint32), col("step", 0, np.int32), suppress)
+                              col("seed", 0, np.uint32), col("step", 0, np.int32), suppress,
+                              col("repetition", 1.0, np.float32), col("presence", 0.0, np.float32),
+                              col("frequency", 0.0, np.float32), col("prompt_len", 0, np.int32))
 
 
 def filter_logits(logits: jax.Array, p: SamplingArrays) -> jax.Array:

@@ -29,8 +29,12 @@ def requests(n: int, seed: int) -> tuple[list[list[int]], list[SamplingParams]]:
     for i in range(n):
         prompts.append(rng.integers(3, 259, int(rng.integers(1, 90))).tolist())
         max_tokens = int(rng.integers(1, 24))
-        if i % 2:
+        if i % 3 == 1:
             params.append(SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+        elif i % 3 == 2:  # greedy with penalties: per-slot statistics must follow the request
+            params.append(SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
+                                         repetition_penalty=1.3, frequency_penalty=0.5,
+                                         presence_penalty=0.3))
         else:
             params.append(SamplingParams(temperature=0.9, top_k=40, top_p=0.9, seed=1000 + i,
                                          max_tokens=max_tokens, ignore_eos=True))

@@ -1,0 +1,78 @@
+"""Penalties against an independent numpy reference, in the engine and as device functions."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from hybrid_jax.loading import load_model
+from serving.engine import LLMEngine
+from serving.engine_config import EngineConfig
+from serving.llm import LLM
+from serving.penalties import apply_penalties, init_token_stats, update_token_stats
+from serving.sampling_params import SamplingParams
+
+
+def penalise_np(logits, prompt, output, rep, pres, freq):
+    out = logits.astype(np.float64).copy()
+    seen = set(prompt) | set(output)
+    for tok in seen:
+        out[tok] = out[tok] / rep if out[tok] > 0 else out[tok] * rep
+    for tok in set(output):
+        out[tok] -= freq * output.count(tok) + pres
+    return out
+
+
+def test_device_statistics_follow_prompts_outputs_and_first_chunks():
+    v = 12
+    stats = init_token_stats(4, v)
+    stats = stats._replace(counts=stats.counts.at[2].set(7), seen=stats.seen.at[2].set(True))
+    # Two sequences: slot 1 continues (prompt_len 2, positions 2..3 are outputs), slot 2 starts
+    # anew (its stale row must be cleared); one padding token at the end.
+    tokens = jnp.asarray([5, 5, 3, 4, 4, 0], jnp.int32)
+    positions = jnp.asarray([2, 3, 0, 1, 2, 0], jnp.int32)
+    cu = jnp.asarray([0, 2, 5], jnp.int32)
+    stats = update_token_stats(stats, tokens, positions, cu, jnp.asarray([1, 2], jnp.int32),
+                               jnp.asarray([True, False]), jnp.asarray([2, 1], jnp.int32))
+    counts, seen = np.asarray(stats.counts), np.asarray(stats.seen)
+    assert counts[1, 5] == 2 and counts[1].sum() == 2
+    assert counts[2, 4] == 2 and counts[2].sum() == 2 and not counts[2, 3]
+    assert seen[2].nonzero()[0].tolist() == [3, 4]
+    logits = np.random.default_rng(0).normal(size=(2, v)).astype(np.float32)
+    got = apply_penalties(jnp.asarray(logits), stats, jnp.asarray([1, 2], jnp.int32),
+                          jnp.asarray([1.5, 2.0]), jnp.asarray([0.1, 0.2]), jnp.asarray([0.3, 0.4]))
+    want0 = penalise_np(logits[0], [], [5, 5], 1.5, 0.1, 0.3)
+    want1 = penalise_np(logits[1], [3], [4, 4], 2.0, 0.2, 0.4)
+    np.testing.assert_allclose(np.asarray(got), np.stack([want0, want1]), rtol=1e-6, atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def served():
+    lm = load_model("native-tiny")
+    llm = LLM.__new__(LLM)
+    llm.engine = LLMEngine(lm, EngineConfig(max_num_seqs=4, max_num_batched_tokens=32,
+                                            max_prefill_chunk=16, max_model_len=96, page_size=8),
+                           show_progress=False)
+    return lm, llm
+
+
+@pytest.mark.parametrize("penalties", [
+    dict(repetition_penalty=1.5),
+    dict(frequency_penalty=1.0, presence_penalty=0.5),
+])
+def test_engine_penalties_match_full_forward_reference(served, penalties):
+    lm, llm = served
+    prompt = [10, 11, 12, 10, 40]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, **penalties)
+    got = llm.generate(prompt_token_ids=[prompt], sampling_params=params)[0].token_ids
+    output: list[int] = []
+    for _ in range(12):
+        logits = np.asarray(lm.model(jnp.asarray([prompt + output])))[0, -1]
+        out = penalise_np(logits, prompt, output, params.repetition_penalty,
+                          params.presence_penalty, params.frequency_penalty)
+        output.append(int(np.argmax(out)))
+    assert got == output
+    plain = llm.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(
+        temperature=0.0, max_tokens=12, ignore_eos=True))[0].token_ids
+    assert plain != got  # the penalties changed something
