@@ -62,6 +62,21 @@ class RaggedBatch(NamedTuple):
     last_token: jax.Array
 
 
+KERNEL_HEAD_DIMS = (64, 128, 256)
+
+
+def kv_head_dim(head_dim: int) -> int:
+    """Head dim of the KV pages: the smallest the paged kernels tile that holds head_dim.
+
+    Smaller head dims (tiny test models) are zero-padded: zeros change neither q.k nor
+    the attended values' real dims, at the price of the padded bytes.
+    """
+    for e in KERNEL_HEAD_DIMS:
+        if head_dim <= e:
+            return e
+    return head_dim
+
+
 def layer_groups(cfg: ModelConfig) -> tuple[int | None, ...]:
     """Window group index of each layer (None for layers without attention)."""
     return tuple(cfg.windows.index(s.window) if s.kind.has_attention else None for s in cfg.layers)
@@ -78,7 +93,7 @@ def init_caches(cfg: ModelConfig, *, num_pages: tuple[int, ...], page_size: int,
         kv = mamba = rglru = None
         if g is not None:
             a = cfg.attention
-            shape = (a.num_kv_heads, num_pages[g], page_size, a.head_dim)
+            shape = (a.num_kv_heads, num_pages[g], page_size, kv_head_dim(a.head_dim))
             kv = KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
         if spec.kind.has_mamba2:
             m = cfg.mamba2
@@ -103,7 +118,7 @@ def cache_bytes(cfg: ModelConfig, *, page_size: int, dtype: jnp.dtype,
     for spec, g in zip(cfg.layers, groups, strict=True):
         if g is not None:
             a = cfg.attention
-            page[g] += 2 * a.num_kv_heads * page_size * a.head_dim * item
+            page[g] += 2 * a.num_kv_heads * page_size * kv_head_dim(a.head_dim) * item
         if spec.kind.has_mamba2:
             m = cfg.mamba2
             slot += (m.conv_kernel - 1) * m.conv_dim * item

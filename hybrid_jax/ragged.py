@@ -24,6 +24,10 @@ from pallas_kernels import conv1d, linear_scan, paged_attention, ssd, ssm_decode
 def _attention(layer: Attention, x: jax.Array, batch: RaggedBatch, kv: KVCache, group: int,
                decode: bool) -> tuple[jax.Array, KVCache]:
     q, k, v = layer.project(x, batch.positions)
+    e = q.shape[-1]
+    pad = kv.k.shape[-1] - e  # pages may be wider than the head (see cache.kv_head_dim)
+    if pad:
+        q, k, v = (jnp.pad(a, [(0, 0), (0, 0), (0, pad)]) for a in (q, k, v))
     k_pages, v_pages = paged_attention.write_kv(kv.k, kv.v, k.astype(kv.k.dtype),
                                                 v.astype(kv.v.dtype), batch.slot_mappings[group])
     common = dict(window=layer.window, softcap=layer.cfg.softcap, scale=layer.cfg.query_scale)
@@ -34,7 +38,7 @@ def _attention(layer: Attention, x: jax.Array, batch: RaggedBatch, kv: KVCache, 
     else:
         o = paged_attention.paged_attention_prefill(q, k_pages, v_pages, batch.cu_seqlens,
                                                     batch.lengths, table, **common)
-    return layer.output(o.astype(x.dtype)), KVCache(k_pages, v_pages)
+    return layer.output(o[..., :e].astype(x.dtype)), KVCache(k_pages, v_pages)
 
 
 def _mamba(layer: Mamba2Mixer, x: jax.Array, batch: RaggedBatch, st: Mamba2State,

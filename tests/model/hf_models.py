@@ -42,7 +42,7 @@ def falcon_h1_config(*, rms_norm: bool = True, norm_before_gate: bool = True) ->
     return T.FalconH1Config(
         vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
         num_attention_heads=4, num_key_value_heads=2, head_dim=32, mamba_d_ssm=64,
-        mamba_n_heads=8, mamba_d_state=16, mamba_n_groups=2, mamba_chunk_size=CHUNK,
+        mamba_n_heads=4, mamba_d_state=16, mamba_n_groups=2, mamba_chunk_size=CHUNK,
         mamba_rms_norm=rms_norm, mamba_norm_before_gate=norm_before_gate,
         rope_theta=10000.0, key_multiplier=0.7, embedding_multiplier=1.3,
         lm_head_multiplier=0.8, attention_in_multiplier=0.9, attention_out_multiplier=1.1,

@@ -36,7 +36,7 @@ def all_kinds_config() -> ModelConfig:
         architecture="native", vocab_size=64, hidden_size=32,
         layers=(LayerSpec("hybrid", 6), LayerSpec("attention", None), LayerSpec("mamba2"),
                 LayerSpec("rglru"), LayerSpec("attention", 6)),
-        attention=AttentionConfig(4, 2, 64, softcap=20.0),
+        attention=AttentionConfig(4, 2, 16, softcap=20.0),
         mamba2=Mamba2Config(4, 16, 16, n_groups=2, chunk_size=16),
         rglru=RGLRUConfig(32, 4), mlp=MLPConfig(64), max_position_embeddings=MAX_LEN)
 
