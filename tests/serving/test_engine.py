@@ -126,3 +126,15 @@ def test_bad_requests_are_named_and_harm_nothing(llm, kwargs, field):
         llm.generate(**kwargs)
     assert llm.engine.stats()["slots_in_use"] == 0 and not llm.engine.has_unfinished()
     assert len(solo(llm, [4, 5], SamplingParams(temperature=0.0, max_tokens=2))) == 2
+
+
+def test_swa_pages_stay_within_the_window_bound_while_decoding(llm):
+    """native-tiny: window 64, page 8 -> at most ceil(63/8)+1 = 9 pages between steps."""
+    engine = llm.engine
+    engine.add_request(prompt_token_ids=list(range(3, 43)), params=SamplingParams(
+        temperature=0.0, max_tokens=110, ignore_eos=True))
+    peak = 0
+    while engine.has_unfinished():
+        engine.step()
+        peak = max(peak, *engine.stats()["pages_in_use"].values())
+    assert 0 < peak <= 9

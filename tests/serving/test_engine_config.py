@@ -1,0 +1,45 @@
+"""Pool sizing from a memory budget: refusal with a useful message, lowering with a warning."""
+
+from __future__ import annotations
+
+import logging
+
+import jax.numpy as jnp
+import pytest
+
+from hybrid_jax.presets import load_preset
+from serving.engine_config import EngineConfig, plan_pools
+
+MODEL = load_preset("native-tiny")
+
+
+def plan(cfg: EngineConfig, free: int):
+    return plan_pools(MODEL, cfg, free_bytes=free, weight_bytes=1 << 20, dtype=jnp.float32)
+
+
+def test_budget_gives_pages_for_every_sequence():
+    p = plan(EngineConfig(max_num_seqs=8, max_model_len=256, memory_fraction=0.5), free=1 << 30)
+    sc = p.scheduler
+    assert sc.max_num_seqs == 8 and sc.num_slots == 9
+    assert p.kv_bytes + p.state_bytes <= 0.5 * ((1 << 30) - (1 << 20))
+    assert [g.window for g in sc.groups] == [64]
+
+
+def test_config_that_cannot_fit_one_sequence_is_refused():
+    with pytest.raises(ValueError, match="lower max_model_len"):
+        plan(EngineConfig(max_model_len=256), free=(1 << 20) + 1000)
+
+
+def test_too_many_sequences_are_lowered_with_a_warning(caplog):
+    one = plan(EngineConfig(max_num_seqs=1, max_model_len=256), free=1 << 30)
+    per_seq = (one.kv_bytes - one.page_bytes[0]) + one.slot_bytes  # one sequence's share
+    free = (1 << 20) + int(2 * 3.5 * per_seq)  # room for 3 sequences at fraction 0.5
+    with caplog.at_level(logging.WARNING):
+        p = plan(EngineConfig(max_num_seqs=8, max_model_len=256, memory_fraction=0.5), free=free)
+    assert p.scheduler.max_num_seqs == 3
+    assert "max_num_seqs=8 lowered to 3" in caplog.text
+
+
+def test_explicit_pages_that_cannot_hold_a_sequence_are_refused():
+    with pytest.raises(ValueError, match="num_pages=3"):
+        plan(EngineConfig(num_pages=3, max_model_len=256), free=None)
