@@ -6,5 +6,50 @@ take plain arrays (paged K/V, per-slot states, ragged offsets) and return arrays
 """
 
 from pallas_kernels.backend import IMPLS, Impl, default_impl, resolve_impl
+from pallas_kernels.conv1d import (
+    conv1d_decode,
+    conv1d_decode_reference,
+    conv1d_ragged,
+    conv1d_ragged_reference,
+)
+from pallas_kernels.linear_scan import (
+    linear_scan_decode,
+    linear_scan_decode_reference,
+    linear_scan_ragged,
+    linear_scan_ragged_reference,
+)
+from pallas_kernels.paged_attention import (
+    paged_attention_decode,
+    paged_attention_prefill,
+    write_kv,
+)
+from pallas_kernels.paged_attention_ref import (
+    paged_attention_decode_reference,
+    paged_attention_prefill_reference,
+)
+from pallas_kernels.ssd import ssd_ragged, ssd_ragged_reference
+from pallas_kernels.ssm_decode import ssm_decode, ssm_decode_reference
 
-__all__ = ["IMPLS", "Impl", "default_impl", "resolve_impl"]
+__all__ = [
+    "IMPLS",
+    "Impl",
+    "conv1d_decode",
+    "conv1d_decode_reference",
+    "conv1d_ragged",
+    "conv1d_ragged_reference",
+    "default_impl",
+    "linear_scan_decode",
+    "linear_scan_decode_reference",
+    "linear_scan_ragged",
+    "linear_scan_ragged_reference",
+    "paged_attention_decode",
+    "paged_attention_decode_reference",
+    "paged_attention_prefill",
+    "paged_attention_prefill_reference",
+    "resolve_impl",
+    "ssd_ragged",
+    "ssd_ragged_reference",
+    "ssm_decode",
+    "ssm_decode_reference",
+    "write_kv",
+]
