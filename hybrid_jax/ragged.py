@@ -18,7 +18,17 @@ from hybrid_jax.layers.attention import Attention
 from hybrid_jax.layers.mamba2 import Mamba2Mixer
 from hybrid_jax.layers.rglru import RecurrentBlock
 from hybrid_jax.model import Block, CausalLM, _scale
-from pallas_kernels import conv1d, linear_scan, paged_attention, ssd, ssm_decode
+from pallas_kernels import (
+    conv1d_decode,
+    conv1d_ragged,
+    linear_scan_decode,
+    linear_scan_ragged,
+    paged_attention_decode,
+    paged_attention_prefill,
+    ssd_ragged,
+    ssm_decode,
+    write_kv,
+)
 
 
 def _attention(layer: Attention, x: jax.Array, batch: RaggedBatch, kv: KVCache, group: int,
@@ -28,15 +38,15 @@ def _attention(layer: Attention, x: jax.Array, batch: RaggedBatch, kv: KVCache, 
     pad = kv.k.shape[-1] - e  # pages may be wider than the head (see cache.kv_head_dim)
     if pad:
         q, k, v = (jnp.pad(a, [(0, 0), (0, 0), (0, pad)]) for a in (q, k, v))
-    k_pages, v_pages = paged_attention.write_kv(kv.k, kv.v, k.astype(kv.k.dtype),
+    k_pages, v_pages = write_kv(kv.k, kv.v, k.astype(kv.k.dtype),
                                                 v.astype(kv.v.dtype), batch.slot_mappings[group])
     common = dict(window=layer.window, softcap=layer.cfg.softcap, scale=layer.cfg.query_scale)
     table = batch.page_tables[group]
     if decode:
-        o = paged_attention.paged_attention_decode(q, k_pages, v_pages, batch.lengths, table,
+        o = paged_attention_decode(q, k_pages, v_pages, batch.lengths, table,
                                                    **common)
     else:
-        o = paged_attention.paged_attention_prefill(q, k_pages, v_pages, batch.cu_seqlens,
+        o = paged_attention_prefill(q, k_pages, v_pages, batch.cu_seqlens,
                                                     batch.lengths, table, **common)
     return layer.output(o[..., :e].astype(x.dtype)), KVCache(k_pages, v_pages)
 
@@ -47,16 +57,16 @@ def _mamba(layer: Mamba2Mixer, x: jax.Array, batch: RaggedBatch, st: Mamba2State
     z, xbc, dt = layer.project(x)
     w, bias = layer.conv_weight[...], layer.conv_bias_value()
     if decode:
-        xbc, conv = conv1d.conv1d_decode(xbc, w, bias, st.conv, batch.slot_ids, activation="silu")
+        xbc, conv = conv1d_decode(xbc, w, bias, st.conv, batch.slot_ids, activation="silu")
     else:
-        xbc, conv = conv1d.conv1d_ragged(xbc, w, bias, batch.cu_seqlens, st.conv, batch.slot_ids,
+        xbc, conv = conv1d_ragged(xbc, w, bias, batch.cu_seqlens, st.conv, batch.slot_ids,
                                          batch.has_initial, activation="silu")
     xs, B, C = layer.split_xbc(xbc)
     args = (xs, dt, layer.A(), B, C, layer.D[...], layer.dt_bias[...])
     if decode:
-        y, ssm = ssm_decode.ssm_decode(*args, st.ssm, batch.slot_ids, dt_limit=cfg.dt_limit)
+        y, ssm = ssm_decode(*args, st.ssm, batch.slot_ids, dt_limit=cfg.dt_limit)
     else:
-        y, ssm = ssd.ssd_ragged(*args, batch.cu_seqlens, st.ssm, batch.slot_ids, batch.has_initial,
+        y, ssm = ssd_ragged(*args, batch.cu_seqlens, st.ssm, batch.slot_ids, batch.has_initial,
                                 dt_limit=cfg.dt_limit, chunk_size=cfg.chunk_size)
     return layer.output(y, z, x.dtype), Mamba2State(conv, ssm)
 
@@ -66,15 +76,15 @@ def _recurrent(layer: RecurrentBlock, x: jax.Array, batch: RaggedBatch, st: RGLR
     y, u = layer.branches(x)
     w, bias = layer.conv_weight[...], layer.conv_bias[...]
     if decode:
-        u, conv = conv1d.conv1d_decode(u, w, bias, st.conv, batch.slot_ids, activation=None)
+        u, conv = conv1d_decode(u, w, bias, st.conv, batch.slot_ids, activation=None)
     else:
-        u, conv = conv1d.conv1d_ragged(u, w, bias, batch.cu_seqlens, st.conv, batch.slot_ids,
+        u, conv = conv1d_ragged(u, w, bias, batch.cu_seqlens, st.conv, batch.slot_ids,
                                        batch.has_initial, activation=None)
     a, xt = layer.gates(u, batch.positions)
     if decode:
-        h, hs = linear_scan.linear_scan_decode(a, xt, st.h, batch.slot_ids)
+        h, hs = linear_scan_decode(a, xt, st.h, batch.slot_ids)
     else:
-        h, hs = linear_scan.linear_scan_ragged(a, xt, batch.cu_seqlens, st.h, batch.slot_ids,
+        h, hs = linear_scan_ragged(a, xt, batch.cu_seqlens, st.h, batch.slot_ids,
                                                batch.has_initial)
     return layer.output(h, y), RGLRUState(conv, hs)
 

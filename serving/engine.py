@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import sys
 from dataclasses import dataclass
 
@@ -45,6 +46,11 @@ def _device_free_bytes() -> int | None:
     return None if limit is None else int(limit - stats.get("bytes_in_use", 0))
 
 
+def _use_compilation_cache(path: str | None) -> None:
+    if path is not None and jax.config.jax_compilation_cache_dir is None:
+        jax.config.update("jax_compilation_cache_dir", os.path.expanduser(path))
+
+
 def _progress(i: int, n: int, bucket) -> None:
     bar = "#" * (20 * i // n)
     print(f"\rcompiling step buckets [{bar:<20}] {i}/{n} (t={bucket.tokens}, b={bucket.seqs}"
@@ -56,6 +62,7 @@ class LLMEngine:
     def __init__(self, model: str | LoadedModel, config: EngineConfig | None = None, *,
                  seed: int = 0, show_progress: bool = True):
         self.config = config or EngineConfig()
+        _use_compilation_cache(self.config.compilation_cache_dir)
         lm = model if isinstance(model, LoadedModel) else load_model(model, dtype=self.config.dtype)
         self.model_config, self.tokenizer = lm.config, lm.tokenizer
         weights = sum(x.nbytes for x in jax.tree.leaves(lm.model))

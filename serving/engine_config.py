@@ -33,6 +33,9 @@ class EngineConfig:
     num_slots: int | None = None  # incl. the dummy slot; None: max_num_seqs + 1
     memory_fraction: float = 0.5  # of device memory after weights, for pages + slots
     dtype: str = "float32"
+    # Persistent XLA compilation cache, so a restart skips most of the start-up compile.
+    # Used only when the process has not configured one itself; None disables.
+    compilation_cache_dir: str | None = "~/.cache/hybrid-jax/xla"
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_prefill_chunk", "page_size"):
