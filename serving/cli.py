@@ -1,10 +1,13 @@
-"""The `hybrid-jax` command line.
+"""The `hybrid-jax` command line: generate, serve, client, presets.
 
-`hybrid-jax generate --model MODEL "prompt"` streams a continuation to the terminal.
+  generate  one prompt through the engine in this process, streamed to the terminal
+  serve     a gRPC server (+ Prometheus metrics) on the continuous-batching engine
+  client    stream one prompt from a running server to the terminal
+  presets   list the model presets
+
 MODEL is a Hugging Face directory, a native (orbax) directory or a preset name
-(`hybrid-jax presets` lists them; presets have random weights until trained).
-Decoding currently runs the reference full-sequence forward (hybrid_jax.generate);
-the continuous-batching engine takes over as it lands.
+(presets have random weights until trained). This module parses arguments and wires
+the parts; the client side imports no JAX, so `hybrid-jax client` starts fast.
 """
 
 from __future__ import annotations
@@ -17,37 +20,109 @@ EPILOG = """examples:
   hybrid-jax presets
   hybrid-jax generate --model native-tiny "Hello"
   hybrid-jax generate --model ./my-hf-model --max-tokens 64 --dtype bfloat16 "Once upon"
+
+  # a server on :50051 with metrics on :9464, sized small for a CPU
+  hybrid-jax serve --model native-tiny --port 50051 --max-num-seqs 4 \\
+      --max-num-batched-tokens 32 --max-model-len 256
+  hybrid-jax client --server localhost:50051 --max-tokens 32 "Hello"
+  hybrid-jax client --server localhost:50051 --temperature 0.8 --top-p 0.9 --seed 1 "Hi"
+  hybrid-jax client --server localhost:50051 --info          # model facts as JSON
+  curl -s localhost:9464/metrics | grep hybrid_jax_
+
+run `hybrid-jax COMMAND --help` for each command's options.
+"""
+
+SERVE_EPILOG = """The server stops on SIGTERM or Ctrl-C: health turns NOT_SERVING, new requests get
+UNAVAILABLE, requests in flight get --shutdown-grace seconds to finish, the rest are
+aborted (UNAVAILABLE), and the process exits 0. Logs are JSON lines on stderr.
+
+example (CPU-sized):
+  hybrid-jax serve --model native-tiny --port 50051 --metrics-port 9464 \\
+      --max-num-seqs 4 --max-num-batched-tokens 32 --max-model-len 256 --max-waiting 64
+"""
+
+CLIENT_EPILOG = """examples:
+  hybrid-jax client --server localhost:50051 "Hello"
+  hybrid-jax client --server localhost:50051 --max-tokens 64 --temperature 0.7 --seed 3 "Hi"
+  hybrid-jax client --server localhost:50051 --stop "." --usage "Tell me"
+  hybrid-jax client --server localhost:50051 --info
+The prompt is printed, then the continuation as it streams; errors exit 1 with the
+gRPC status (e.g. INVALID_ARGUMENT naming the field).
 """
 
 
+def _sub(sub, name: str, help: str, epilog: str = EPILOG) -> argparse.ArgumentParser:
+    return sub.add_parser(name, help=help, description=help, epilog=epilog,
+                          formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def _model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="native-tiny",
+                   help="HF dir, native dir or preset name (default: native-tiny)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--seed", type=int, default=0, help="seed for preset weights (default 0)")
+
+
+# EngineConfig's defaults, written out so that `--help` needs no JAX import
+# (tests/serving/test_server_cli.py checks that they match).
+ENGINE_DEFAULTS = {"max_num_seqs": 32, "max_num_batched_tokens": 512, "max_prefill_chunk": 256,
+                   "page_size": 16, "memory_fraction": 0.5}
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    d = ENGINE_DEFAULTS
+    g = p.add_argument_group("engine sizing (more sequences and tokens = more compiled buckets)")
+    g.add_argument("--max-num-seqs", type=int, default=d["max_num_seqs"],
+                   help=f"sequences running at once (default {d['max_num_seqs']})")
+    g.add_argument("--max-num-batched-tokens", type=int, default=d["max_num_batched_tokens"],
+                   help=f"tokens per engine step (default {d['max_num_batched_tokens']})")
+    g.add_argument("--max-prefill-chunk", type=int, default=d["max_prefill_chunk"],
+                   help=f"prompt tokens of one sequence per step (default {d['max_prefill_chunk']})")
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="prompt + output tokens per request (default: the model's, capped at 8192)")
+    g.add_argument("--page-size", type=int, default=d["page_size"],
+                   help=f"tokens per KV page (default {d['page_size']})")
+    g.add_argument("--memory-fraction", type=float, default=d["memory_fraction"],
+                   help=f"of free device memory for KV pages and states (default {d['memory_fraction']})")
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="hybrid-jax",
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="Serve and run hybrid SSM + sliding-window models.",
-    )
-    sub = p.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser(
-        "generate",
-        help="generate a continuation of a prompt (streams)",
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    p = argparse.ArgumentParser(prog="hybrid-jax", epilog=EPILOG,
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                description="Serve and run hybrid SSM + sliding-window models.")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    gen = _sub(sub, "generate", "generate a continuation of a prompt in this process (streams)")
     gen.add_argument("prompt", help="prompt text")
-    gen.add_argument(
-        "--model", default="native-tiny", help="HF dir, native dir or preset name (default: native-tiny)"
-    )
+    _model_args(gen)
     gen.add_argument("--max-tokens", type=int, default=32, help="tokens to generate (default 32)")
-    gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    gen.add_argument("--seed", type=int, default=0, help="seed for preset weights")
-    sub.add_parser("presets", help="list the model presets")
+
+    serve = _sub(sub, "serve", "serve a model over gRPC, with Prometheus metrics", SERVE_EPILOG)
+    _model_args(serve)
+    serve.add_argument("--host", default="[::]", help="address to bind (default: all interfaces)")
+    serve.add_argument("--port", type=int, default=50051, help="gRPC port (default 50051; 0 = any free)")
+    serve.add_argument("--metrics-port", type=int, default=9464,
+                       help="Prometheus /metrics HTTP port (default 9464; -1 = off)")
+    serve.add_argument("--max-waiting", type=int, default=128,
+                       help="requests allowed to wait for a slot; beyond: RESOURCE_EXHAUSTED (default 128)")
+    serve.add_argument("--shutdown-grace", type=float, default=30.0,
+                       help="seconds in-flight requests get after SIGTERM (default 30)")
+    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    _engine_args(serve)
+
+    client = _sub(sub, "client", "stream a prompt's continuation from a running server", CLIENT_EPILOG)
+    from serving.client import add_client_args
+
+    add_client_args(client)
+    _sub(sub, "presets", "list the model presets")
     return p
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from hybrid_jax.generate import greedy_steps
     from hybrid_jax.loading import load_model
+    from serving.engine import LLMEngine
+    from serving.engine_config import EngineConfig
+    from serving.llm import LLM
+    from serving.sampling_params import SamplingParams
 
     if args.max_tokens < 1:
         print(f"error: --max-tokens={args.max_tokens} must be >= 1", file=sys.stderr)
@@ -57,16 +132,35 @@ def _generate(args: argparse.Namespace) -> int:
         print(f"error: {args.model} has no tokenizer.json", file=sys.stderr)
         return 2
     prompt = lm.tokenizer.encode(args.prompt, add_bos=True)
+    # One sequence: few buckets to compile, and room for exactly this prompt + output.
+    chunk = min(64, max(16, len(prompt)))
+    cfg = EngineConfig(max_num_seqs=1, max_num_batched_tokens=chunk, max_prefill_chunk=chunk,
+                       max_model_len=len(prompt) + args.max_tokens, dtype=args.dtype)
+    llm = LLM.from_engine(LLMEngine(lm, cfg))
     print(args.prompt, end="", flush=True)
-    out: list[int] = []
-    shown = ""
-    for tok, _ in greedy_steps(lm.model, prompt, args.max_tokens, eos_ids=lm.config.eos_token_ids):
-        out.append(tok)
-        text = lm.tokenizer.decode(out)
-        if not text.endswith("\ufffd"):  # hold back a split multi-byte character
-            print(text[len(shown) :], end="", flush=True)
-            shown = text
-    print(lm.tokenizer.decode(out)[len(shown) :])  # whatever was held back at the end
+    for delta in llm.stream(prompt_token_ids=prompt,
+                            sampling_params=SamplingParams(temperature=0.0, max_tokens=args.max_tokens)):
+        print(delta.text, end="", flush=True)
+    print()
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from hybrid_jax.loading import load_model
+    from serving.engine import LLMEngine
+    from serving.engine_config import EngineConfig
+    from serving.request_log import setup_logging
+    from serving.server import GenerationServer
+
+    setup_logging(args.log_level)
+    cfg = EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                       max_prefill_chunk=args.max_prefill_chunk, max_model_len=args.max_model_len,
+                       page_size=args.page_size, memory_fraction=args.memory_fraction, dtype=args.dtype)
+    engine = LLMEngine(load_model(args.model, dtype=args.dtype, seed=args.seed), cfg)
+    server = GenerationServer(engine, model_name=args.model, host=args.host, port=args.port,
+                              metrics_port=None if args.metrics_port < 0 else args.metrics_port,
+                              max_waiting=args.max_waiting).start()
+    server.run_until_signal(grace_s=args.shutdown_grace)
     return 0
 
 
@@ -77,6 +171,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         print("\n".join(preset_names()))
         return 0
+    if args.command == "client":
+        from serving.client import run_client
+
+        return run_client(args)
+    if args.command == "serve":
+        return _serve(args)
     return _generate(args)
 
 

@@ -28,6 +28,16 @@ class LLM:
         self.engine = LLMEngine(model, EngineConfig(dtype=dtype, **engine_kwargs), seed=seed,
                                 show_progress=show_progress)
 
+    @classmethod
+    def from_engine(cls, engine: LLMEngine) -> LLM:
+        """Wrap an engine built elsewhere (from a LoadedModel, or shared by tests).
+
+        The LLM then drives `engine` synchronously; nothing else may step it meanwhile.
+        """
+        llm = cls.__new__(cls)
+        llm.engine = engine
+        return llm
+
     def generate(self, prompts: str | Sequence[str] | None = None, sampling_params: Params = None,
                  *, prompt_token_ids: Sequence[Sequence[int]] | None = None) -> list[RequestOutput]:
         """Run every prompt to completion; outputs in input order."""

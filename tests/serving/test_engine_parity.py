@@ -39,11 +39,9 @@ def hf_dirs(tmp_path_factory):
 
 
 def llm_for(model_dir: str, chunk: int) -> LLM:
-    llm = LLM.__new__(LLM)
     cfg = EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, max_prefill_chunk=chunk,
                        max_model_len=64, page_size=8)
-    llm.engine = LLMEngine(load_model(model_dir), cfg, show_progress=False)
-    return llm
+    return LLM.from_engine(LLMEngine(load_model(model_dir), cfg, show_progress=False))
 
 
 @pytest.mark.parametrize("chunk", [1, 7, 32])

@@ -50,11 +50,10 @@ def test_device_statistics_follow_prompts_outputs_and_first_chunks():
 @pytest.fixture(scope="module")
 def served():
     lm = load_model("native-tiny")
-    llm = LLM.__new__(LLM)
-    llm.engine = LLMEngine(lm, EngineConfig(max_num_seqs=4, max_num_batched_tokens=32,
-                                            max_prefill_chunk=16, max_model_len=96, page_size=8),
-                           show_progress=False)
-    return lm, llm
+    engine = LLMEngine(lm, EngineConfig(max_num_seqs=4, max_num_batched_tokens=32,
+                                        max_prefill_chunk=16, max_model_len=96, page_size=8),
+                       show_progress=False)
+    return lm, LLM.from_engine(engine)
 
 
 @pytest.mark.parametrize("penalties", [

@@ -1,0 +1,117 @@
+"""A small gRPC client for `hybrid_jax.v1.Generation`, and the `hybrid-jax client` command.
+
+    from serving.client import GenerationClient
+    with GenerationClient("localhost:50051") as c:
+        for msg in c.generate("Hello", max_tokens=16, temperature=0.0):
+            print(msg.text, end="")
+
+`GenerationClient.generate` builds a `GenerateRequest` from keyword arguments named
+like `SamplingParams` fields (unset ones take the server's defaults) and yields the
+server's `GenerateResponse` messages; gRPC errors surface as `grpc.RpcError`. This
+module imports no JAX and knows nothing of the engine: it only speaks the proto.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Iterator, Sequence
+
+import grpc
+from google.protobuf.json_format import MessageToDict
+
+from serving.proto.hybrid_jax.v1 import generation_pb2 as pb
+from serving.proto.hybrid_jax.v1 import generation_pb2_grpc as pb_grpc
+
+_PARAMS = {f.name for f in pb.SamplingParameters.DESCRIPTOR.fields}
+
+
+def make_request(prompt: str | Sequence[int], *, request_id: str = "",
+                 **params: object) -> pb.GenerateRequest:
+    """A GenerateRequest: text or token ids, plus sampling fields (None = unset)."""
+    unknown = set(params) - _PARAMS
+    if unknown:
+        raise ValueError(f"unknown sampling fields {sorted(unknown)}; known: {sorted(_PARAMS)}")
+    set_params = {k: v for k, v in params.items() if v is not None}
+    req = pb.GenerateRequest(request_id=request_id, params=pb.SamplingParameters(**set_params))
+    if isinstance(prompt, str):
+        req.text = prompt
+    else:
+        req.token_ids.ids.extend(prompt)
+    return req
+
+
+class GenerationClient:
+    """A channel to one server; use as a context manager or call `close()`."""
+
+    def __init__(self, target: str):
+        self.channel = grpc.insecure_channel(target)
+        self.stub = pb_grpc.GenerationStub(self.channel)
+
+    def generate(self, prompt: str | Sequence[int], *, timeout: float | None = None, request_id: str = "",
+                 **params: object) -> Iterator[pb.GenerateResponse]:
+        """Stream the response messages; the last has finish_reason and usage set."""
+        yield from self.stub.Generate(make_request(prompt, request_id=request_id, **params),
+                                      timeout=timeout)
+
+    def model_info(self, timeout: float | None = None) -> pb.ModelInfo:
+        return self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout)
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> GenerationClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def add_client_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("prompt", nargs="?", help="prompt text (not needed with --info)")
+    p.add_argument("--server", default="localhost:50051", help="host:port (default localhost:50051)")
+    p.add_argument("--max-tokens", type=int, help="output tokens at most (server default 16)")
+    p.add_argument("--temperature", type=float, help="0 = greedy (server default 1.0)")
+    p.add_argument("--top-k", type=int, help="keep the k most likely tokens (-1 = off)")
+    p.add_argument("--top-p", type=float, help="nucleus mass in (0, 1]")
+    p.add_argument("--min-p", type=float, help="drop tokens below min_p * p(best)")
+    p.add_argument("--min-tokens", type=int, help="do not stop before this many tokens")
+    p.add_argument("--seed", type=int, help="per-request seed for reproducible sampling")
+    p.add_argument("--stop", action="append", help="stop string (repeatable)")
+    p.add_argument("--stop-token-id", type=int, action="append", dest="stop_token_ids",
+                   help="stop token id (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true", default=None, help="generate past EOS")
+    p.add_argument("--timeout", type=float, help="deadline in seconds (the server aborts at expiry)")
+    p.add_argument("--request-id", default="", help="request id for the server logs (default: generated)")
+    p.add_argument("--usage", action="store_true", help="print finish reason and usage to stderr")
+    p.add_argument("--info", action="store_true", help="print the server's model info as JSON and exit")
+
+
+def run_client(args: argparse.Namespace) -> int:
+    """Stream one prompt (prompt, then continuation) to stdout; 1 and the status on errors."""
+    with GenerationClient(args.server) as client:
+        try:
+            if args.info:
+                print(json.dumps(MessageToDict(client.model_info(timeout=args.timeout)), indent=2))
+                return 0
+            if args.prompt is None:
+                print("error: give a prompt (or --info)", file=sys.stderr)
+                return 2
+            params = {name: getattr(args, name) for name in (
+                "max_tokens", "temperature", "top_k", "top_p", "min_p", "min_tokens", "seed",
+                "stop", "stop_token_ids", "ignore_eos")}
+            print(args.prompt, end="", flush=True)
+            last = None
+            for last in client.generate(args.prompt, timeout=args.timeout, request_id=args.request_id,
+                                        **params):
+                print(last.text, end="", flush=True)
+            print()
+        except grpc.RpcError as err:
+            print(f"\nerror: {err.code().name}: {err.details()}", file=sys.stderr)
+            return 1
+    if args.usage and last is not None:
+        reason = pb.FinishReason.Name(last.finish_reason).removeprefix("FINISH_REASON_").lower()
+        print(f"finish_reason={reason} prompt_tokens={last.usage.prompt_tokens} "
+              f"completion_tokens={last.usage.completion_tokens}", file=sys.stderr)
+    return 0

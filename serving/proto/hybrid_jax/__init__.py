@@ -1,0 +1,1 @@
+"""Proto package `hybrid_jax` (the wire namespace; unrelated to the Python model package)."""

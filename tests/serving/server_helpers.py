@@ -1,0 +1,69 @@
+"""Helpers of the gRPC server tests: build requests, collect streams, poll with a timeout."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+
+from serving.client import make_request
+from serving.proto.hybrid_jax.v1 import generation_pb2 as pb
+from serving.proto.hybrid_jax.v1 import generation_pb2_grpc as pb_grpc
+from serving.sampling_params import SamplingParams
+
+REASONS = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length",
+           pb.FINISH_REASON_ABORT: "abort"}
+
+
+@dataclass
+class Collected:
+    """A finished stream, flattened."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    messages: int
+
+
+def request_for(prompt: str | list[int], params: SamplingParams, request_id: str = "") -> pb.GenerateRequest:
+    """The wire request equal to (prompt, params) given to LLM.generate."""
+    return make_request(prompt, request_id=request_id, temperature=params.temperature,
+                        top_k=params.top_k, top_p=params.top_p, min_p=params.min_p, seed=params.seed,
+                        repetition_penalty=params.repetition_penalty,
+                        presence_penalty=params.presence_penalty,
+                        frequency_penalty=params.frequency_penalty,
+                        max_tokens=params.max_tokens, min_tokens=params.min_tokens,
+                        stop=list(params.stop), stop_token_ids=list(params.stop_token_ids),
+                        ignore_eos=params.ignore_eos, logprobs=params.logprobs)
+
+
+def collect(stub: pb_grpc.GenerationStub, request: pb.GenerateRequest, timeout: float = 60) -> Collected:
+    """Run one Generate to the end (raises grpc.RpcError on a status)."""
+    msgs = list(stub.Generate(request, timeout=timeout))
+    last = msgs[-1]
+    assert all(m.finish_reason == pb.FINISH_REASON_UNSPECIFIED for m in msgs[:-1])
+    return Collected([t for m in msgs for t in m.token_ids], "".join(m.text for m in msgs),
+                     REASONS.get(last.finish_reason), last.usage.prompt_tokens,
+                     last.usage.completion_tokens, len(msgs))
+
+
+def wait_for(condition: Callable[[], bool], timeout: float = 10.0, what: str = "condition") -> None:
+    """Poll `condition` every 10 ms; AssertionError naming `what` after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.01)
+
+
+def rpc_code(fn: Callable[[], object]) -> tuple[grpc.StatusCode, str]:
+    """Call `fn`, which must fail with a gRPC status; return (code, details)."""
+    try:
+        fn()
+    except grpc.RpcError as err:
+        return err.code(), err.details()
+    raise AssertionError("the call succeeded; a gRPC error was expected")
