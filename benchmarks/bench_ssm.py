@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib
 import json
 import statistics
 import time
@@ -24,8 +25,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import conv1d, linear_scan, ssd_kernel, ssm_decode
+from pallas_kernels import conv1d, linear_scan, ssd_kernel
 from pallas_kernels.ssd import ssd_ragged_reference
+
+# The module, not the op of the same name that the package exports.
+ssm_decode = importlib.import_module("pallas_kernels.ssm_decode")
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 
@@ -159,18 +163,22 @@ def bench_decode(tab, args):
     _, slots, _ = _ragged([1] * bsz, seed=1)
     dte = jax.nn.softplus(dt + bias)
     for sdt, target in ((F32, 520.0), (BF16, 300.0)):
-        tuning = [ssm_decode.DECODE_TUNING[jnp.dtype(sdt).name]]
-        if args.variants:
-            tuning += [(8, 1), (8, 2), (16, 1), (16, 2), (16, 4), (32, 2), (64, 4)]
+        default = ssm_decode.DECODE_TUNING[jnp.dtype(sdt).name]
+        tuning = [default]
+        if args.variants:  # the wider sweep is benchmarks/ssm_decode_sweep.py
+            tuning += [dict(default, block_p=bp, num_warps=w)
+                       for bp, w in ((16, 1), (16, 2), (32, 2), (64, 4), (64, 8))]
         states = _rand(ks[7], (bsz + 1, h, p, n), sdt)
         shape = f"B{bsz} h{h} p{p} n{n} {jnp.dtype(sdt).name}"
         nbytes = 2 * bsz * h * p * n * jnp.dtype(sdt).itemsize + 2 * x.nbytes
-        for bp, w in tuning:
-            fn = jax.jit(lambda st, a, bp=bp, w=w: ssm_decode._decode_pallas(
-                a[0], a[1], A, a[2], a[3], D, st, slots, None, impl=IMPL, block_p=bp,
-                num_warps=w), donate_argnums=0)
+        for kw in tuning:
+            fn = jax.jit(lambda st, a, kw=kw: ssm_decode._decode_pallas(
+                a[0], a[1], A, a[2], a[3], D, st, slots, None, impl=IMPL, **kw),
+                donate_argnums=0)
             sec, states = timeit(fn, states, ((x, dte, B, C),), args.reps, args.inner)
-            tab.add("ssm_decode", shape, f"pallas bp{bp} w{w}", sec, nbytes, None, target)
+            label = (f"pallas bp{kw['block_p']} w{kw['num_warps']} {kw.get('order', 'shp')}"
+                     + (f" {kw['evict']}" if kw.get("evict") else ""))
+            tab.add("ssm_decode", shape, label, sec, nbytes, None, target)
         ref = jax.jit(lambda st, a: ssm_decode.ssm_decode_reference(
             a[0], a[1], A, a[2], a[3], D, bias, st, slots), donate_argnums=0)
         sec, _ = timeit(ref, states, ((x, dt, B, C),), args.reps, args.inner)

@@ -5,8 +5,10 @@
 
 The kernel is purely bandwidth-bound: each program owns one (sequence, head,
 block of p rows), reads that block of the state once and writes it once; no
-dots. States are f32 or bf16 in memory, f32 in arithmetic. The state buffer is
-aliased to the output, so a caller that jits with donation updates it in place.
+dots. Programs are ordered so that consecutive ones walk one slot's contiguous
+state (block of p fastest, then head, then sequence). States are f32 or bf16
+in memory, f32 in arithmetic. The state buffer is aliased to the output, so a
+caller that jits with donation updates it in place.
 
 This module knows nothing of how slots are allocated: slot_ids index the state
 buffer directly (slot 0 is the dummy for padded rows).
@@ -19,14 +21,20 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.backend import Impl, resolve_impl
 from pallas_kernels.launch import channel_block, is_pow2, launch
 from pallas_kernels.ssm_common import check_mamba_args, effective_dt, silu
 
-# Tuned on H100 (docs/benchmarks.md): (rows of the [p, n] state per program, warps),
-# by state dtype.
-DECODE_TUNING = {"float32": (16, 1), "bfloat16": (16, 4)}
+# Tuned on H100 (docs/benchmarks.md, benchmarks/ssm_decode_sweep.py), by state dtype:
+# keyword arguments of `_decode_pallas`. The grid order "phs" (consecutive programs
+# walk one slot's contiguous state) took f32 from ~525 to ~490 us; evict_first on the
+# state load/store helps bf16 (273 -> 259 us), not f32.
+DECODE_TUNING = {
+    "float32": dict(block_p=32, num_warps=4, order="phs"),
+    "bfloat16": dict(block_p=32, num_warps=4, order="phs", evict="evict_first"),
+}
 
 
 def ssm_decode(
@@ -50,10 +58,10 @@ def ssm_decode(
     if not (is_pow2(p) and is_pow2(n)):
         raise ValueError(f"head dim {p=} and state dim {n=} must be powers of 2")
     dte = effective_dt(dt, dt_bias, dt_limit)
-    block_p, warps = DECODE_TUNING[jnp.dtype(states.dtype).name]
+    tuning = dict(DECODE_TUNING[jnp.dtype(states.dtype).name])
+    tuning["block_p"] = channel_block(p, tuning["block_p"])
     return _decode_pallas(
-        x, dte, A, B, C, D, states, slot_ids.astype(jnp.int32), z,
-        impl=impl, block_p=channel_block(p, block_p), num_warps=warps,
+        x, dte, A, B, C, D, states, slot_ids.astype(jnp.int32), z, impl=impl, **tuning,
     )
 
 
@@ -83,44 +91,86 @@ def ssm_decode_reference(
     return y.astype(x.dtype), states.at[slot_ids].set(s.astype(states.dtype))
 
 
-def _decode_body(*refs, hpg: int, bp: int, gated: bool):
+def _decode_body(*refs, hpg: int, bp: int, hb: int, loops: int, order: str,
+                 evict: str | None, gated: bool):
+    """One program: heads [h0, h0 + hb) x rows [pb * loops * bp, + loops * bp) of one sequence.
+
+    order "shp": grid (b, h / hb, p / rows), the sequence varies fastest across programs;
+    "phs": grid (p / rows, h / hb, b), consecutive programs walk one slot's contiguous state.
+    loops > 1 walks the rows in `loops` blocks of bp with a fori_loop (Triton may pipeline).
+    """
     if gated:
         slot_ref, dt_ref, a_ref, d_ref, x_ref, b_ref, c_ref, st_ref, z_ref, y_ref, st_out = refs
     else:
         slot_ref, dt_ref, a_ref, d_ref, x_ref, b_ref, c_ref, st_ref, y_ref, st_out = refs
-    s, hh, pb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    rows = pl.ds(pb * bp, bp)
+    if order == "shp":
+        s, hp, pb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    else:
+        pb, hp, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    h0 = hp * hb
+    heads = pl.ds(h0, hb)
     slot = slot_ref[s]
-    g = hh // hpg
+    g = h0 // hpg  # hb divides hpg: every head of the program reads one group
     f32 = jnp.float32
-    dt = dt_ref[s, hh]
-    state = st_ref[slot, hh, rows, :].astype(f32)  # [bp, n]
-    x = x_ref[s, hh, rows].astype(f32)  # [bp]
-    bv = b_ref[s, g, :].astype(f32)  # [n]
-    cv = c_ref[s, g, :].astype(f32)
-    state = jnp.exp(dt * a_ref[hh]) * state + (dt * x)[:, None] * bv[None, :]
-    y = jnp.sum(state * cv[None, :], axis=1) + d_ref[hh] * x
-    if gated:
-        y = y * silu(z_ref[s, hh, rows].astype(f32))
-    y_ref[s, hh, rows] = y.astype(y_ref.dtype)
-    st_out[slot, hh, rows, :] = state.astype(st_out.dtype)
+    # Per-program values, read once: dt, decay, D per head; the group's B and C.
+    dt = dt_ref[s, heads]  # [hb]
+    decay = jnp.exp(dt * a_ref[heads])[:, None, None]
+    dv = d_ref[heads][:, None]
+    bv = b_ref[s, g, :].astype(f32)[None, None, :]  # [1, 1, n]
+    cv = c_ref[s, g, :].astype(f32)[None, None, :]
+
+    def step(i, carry):
+        rows = pl.ds((pb * loops + i) * bp, bp)
+        if evict is None:
+            state = st_ref[slot, heads, rows, :]
+        else:
+            state = plgpu.load(st_ref.at[slot, heads, rows, :], eviction_policy=evict)
+        state = state.astype(f32)  # [hb, bp, n]
+        x = x_ref[s, heads, rows].astype(f32)  # [hb, bp]
+        state = decay * state + (dt[:, None] * x)[:, :, None] * bv
+        y = jnp.sum(state * cv, axis=2) + dv * x
+        if gated:
+            y = y * silu(z_ref[s, heads, rows].astype(f32))
+        y_ref[s, heads, rows] = y.astype(y_ref.dtype)
+        new = state.astype(st_out.dtype)
+        if evict is None:
+            st_out[slot, heads, rows, :] = new
+        else:
+            plgpu.store(st_out.at[slot, heads, rows, :], new, eviction_policy=evict)
+        return carry
+
+    if loops == 1:
+        step(0, 0)
+    else:
+        jax.lax.fori_loop(0, loops, step, 0)
 
 
-@functools.partial(jax.jit, static_argnames=("impl", "block_p", "num_warps"))
-def _decode_pallas(x, dte, A, B, C, D, states, slot_ids, z, *, impl, block_p, num_warps):
+@functools.partial(jax.jit, static_argnames=(
+    "impl", "block_p", "num_warps", "num_stages", "heads", "loops", "order", "evict"))
+def _decode_pallas(x, dte, A, B, C, D, states, slot_ids, z, *, impl, block_p, num_warps,
+                   num_stages=None, heads=1, loops=1, order="shp", evict=None):
+    """Launch knobs (defaults: the original kernel): rows of state per load `block_p`,
+    `loops` such blocks per program, `heads` per program, grid `order`, `evict` policy
+    for the state load and store, Triton `num_warps` / `num_stages`."""
     b, h, p = x.shape
     g = B.shape[1]
+    if (h // g) % heads or p % (block_p * loops):
+        raise ValueError(f"{heads=} must divide {h // g} heads per group and "
+                         f"{block_p=} x {loops=} must divide {p=}")
     f32 = jnp.float32
     args = [slot_ids, dte, A.astype(f32), D.astype(f32), x, B, C, states]
     if z is not None:
         args.append(z)
-    kernel = functools.partial(_decode_body, hpg=h // g, bp=block_p, gated=z is not None)
+    kernel = functools.partial(_decode_body, hpg=h // g, bp=block_p, hb=heads, loops=loops,
+                               order=order, evict=evict, gated=z is not None)
     out_shape = [
         jax.ShapeDtypeStruct(x.shape, x.dtype),
         jax.ShapeDtypeStruct(states.shape, states.dtype),
     ]
+    nblk = p // (block_p * loops)
+    grid = (b, h // heads, nblk) if order == "shp" else (nblk, h // heads, b)
     call = launch(
-        kernel, impl=impl, grid=(b, h, p // block_p), out_shape=out_shape,
-        aliases={7: 1}, num_warps=num_warps, name="ssm_decode",
+        kernel, impl=impl, grid=grid, out_shape=out_shape, aliases={7: 1},
+        num_warps=num_warps, num_stages=num_stages, name="ssm_decode",
     )
     return call(*args)

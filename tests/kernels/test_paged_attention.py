@@ -190,6 +190,7 @@ def test_write_kv_donated_updates_in_place():
     ids=["lengths-dtype", "page-size", "window", "heads"],
 )
 def test_decode_rejects_bad_arguments(bad):
+    """Page-size limits are the kernels' (the references take any); the rest are for all."""
     s = bad.get("page_size", 8)
     h = bad.get("heads", 4)
     pages = jnp.zeros((2, 4, s, 64), jnp.float32)
@@ -197,7 +198,18 @@ def test_decode_rejects_bad_arguments(bad):
     with pytest.raises(ValueError):
         paged_attention_decode(jnp.ones((2, h, 64)), pages, pages, lengths,
                                jnp.zeros((2, 3), jnp.int32), window=bad.get("window"),
-                               impl="reference")
+                               impl="interpret")
+
+
+def test_references_take_head_dims_and_pages_the_kernels_do_not():
+    pages = jnp.ones((1, 3, 4, 24), jnp.float32)
+    out = paged_attention_decode(jnp.ones((2, 2, 24)), pages, pages, jnp.asarray([3, 0], jnp.int32),
+                                 jnp.asarray([[1, 2], [0, 0]], jnp.int32), impl="reference")
+    np.testing.assert_allclose(np.asarray(out[0]), 1.0, rtol=1e-6)
+    np.testing.assert_array_equal(np.asarray(out[1]), 0.0)
+    with pytest.raises(ValueError, match="for the Pallas kernels"):
+        paged_attention_decode(jnp.ones((2, 2, 24)), pages, pages, jnp.asarray([3, 0], jnp.int32),
+                               jnp.asarray([[1, 2], [0, 0]], jnp.int32), impl="interpret")
 
 
 @pytest.mark.parametrize("window", [None, 1, 37, 128, 300])
