@@ -106,6 +106,7 @@ class ModelRunner:
         self.stats = jax.device_put(init_token_stats(num_slots, self.cfg.vocab_size), self.replicated)
         self.ring_widths = ring_widths
         self.page_size = page_size
+        self.num_pages, self.num_slots = num_pages, num_slots
         self.buckets = make_buckets(max_num_seqs, max_num_batched_tokens)
         self.compiled: dict[Bucket, Callable] = {}
 
@@ -139,7 +140,20 @@ class ModelRunner:
         tokens, lps, top_ids, top_lps = jax.device_get((tokens, lps, top_ids, top_lps))
         return StepResult(tokens[:b], lps[:b], top_ids[:b], top_lps[:b])
 
+    def _check_indices(self, a: StepArrays) -> None:
+        """Every index is checked on the host: on device, JAX clamps out-of-range silently."""
+        def within(name: str, x: np.ndarray, hi: int) -> None:
+            if x.size and not (x.min() >= 0 and x.max() < hi):
+                raise AssertionError(f"{name} outside [0, {hi}): {x.min()}..{x.max()}")
+
+        within("token_ids", a.token_ids, self.cfg.vocab_size)
+        within("slot_ids", a.slot_ids, self.num_slots)
+        for g, n in enumerate(self.num_pages):
+            within(f"page_tables[{g}]", a.page_tables[g], n)
+            within(f"slot_mappings[{g}]", a.slot_mappings[g], n * self.page_size)
+
     def _pad(self, a: StepArrays, bucket: Bucket) -> RaggedBatch:
+        self._check_indices(a)
         t, bs = bucket.tokens, bucket.seqs
         b = len(a.slot_ids)
         cu = np.concatenate([a.cu_seqlens, np.full(bs - b, a.cu_seqlens[-1], np.int32)])

@@ -138,3 +138,18 @@ def test_swa_pages_stay_within_the_window_bound_while_decoding(llm):
         engine.step()
         peak = max(peak, *engine.stats()["pages_in_use"].values())
     assert 0 < peak <= 9
+
+
+def test_runner_refuses_out_of_range_indices(llm):
+    """JAX would clamp these silently on device; the runner checks them on the host."""
+    from serving.schedule import StepArrays
+
+    runner = llm.engine.runner
+    i32 = lambda *v: np.asarray(v, np.int32)
+    bad = StepArrays(token_ids=i32(1), positions=i32(0), cu_seqlens=i32(0, 1), query_lens=i32(1),
+                     seq_lens=i32(1), slot_ids=i32(runner.num_slots), has_initial=np.zeros(1, bool),
+                     page_tables=(np.zeros((1, runner.ring_widths[0]), np.int32),),
+                     slot_mappings=(i32(0),), sample_mask=np.ones(1, bool), logits_indices=i32(0),
+                     num_decodes=0)
+    with pytest.raises(AssertionError, match="slot_ids"):
+        runner._pad(bad, runner.pick(bad))

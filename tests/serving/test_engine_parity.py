@@ -15,8 +15,18 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+from flax import nnx  # noqa: E402
+
+from hybrid_jax import (  # noqa: E402
+    AttentionConfig,
+    CausalLM,
+    LayerSpec,
+    Mamba2Config,
+    MLPConfig,
+    ModelConfig,
+)
 from hybrid_jax.generate import greedy_generate  # noqa: E402
-from hybrid_jax.loading import load_model  # noqa: E402
+from hybrid_jax.loading import LoadedModel, load_model  # noqa: E402
 from serving.engine import LLMEngine  # noqa: E402
 from serving.engine_config import EngineConfig  # noqa: E402
 from serving.llm import LLM  # noqa: E402
@@ -24,13 +34,24 @@ from serving.sampling_params import SamplingParams  # noqa: E402
 from tests.model.hf_models import build  # noqa: E402
 
 NEW = 10
-PROMPT_LENS = (21, 3, 30)  # the HF test windows are 16; the native preset's is 64
+PROMPT_LENS = (21, 3, 30)  # every test window is 16 (the native preset's is 64)
 ARCHS = ("mamba2", "mistral", "recurrent_gemma", "falcon_h1")
+
+
+def native_hybrid() -> LoadedModel:
+    """The native family (parallel hybrid + SWA-only + Mamba2-only layers), window 16."""
+    cfg = ModelConfig(
+        architecture="native", vocab_size=128, hidden_size=64,
+        layers=(LayerSpec("hybrid", 16), LayerSpec("attention", 16), LayerSpec("mamba2"),
+                LayerSpec("hybrid", 16)),
+        attention=AttentionConfig(4, 2, 16), mamba2=Mamba2Config(4, 16, 16, chunk_size=16),
+        mlp=MLPConfig(128), max_position_embeddings=64)
+    return LoadedModel(CausalLM(cfg, rngs=nnx.Rngs(0)), cfg, None, "test")
 
 
 @pytest.fixture(scope="module")
 def hf_dirs(tmp_path_factory):
-    out = {}
+    out: dict[str, str | LoadedModel] = {"native": native_hybrid()}
     for arch in ARCHS:
         d = tmp_path_factory.mktemp(arch)
         build(arch, d, seed=0)
@@ -38,16 +59,20 @@ def hf_dirs(tmp_path_factory):
     return out
 
 
-def llm_for(model_dir: str, chunk: int) -> LLM:
+def loaded(source: str | LoadedModel) -> LoadedModel:
+    return source if isinstance(source, LoadedModel) else load_model(source)
+
+
+def llm_for(source: str | LoadedModel, chunk: int) -> LLM:
     cfg = EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, max_prefill_chunk=chunk,
                        max_model_len=64, page_size=8)
-    return LLM.from_engine(LLMEngine(load_model(model_dir), cfg, show_progress=False))
+    return LLM.from_engine(LLMEngine(loaded(source), cfg, show_progress=False))
 
 
 @pytest.mark.parametrize("chunk", [1, 7, 32])
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", (*ARCHS, "native"))
 def test_engine_greedy_equals_full_forward(hf_dirs, arch, chunk):
-    lm = load_model(hf_dirs[arch])
+    lm = loaded(hf_dirs[arch])
     rng = np.random.default_rng(chunk)
     prompts = [rng.integers(0, lm.config.vocab_size, n).tolist() for n in PROMPT_LENS]
     llm = llm_for(hf_dirs[arch], chunk)
