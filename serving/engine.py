@@ -75,7 +75,8 @@ class LLMEngine:
             num_slots=sc.num_slots,
             ring_widths=tuple(ring_width(g.window, sc.page_size, sc.max_prefill_chunk,
                                          sc.max_model_len) for g in sc.groups),
-            max_num_seqs=sc.max_num_seqs, max_num_batched_tokens=sc.max_num_batched_tokens)
+            max_num_seqs=sc.max_num_seqs, max_num_batched_tokens=sc.max_num_batched_tokens,
+            seq_sizes=self.config.seq_buckets, token_sizes=self.config.token_buckets)
         self.runner.compile_all(_progress if show_progress else None)
         self.requests: dict[str, _Request] = {}
         self._ids = itertools.count()

@@ -36,6 +36,10 @@ class EngineConfig:
     # Persistent XLA compilation cache, so a restart skips most of the start-up compile.
     # Used only when the process has not configured one itself; None disables.
     compilation_cache_dir: str | None = "~/.cache/hybrid-jax/xla"
+    # Shape-bucket ladders (sequences per step, tokens per step); None: powers of two up
+    # to max_num_seqs / max_num_batched_tokens. Fewer buckets: faster start-up, more padding.
+    seq_buckets: tuple[int, ...] | None = None
+    token_buckets: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_prefill_chunk", "page_size"):

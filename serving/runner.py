@@ -57,10 +57,20 @@ def _pow2_ladder(lo: int, hi: int) -> list[int]:
 
 
 def make_buckets(max_num_seqs: int, max_num_batched_tokens: int, min_tokens: int = 16,
-                 min_seqs: int = 8) -> list[Bucket]:
-    """Decode buckets (t == b) and mixed buckets (t tokens, b <= t sequences)."""
-    seqs = _pow2_ladder(min(min_seqs, max_num_seqs), max_num_seqs)
-    toks = _pow2_ladder(min(min_tokens, max_num_batched_tokens), max_num_batched_tokens)
+                 min_seqs: int = 8, *, seq_sizes: tuple[int, ...] | None = None,
+                 token_sizes: tuple[int, ...] | None = None) -> list[Bucket]:
+    """Decode buckets (t == b) and mixed buckets (t tokens, b <= t sequences).
+
+    The ladders are powers of two up to the limits unless `seq_sizes` / `token_sizes`
+    give them (fewer buckets: faster start-up, more padding); the limits always close them.
+    """
+    seqs = sorted({*(seq_sizes or _pow2_ladder(min(min_seqs, max_num_seqs), max_num_seqs)),
+                   max_num_seqs})
+    toks = sorted({*(token_sizes or _pow2_ladder(min(min_tokens, max_num_batched_tokens),
+                                                 max_num_batched_tokens)), max_num_batched_tokens})
+    if seqs[-1] > max_num_seqs or toks[-1] > max_num_batched_tokens:
+        raise ValueError(f"bucket sizes {seqs} / {toks} exceed max_num_seqs={max_num_seqs} / "
+                         f"max_num_batched_tokens={max_num_batched_tokens}")
     out = [Bucket(b, b, True) for b in seqs]
     out += [Bucket(t, b, False) for t in toks for b in seqs if b <= t or b == seqs[0]]
     return out
@@ -94,7 +104,9 @@ class ModelRunner:
 
     def __init__(self, model: CausalLM, *, num_pages: tuple[int, ...], page_size: int,
                  num_slots: int, ring_widths: tuple[int, ...], max_num_seqs: int,
-                 max_num_batched_tokens: int, mesh: Mesh | None = None):
+                 max_num_batched_tokens: int, mesh: Mesh | None = None,
+                 seq_sizes: tuple[int, ...] | None = None,
+                 token_sizes: tuple[int, ...] | None = None):
         self.cfg = model.cfg
         self.mesh = mesh or Mesh(np.asarray(jax.devices()[:1]), ("tp",))
         self.replicated = NamedSharding(self.mesh, PartitionSpec())
@@ -107,7 +119,8 @@ class ModelRunner:
         self.ring_widths = ring_widths
         self.page_size = page_size
         self.num_pages, self.num_slots = num_pages, num_slots
-        self.buckets = make_buckets(max_num_seqs, max_num_batched_tokens)
+        self.buckets = make_buckets(max_num_seqs, max_num_batched_tokens, seq_sizes=seq_sizes,
+                                    token_sizes=token_sizes)
         self.compiled: dict[Bucket, Callable] = {}
 
     def compile_all(self, progress: Callable[[int, int, Bucket], None] | None = None) -> None:
