@@ -172,7 +172,8 @@ class LLMEngine:
                          "top_p": p.top_p, "min_p": p.min_p, "seed": req.seed, "step": n_out,
                          "suppress": req.ban if n_out < p.min_tokens else [],
                          "repetition": p.repetition_penalty, "presence": p.presence_penalty,
-                         "frequency": p.frequency_penalty, "prompt_len": e.seq.num_prompt_tokens})
+                         "frequency": p.frequency_penalty, "prompt_len": e.seq.num_prompt_tokens,
+                         "want_top": bool(p.logprobs)})
         return SamplingArrays.from_rows(rows)
 
     def _delta(self, seq: Sequence, tokens: list[int], result: StepResult, row: int) -> RequestDelta:

@@ -92,7 +92,12 @@ def _step_fn(graphdef: nnx.GraphDef, decode: bool) -> Callable:
                                  sampling.presence, sampling.frequency)
         tokens, _ = sample(shaped, sampling)
         raw = jax.nn.log_softmax(logits, axis=-1)
-        top_lp, top_ids = jax.lax.top_k(raw, TOP_LOGPROBS)
+        # Top-n logprobs only when some request in the step asked for them.
+        b = raw.shape[0]
+        top_lp, top_ids = jax.lax.cond(
+            jnp.any(sampling.want_top), lambda r: tuple(jax.lax.top_k(r, TOP_LOGPROBS)),
+            lambda r: (jnp.zeros((b, TOP_LOGPROBS), r.dtype), jnp.zeros((b, TOP_LOGPROBS), jnp.int32)),
+            raw)
         logprobs = jnp.take_along_axis(raw, tokens[:, None], axis=-1)[:, 0]
         return caches, stats, tokens, logprobs, top_ids.astype(jnp.int32), top_lp
 

@@ -34,6 +34,7 @@ class SamplingArrays(NamedTuple):
     presence: jax.Array  # f32, 0 = off
     frequency: jax.Array  # f32, 0 = off
     prompt_len: jax.Array  # int32: positions >= this are output tokens (penalty statistics)
+    want_top: jax.Array  # bool: the request asked for top-n logprobs
 
     @staticmethod
     def from_rows(rows: list[dict[str, float | int]]) -> SamplingArrays:
@@ -51,7 +52,8 @@ class SamplingArrays(NamedTuple):
                               col("top_p", 1.0, np.float32), col("min_p", 0.0, np.float32),
                               col("seed", 0, np.uint32), col("step", 0, np.int32), suppress,
                               col("repetition", 1.0, np.float32), col("presence", 0.0, np.float32),
-                              col("frequency", 0.0, np.float32), col("prompt_len", 0, np.int32))
+                              col("frequency", 0.0, np.float32), col("prompt_len", 0, np.int32),
+                              col("want_top", False, bool))
 
 
 def filter_logits(logits: jax.Array, p: SamplingArrays) -> jax.Array:
@@ -77,7 +79,10 @@ def sample(logits: jax.Array, p: SamplingArrays) -> tuple[jax.Array, jax.Array]:
     logits = jnp.where(banned, -jnp.inf, logits)
     greedy = p.temperature <= 0.0
     temp = jnp.where(greedy, 1.0, p.temperature)[:, None]
-    filtered = filter_logits(logits, p) / temp
+    # The vocabulary sort behind the filters costs ~1.5 ms at b=256, v=32k on an H100:
+    # skip it when no sampled row asks for top-k, top-p or min-p.
+    needs = jnp.any(~greedy & ((p.top_k > 0) | (p.top_p < 1.0) | (p.min_p > 0.0)))
+    filtered = jax.lax.cond(needs, filter_logits, lambda x, _: x, logits, p) / temp
     keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(p.seed, p.step)
     gumbel = jax.vmap(lambda k: jax.random.gumbel(k, logits.shape[-1:]))(keys)
     drawn = jnp.argmax(filtered + gumbel, axis=-1)
