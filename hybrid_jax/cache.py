@@ -110,20 +110,17 @@ def init_caches(cfg: ModelConfig, *, num_pages: tuple[int, ...], page_size: int,
 
 def cache_bytes(cfg: ModelConfig, *, page_size: int, dtype: jnp.dtype,
                 state_dtype: jnp.dtype = jnp.float32) -> tuple[tuple[int, ...], int]:
-    """(bytes of one page per window group across its layers, bytes of one state slot)."""
-    item = jnp.dtype(dtype).itemsize
-    groups = layer_groups(cfg)
+    """(bytes of one page per window group across its layers, bytes of one state slot).
+
+    Derived from the shapes `init_caches` allocates (no arrays are created).
+    """
+    one = jax.eval_shape(lambda: init_caches(
+        cfg, num_pages=(1,) * len(cfg.windows), page_size=page_size, num_slots=1, dtype=dtype,
+        state_dtype=state_dtype))
     page = [0] * len(cfg.windows)
     slot = 0
-    for spec, g in zip(cfg.layers, groups, strict=True):
-        if g is not None:
-            a = cfg.attention
-            page[g] += 2 * a.num_kv_heads * page_size * kv_head_dim(a.head_dim) * item
-        if spec.kind.has_mamba2:
-            m = cfg.mamba2
-            slot += (m.conv_kernel - 1) * m.conv_dim * item
-            slot += m.num_heads * m.head_dim * m.state_size * jnp.dtype(state_dtype).itemsize
-        if spec.kind == LayerKind.RGLRU:
-            r = cfg.rglru
-            slot += (r.conv_kernel - 1) * r.width * item + r.width * 4
+    for cache, g in zip(one, layer_groups(cfg), strict=True):
+        if cache.kv is not None:
+            page[g] += sum(x.size * x.dtype.itemsize for x in cache.kv)
+        slot += sum(x.size * x.dtype.itemsize for x in jax.tree.leaves((cache.mamba, cache.rglru)))
     return tuple(page), slot

@@ -13,9 +13,12 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import jax
+
 from hybrid_jax.cache import cache_bytes
 from hybrid_jax.config import ModelConfig
 from serving.block_table import ring_width
+from serving.penalties import init_token_stats
 from serving.scheduler_config import AttentionGroup, SchedulerConfig
 
 log = logging.getLogger(__name__)
@@ -66,18 +69,15 @@ class PoolPlan:
         return self.scheduler.num_slots * self.slot_bytes
 
 
-def _pages_per_seq(window: int | None, cfg: EngineConfig, max_len: int) -> int:
-    """Pages one sequence may hold at once (plus the chunk in flight)."""
-    return ring_width(window, cfg.page_size, cfg.max_prefill_chunk, max_len)
-
-
 def plan_pools(model: ModelConfig, cfg: EngineConfig, *, free_bytes: int | None,
                weight_bytes: int, dtype) -> PoolPlan:
     """Choose page and slot counts; ValueError when one max-length sequence cannot fit."""
     max_len = cfg.max_model_len or min(model.max_position_embeddings, 8192)
     page_bytes, slot_bytes = cache_bytes(model, page_size=cfg.page_size, dtype=dtype)
-    slot_bytes += model.vocab_size * 5  # penalty statistics per slot (serving/penalties.py)
-    need = [_pages_per_seq(w, cfg, max_len) for w in model.windows]
+    slot_bytes += sum(x.size * x.dtype.itemsize  # penalty statistics of one slot
+                      for x in jax.eval_shape(lambda: init_token_stats(1, model.vocab_size)))
+    # Pages one sequence may hold at once (the chunk in flight included).
+    need = [ring_width(w, cfg.page_size, cfg.max_prefill_chunk, max_len) for w in model.windows]
     one_seq = sum(n * b for n, b in zip(need, page_bytes, strict=True)) + slot_bytes
     max_seqs = cfg.max_num_seqs
     if cfg.num_pages is not None:

@@ -86,8 +86,15 @@ def _step_fn(graphdef: nnx.GraphDef, decode: bool) -> Callable:
     def step(params, caches, stats: TokenStats, batch: RaggedBatch, sampling: SamplingArrays):
         model = nnx.merge(graphdef, params)
         logits, caches = forward_ragged(model, batch, caches, decode=decode)
-        stats = update_token_stats(stats, batch.tokens, batch.positions, batch.cu_seqlens,
-                                   batch.slot_ids, batch.has_initial, sampling.prompt_len)
+        # Statistics only matter to rows with penalties: a slot's row is rebuilt from its
+        # first chunk, so steps without any penalised row may leave them untouched.
+        penalised = jnp.any((sampling.repetition != 1.0) | (sampling.presence != 0.0)
+                            | (sampling.frequency != 0.0))
+        stats = jax.lax.cond(
+            penalised,
+            lambda st: update_token_stats(st, batch.tokens, batch.positions, batch.cu_seqlens,
+                                          batch.slot_ids, batch.has_initial, sampling.prompt_len),
+            lambda st: st, stats)
         shaped = apply_penalties(logits, stats, batch.slot_ids, sampling.repetition,
                                  sampling.presence, sampling.frequency)
         tokens, _ = sample(shaped, sampling)
@@ -151,9 +158,8 @@ class ModelRunner:
         bucket = self.pick(arrays)
         batch = self._pad(arrays, bucket)
         samp = SamplingArrays(*(_pad_rows(np.asarray(x), bucket.seqs) for x in sampling))
-        with self.mesh:
-            self.caches, self.stats, tokens, lps, top_ids, top_lps = self.compiled[bucket](
-                self.params, self.caches, self.stats, batch, samp)
+        self.caches, self.stats, tokens, lps, top_ids, top_lps = self.compiled[bucket](
+            self.params, self.caches, self.stats, batch, samp)
         b = len(arrays.slot_ids)
         tokens, lps, top_ids, top_lps = jax.device_get((tokens, lps, top_ids, top_lps))
         return StepResult(tokens[:b], lps[:b], top_ids[:b], top_lps[:b])

@@ -16,7 +16,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from safetensors import safe_open
 
@@ -64,11 +63,6 @@ def _module_for(hf: dict[str, Any]) -> ModuleType:
         return by_type[hf["model_type"]]
     raise ValueError(f"architectures={archs} / model_type={hf.get('model_type')!r} is not "
                      f"supported; supported: {supported_architectures()}")
-
-
-def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
-    """The ModelConfig of a parsed HF config.json."""
-    return _module_for(hf).config_from_hf(hf)
 
 
 def _tensor_files(path: Path) -> dict[str, Path]:
@@ -163,9 +157,3 @@ def _nest(flat: dict[tuple, Any]) -> dict:
             node = node.setdefault(key, {})
         node[path[-1]] = value
     return out
-
-
-def numpy_state(model: CausalLM) -> dict[str, np.ndarray]:
-    """Flat 'a.b.0.c' -> numpy view of every parameter (for tests and tools)."""
-    _, state = nnx.split(model)
-    return {".".join(map(str, p)): np.asarray(v[...]) for p, v in nnx.to_flat_state(state)}
