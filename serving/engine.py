@@ -21,6 +21,7 @@ from hybrid_jax.loading import DTYPES, LoadedModel, load_model
 from serving.block_table import ring_width
 from serving.detokenizer import IncrementalDetokenizer
 from serving.engine_config import EngineConfig, PoolPlan, plan_pools
+from serving.faults import FaultIsolator
 from serving.outputs import RequestDelta
 from serving.runner import ModelRunner, StepResult
 from serving.sampling import SUPPRESS_WIDTH, SamplingArrays
@@ -79,6 +80,7 @@ class LLMEngine:
             seq_sizes=self.config.seq_buckets, token_sizes=self.config.token_buckets)
         self.runner.compile_all(_progress if show_progress else None)
         self.requests: dict[str, _Request] = {}
+        self._faults = FaultIsolator(self)
         self._ids = itertools.count()
         self._seeds = np.random.default_rng(seed)
         log.info("engine ready: %d slots, pages %s, KV %.1f MiB, state %.1f MiB",
@@ -101,7 +103,8 @@ class LLMEngine:
         self.scheduler.add(seq)  # ValueError when prompt + max_tokens > max_model_len
         detok = (IncrementalDetokenizer(self.tokenizer, ids, params.stop)
                  if self.tokenizer is not None else None)
-        seed = params.seed if params.seed is not None else int(self._seeds.integers(2**32))
+        # Any int is a valid seed: the sampling seed is seed mod 2**32 (documented on SamplingParams).
+        seed = params.seed % 2**32 if params.seed is not None else int(self._seeds.integers(2**32))
         eos = () if params.ignore_eos else self.model_config.eos_token_ids
         self.requests[rid] = _Request(seq, detok, seed, list(dict.fromkeys((*eos, *params.stop_token_ids))))
         return rid
@@ -138,6 +141,18 @@ class LLMEngine:
         self.requests.pop(request_id, None)
         return self.scheduler.abort(request_id) is not None
 
+    def fail(self, request_id: str) -> RequestDelta | None:
+        """Finish a live request with finish_reason "error" (a fault pinned on it)."""
+        req = self.requests.pop(request_id, None)
+        seq = self.scheduler.get(request_id)
+        if seq is None:
+            return None
+        self.scheduler.finish(seq, FinishReason.ERROR)
+        log.error("request %s failed in the engine (finish_reason=error)", request_id)
+        return RequestDelta(request_id, [], req.detok.flush() if req and req.detok else "", None,
+                            True, FinishReason.ERROR.value, seq.num_prompt_tokens,
+                            seq.num_output_tokens)
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
@@ -157,7 +172,11 @@ class LLMEngine:
         if schedule.is_empty:
             self.scheduler.update(schedule, [])
             return []
-        result = self.runner.run(flatten(schedule), self._sampling(schedule))
+        try:
+            result = self.runner.run(flatten(schedule), self._sampling(schedule))
+        except Exception as err:
+            return self._faults.failed(schedule, err)
+        self._faults.succeeded(schedule)
         rows = {e.seq.request_id: i for i, e in enumerate(schedule.entries)}
         outputs = self.scheduler.update(schedule, result.tokens.tolist())
         return [self._delta(out.seq, out.new_token_ids, result, rows[out.seq.request_id])

@@ -73,6 +73,12 @@ class EngineCore:
         self._thread = threading.Thread(target=self._loop, name="engine-core", daemon=True)
         self.step_times: list[float] = []  # recent step durations (s), for metrics
         self.on_step: list = []  # callbacks(deltas, step_seconds), called on the loop thread
+        # False once the engine hit a fault it cannot recover from (device lost, every step
+        # failing); then on_fatal callbacks(exception) run once, on the loop thread, and the
+        # owner should stop serving (health NOT_SERVING) and exit non-zero.
+        self.healthy = True
+        self.fatal_error: BaseException | None = None
+        self.on_fatal: list = []
 
     def start(self) -> EngineCore:
         self._thread.start()
@@ -145,11 +151,11 @@ class EngineCore:
                 if busy:
                     t0 = time.perf_counter()
                     try:
-                        deltas = self.engine.step()
-                    except Exception as err:  # a bug: fail every live stream loudly, keep serving
-                        log.exception("engine step failed")
-                        self._fail_all(err)
-                        continue
+                        deltas = self.engine.step()  # recoverable faults are isolated inside
+                    except Exception as err:  # unrecoverable: fail every stream, stop, tell the owner
+                        log.exception("engine cannot go on; stopping")
+                        self._die(err)
+                        return
                     dt = time.perf_counter() - t0
                     self.step_times = [*self.step_times[-255:], dt]
                     for d in deltas:
@@ -165,8 +171,17 @@ class EngineCore:
                 self._wake.wait(timeout=0.05)
                 self._wake.clear()
 
-    def _fail_all(self, err: Exception) -> None:
+    def _die(self, err: Exception) -> None:
+        """Called with the lock held: refuse new work, fail every live stream, run on_fatal."""
+        self.healthy = False
+        self._accepting = False
+        self.fatal_error = err
         for rid, stream in list(self._streams.items()):
             self.engine.abort(rid)
-            stream._put(RuntimeError(f"engine step failed: {err}"))
+            stream._put(EngineStopped(f"the engine failed and is stopping: {err}"))
         self._streams.clear()
+        for cb in self.on_fatal:
+            try:
+                cb(err)
+            except Exception:
+                log.exception("on_fatal callback failed")

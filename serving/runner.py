@@ -164,6 +164,13 @@ class ModelRunner:
         tokens, lps, top_ids, top_lps = jax.device_get((tokens, lps, top_ids, top_lps))
         return StepResult(tokens[:b], lps[:b], top_ids[:b], top_lps[:b])
 
+    def state_lost(self) -> bool:
+        """Whether the donated device state (caches, statistics) is gone, e.g. a step died mid-call."""
+        try:
+            return any(x.is_deleted() for x in jax.tree.leaves((self.caches, self.stats)))
+        except Exception:  # the device itself is unusable
+            return True
+
     def _check_indices(self, a: StepArrays) -> None:
         """Every index is checked on the host: on device, JAX clamps out-of-range silently."""
         def within(name: str, x: np.ndarray, hi: int) -> None:

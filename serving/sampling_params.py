@@ -36,8 +36,9 @@ class SamplingParams:
       repetition_penalty: > 0; 1 turns it off (divides positive logits of seen
         tokens, multiplies negative ones; seen = prompt + output).
       presence_penalty, frequency_penalty: in [-2, 2]; applied to output tokens.
-      seed: per-request seed (any int) for reproducible sampling whatever the
-        batch, or None for the engine's stream.
+      seed: per-request seed (any int, negative too) for reproducible sampling
+        whatever the batch, or None for the engine's stream. The sampling seed is
+        `seed mod 2**32` (so -1 and 2**32 - 1 sample alike).
       logprobs: None, or how many top log-probabilities (0..20) to return per
         sampled token besides the sampled token's own.
 

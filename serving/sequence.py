@@ -28,6 +28,7 @@ class FinishReason(enum.StrEnum):
     STOP = "stop"  # EOS, a stop token id, or a stop string (engine)
     LENGTH = "length"  # max_tokens (or max_model_len) reached
     ABORT = "abort"  # aborted by the client or the engine
+    ERROR = "error"  # the engine failed this request (a fault pinned on it); others go on
 
 
 class Sequence:
