@@ -5,16 +5,23 @@
   client    stream one prompt from a running server to the terminal
   presets   list the model presets
 
-MODEL is a Hugging Face directory, a native (orbax) directory or a preset name
-(presets have random weights until trained). This module parses arguments and wires
-the parts; the client side imports no JAX, so `hybrid-jax client` starts fast.
+MODEL is a Hugging Face directory, a native (orbax) directory, a preset name
+(presets have random weights until trained) or a Hugging Face repo id `org/name`
+(from the local HF cache, downloaded when online). A user error (unknown model, a
+port in use, a missing file, a configuration that does not fit) is one line on
+stderr and exit code 2; HYBRID_JAX_DEBUG=1 shows the traceback. This module parses
+arguments and wires the parts; the client side imports no JAX, so `hybrid-jax client` starts fast.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 import sys
 from collections.abc import Sequence
+
+from serving.cli_support import check_bindable, prepare_model, run_user_command
 
 EPILOG = """examples:
   hybrid-jax presets
@@ -52,13 +59,15 @@ gRPC status (e.g. INVALID_ARGUMENT naming the field).
 
 
 def _sub(sub, name: str, help: str, epilog: str = EPILOG) -> argparse.ArgumentParser:
-    return sub.add_parser(name, help=help, description=help, epilog=epilog,
-                          formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser(name, help=help, description=help, epilog=epilog,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.set_defaults(_subparser=p)  # error messages name this subcommand's flags (cli_support)
+    return p
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="native-tiny",
-                   help="HF dir, native dir or preset name (default: native-tiny)")
+                   help="HF dir, native dir, preset name or HF repo id org/name (default: native-tiny)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--seed", type=int, default=0, help="seed for preset weights (default 0)")
 
@@ -98,7 +107,8 @@ def _parser() -> argparse.ArgumentParser:
 
     serve = _sub(sub, "serve", "serve a model over gRPC, with Prometheus metrics", SERVE_EPILOG)
     _model_args(serve)
-    serve.add_argument("--host", default="[::]", help="address to bind (default: all interfaces)")
+    serve.add_argument("--host", default="127.0.0.1",
+                       help="address for gRPC and metrics (default 127.0.0.1; 0.0.0.0 or [::] to expose)")
     serve.add_argument("--port", type=int, default=50051, help="gRPC port (default 50051; 0 = any free)")
     serve.add_argument("--metrics-port", type=int, default=9464,
                        help="Prometheus /metrics HTTP port (default 9464; -1 = off)")
@@ -107,6 +117,14 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--shutdown-grace", type=float, default=30.0,
                        help="seconds in-flight requests get after SIGTERM (default 30)")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    sec = serve.add_argument_group("security and limits")
+    sec.add_argument("--tls-cert", metavar="PEM", help="serve TLS with this certificate chain (+ --tls-key)")
+    sec.add_argument("--tls-key", metavar="PEM", help="the private key of --tls-cert")
+    sec.add_argument("--api-key", default=os.environ.get("HYBRID_JAX_API_KEY"),
+                     help="require 'authorization: Bearer KEY' on every call but health checks "
+                          "(default: $HYBRID_JAX_API_KEY; prefer it to the flag, which ps shows)")
+    sec.add_argument("--max-request-bytes", type=int, default=None,
+                     help="largest request message (default 1 MiB + 8 bytes per max-model-len token)")
     _engine_args(serve)
 
     client = _sub(sub, "client", "stream a prompt's continuation from a running server", CLIENT_EPILOG)
@@ -127,7 +145,8 @@ def _generate(args: argparse.Namespace) -> int:
     if args.max_tokens < 1:
         print(f"error: --max-tokens={args.max_tokens} must be >= 1", file=sys.stderr)
         return 2
-    lm = load_model(args.model, dtype=args.dtype, seed=args.seed)
+    lm = load_model(prepare_model(args.model, needs_tokenizer=True, announce=_to_stderr),
+                    dtype=args.dtype, seed=args.seed)
     if lm.tokenizer is None:
         print(f"error: {args.model} has no tokenizer.json", file=sys.stderr)
         return 2
@@ -146,26 +165,64 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from serving.request_log import log_event, setup_logging
+    from serving.security import tls_credentials
+
+    setup_logging(args.log_level)
+    # Everything a user can get wrong is checked before the weights load and compile.
+    if (args.tls_cert is None) != (args.tls_key is None):
+        raise ValueError("--tls-cert and --tls-key go together")
+    tls = tls_credentials(args.tls_cert, args.tls_key) if args.tls_cert else None
+    check_bindable(args.host, args.port, "--port")
+    if args.metrics_port >= 0:
+        check_bindable(args.host, args.metrics_port, "--metrics-port")
+    limits = _request_limits(args)
+    model = prepare_model(args.model, needs_tokenizer=False,
+                          announce=lambda msg: log_event("server.loading", message=msg))
+    return _serve_model(args, model, tls, limits)
+
+
+def _request_limits(args: argparse.Namespace):
+    from serving.validation import RequestLimits
+
+    if args.max_request_bytes is None:
+        return None
+    if args.max_request_bytes < 1:
+        raise ValueError(f"--max-request-bytes={args.max_request_bytes} must be >= 1")
+    return RequestLimits(max_request_bytes=args.max_request_bytes)
+
+
+def _serve_model(args: argparse.Namespace, model: str, tls, limits) -> int:
     from hybrid_jax.loading import load_model
     from serving.engine import LLMEngine
     from serving.engine_config import EngineConfig
-    from serving.request_log import setup_logging
     from serving.server import GenerationServer
 
-    setup_logging(args.log_level)
     cfg = EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                        max_prefill_chunk=args.max_prefill_chunk, max_model_len=args.max_model_len,
                        page_size=args.page_size, memory_fraction=args.memory_fraction, dtype=args.dtype)
-    engine = LLMEngine(load_model(args.model, dtype=args.dtype, seed=args.seed), cfg)
+    engine = LLMEngine(load_model(model, dtype=args.dtype, seed=args.seed), cfg)
     server = GenerationServer(engine, model_name=args.model, host=args.host, port=args.port,
                               metrics_port=None if args.metrics_port < 0 else args.metrics_port,
-                              max_waiting=args.max_waiting).start()
-    server.run_until_signal(grace_s=args.shutdown_grace)
-    return 0
+                              max_waiting=args.max_waiting, limits=limits, tls=tls,
+                              api_key=args.api_key).start()
+    code = server.run_until_signal(grace_s=args.shutdown_grace)
+    if code:  # the engine cannot recover: leave now, even if a thread is wedged
+        logging.shutdown()
+        os._exit(code)
+    return code
+
+
+def _to_stderr(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    """Run one subcommand; a user error is one line on stderr and exit code 2 (cli_support)."""
+    return run_user_command(_dispatch, _parser().parse_args(argv))
+
+
+def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "presets":
         from hybrid_jax.presets import preset_names
 

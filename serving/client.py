@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 
 import grpc
 from google.protobuf.json_format import MessageToDict
@@ -42,21 +44,38 @@ def make_request(prompt: str | Sequence[int], *, request_id: str = "",
     return req
 
 
-class GenerationClient:
-    """A channel to one server; use as a context manager or call `close()`."""
+def open_channel(target: str, *, tls: bool = False, tls_ca: str | Path | None = None) -> grpc.Channel:
+    """A channel to `target`: plaintext, or TLS (tls=True: the system's roots; tls_ca: that PEM)."""
+    if not tls and tls_ca is None:
+        return grpc.insecure_channel(target)
+    roots = None
+    if tls_ca is not None:
+        if not Path(tls_ca).is_file():
+            raise FileNotFoundError(f"--tls-ca {tls_ca}: no such file")
+        roots = Path(tls_ca).read_bytes()
+    return grpc.secure_channel(target, grpc.ssl_channel_credentials(root_certificates=roots))
 
-    def __init__(self, target: str):
-        self.channel = grpc.insecure_channel(target)
+
+class GenerationClient:
+    """A channel to one server; use as a context manager or call `close()`.
+
+    tls / tls_ca: see `open_channel`. api_key: sent as `authorization: Bearer <key>`.
+    """
+
+    def __init__(self, target: str, *, tls: bool = False, tls_ca: str | Path | None = None,
+                 api_key: str | None = None):
+        self.channel = open_channel(target, tls=tls, tls_ca=tls_ca)
         self.stub = pb_grpc.GenerationStub(self.channel)
+        self.metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
 
     def generate(self, prompt: str | Sequence[int], *, timeout: float | None = None, request_id: str = "",
                  **params: object) -> Iterator[pb.GenerateResponse]:
         """Stream the response messages; the last has finish_reason and usage set."""
         yield from self.stub.Generate(make_request(prompt, request_id=request_id, **params),
-                                      timeout=timeout)
+                                      timeout=timeout, metadata=self.metadata)
 
     def model_info(self, timeout: float | None = None) -> pb.ModelInfo:
-        return self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout)
+        return self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout, metadata=self.metadata)
 
     def close(self) -> None:
         self.channel.close()
@@ -84,13 +103,17 @@ def add_client_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ignore-eos", action="store_true", default=None, help="generate past EOS")
     p.add_argument("--timeout", type=float, help="deadline in seconds (the server aborts at expiry)")
     p.add_argument("--request-id", default="", help="request id for the server logs (default: generated)")
+    p.add_argument("--tls", action="store_true", help="connect with TLS, trusting the system's CAs")
+    p.add_argument("--tls-ca", metavar="PEM", help="connect with TLS, trusting this CA certificate")
+    p.add_argument("--api-key", default=os.environ.get("HYBRID_JAX_API_KEY"),
+                   help="sent as 'authorization: Bearer KEY' (default: $HYBRID_JAX_API_KEY)")
     p.add_argument("--usage", action="store_true", help="print finish reason and usage to stderr")
     p.add_argument("--info", action="store_true", help="print the server's model info as JSON and exit")
 
 
 def run_client(args: argparse.Namespace) -> int:
     """Stream one prompt (prompt, then continuation) to stdout; 1 and the status on errors."""
-    with GenerationClient(args.server) as client:
+    with GenerationClient(args.server, tls=args.tls, tls_ca=args.tls_ca, api_key=args.api_key) as client:
         try:
             if args.info:
                 print(json.dumps(MessageToDict(client.model_info(timeout=args.timeout)), indent=2))

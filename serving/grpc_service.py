@@ -4,22 +4,31 @@ Each `Generate` call runs in one thread of the gRPC pool: it checks the request
 (`serving.validation`), submits it to the `EngineCore`, and forwards the request's
 deltas as `GenerateResponse` messages. Status codes:
 
-  INVALID_ARGUMENT     a bad field (named in the details); the server keeps serving
-  RESOURCE_EXHAUSTED   the waiting queue is full (nothing was queued)
+  INVALID_ARGUMENT     a bad field (named in the details), a body that does not parse,
+                       or a request over a size limit; the server keeps serving
+  RESOURCE_EXHAUSTED   the waiting queue is full, or the open-stream limit is reached
+                       (nothing was queued)
   ALREADY_EXISTS       the client's request_id is live
   UNAVAILABLE          the server is shutting down (before or after acceptance)
-  INTERNAL             the engine step failed
+  INTERNAL             the engine failed this request (finish_reason "error"); the
+                       other requests go on
 
-A client cancel or an expired deadline ends the RPC; its callback aborts the
-request in the engine at once, which frees its pages and slot. This module knows
-nothing of sockets, signals or the process lifecycle (see `serving.server`).
+Every refusal is logged (`request.rejected`) and counted by code and reason. A
+client cancel or an expired deadline ends the RPC; its callback aborts the request
+in the engine at once, which frees its pages and slot. `add_to_server` registers
+the service with request parsing that cannot fail inside grpc (see
+`validation.parse`). This module knows nothing of sockets, signals, credentials or
+the process lifecycle (see `serving.server`).
 """
 
 from __future__ import annotations
 
+import logging
 import queue
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import grpc
 
@@ -29,18 +38,62 @@ from serving.outputs import RequestDelta
 from serving.proto.hybrid_jax.v1 import generation_pb2 as pb
 from serving.proto.hybrid_jax.v1 import generation_pb2_grpc as pb_grpc
 from serving.request_log import log_event
-from serving.validation import EngineRequest, InvalidRequest, check_known, to_engine_request
+from serving.validation import (
+    EngineRequest,
+    InvalidRequest,
+    RequestLimits,
+    Unparsed,
+    check_known,
+    parse,
+    to_engine_request,
+)
 
 FINISH_REASONS = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH,
                   "abort": pb.FINISH_REASON_ABORT}
 POLL_S = 0.1  # how often a waiting handler re-checks that its client is still there
+SERVICE = "hybrid_jax.v1.Generation"
+# method -> (kind, request type, response type)
+METHODS = {"Generate": ("unary_stream", pb.GenerateRequest, pb.GenerateResponse),
+           "Tokenize": ("unary_unary", pb.TokenizeRequest, pb.TokenizeResponse),
+           "Detokenize": ("unary_unary", pb.DetokenizeRequest, pb.DetokenizeResponse),
+           "GetModelInfo": ("unary_unary", pb.GetModelInfoRequest, pb.ModelInfo)}
+
+
+def add_to_server(servicer: GenerationServicer, server: grpc.Server) -> None:
+    """Register the service; a body that does not parse reaches the handler as `Unparsed`."""
+    handlers = {}
+    for name, (kind, req_type, resp_type) in METHODS.items():
+        make = getattr(grpc, f"{kind}_rpc_method_handler")
+        handlers[name] = make(getattr(servicer, name), request_deserializer=_parser(
+            req_type, servicer.limits.max_request_bytes), response_serializer=resp_type.SerializeToString)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+
+
+def _parser(req_type, max_bytes: int) -> Callable[[bytes], object]:
+    return lambda data: parse(req_type, data, max_bytes)
+
+
+@dataclass
+class _ErrorDelta(RequestDelta):
+    """The last delta of a request that the engine failed, with what went wrong."""
+
+    error: str = ""
 
 
 class GenerationServicer(pb_grpc.GenerationServicer):
-    """Serves one engine core; `model_name` is reported by GetModelInfo."""
+    """Serves one engine core; `model_name` is reported by GetModelInfo.
 
-    def __init__(self, core: EngineCore, metrics: ServerMetrics, *, model_name: str):
+    At most `max_streams` Generate calls are open at once (None: no limit of its own);
+    one more is refused with RESOURCE_EXHAUSTED, so the server's spare threads stay
+    free for health checks and unary calls.
+    """
+
+    def __init__(self, core: EngineCore, metrics: ServerMetrics, *, model_name: str,
+                 limits: RequestLimits | None = None, max_streams: int | None = None):
         self.core, self.metrics, self.model_name = core, metrics, model_name
+        self.limits = limits or RequestLimits()
+        self.max_streams = max_streams
+        self._open = threading.BoundedSemaphore(max_streams) if max_streams else None
         engine = core.engine
         self.tokenizer = engine.tokenizer
         self.vocab_size = engine.model_config.vocab_size
@@ -48,10 +101,21 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
     # -- Generate ----------------------------------------------------------------------
 
-    def Generate(self, request: pb.GenerateRequest,
+    def Generate(self, request: pb.GenerateRequest | Unparsed,
                  context: grpc.ServicerContext) -> Iterator[pb.GenerateResponse]:
         """Stream one request's deltas; ends with a finished message or a status (see above)."""
         req = self._accept(request, context)
+        if self._open is not None and not self._open.acquire(blocking=False):
+            self._reject(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                         f"server busy: {self.max_streams} streams open (its limit); retry later",
+                         req.request_id, "too_many_streams")
+        try:
+            yield from self._serve(req, context)
+        finally:
+            if self._open is not None:
+                self._open.release()
+
+    def _serve(self, req: EngineRequest, context: grpc.ServicerContext) -> Iterator[pb.GenerateResponse]:
         timing = RequestTiming(time.monotonic(), len(req.prompt_token_ids))
         stream = self._submit(req, context)
         self.metrics.request_accepted(timing)
@@ -66,6 +130,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 self.metrics.generation_tokens.inc(len(delta.token_ids))
                 if delta.finished:
                     finished, reason = True, delta.finish_reason or "stop"
+                if delta.finish_reason == "error":
+                    self._failed(req.request_id, delta, context)
                 if delta.finish_reason == "abort" and context.is_active():
                     # Not the client's doing: the server aborted it (shutdown grace ran out).
                     context.abort(grpc.StatusCode.UNAVAILABLE, f"request {req.request_id} aborted after "
@@ -78,6 +144,18 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                           completion_tokens=timing.output_tokens, deadline_passed=_deadline_passed(context))
             self._finished(req.request_id, timing, reason)
 
+    def _failed(self, request_id: str, delta: RequestDelta, context: grpc.ServicerContext) -> None:
+        """The engine failed this request: log it, end the RPC with INTERNAL, or with
+        UNAVAILABLE when the whole engine failed (the server is going away: retry elsewhere)."""
+        error = getattr(delta, "error", "") or "a fault in the engine step was pinned on it"
+        log_event("request.failed", logging.ERROR, request_id=request_id,
+                  completion_tokens=delta.num_output_tokens, error=error)
+        if not self.core.healthy:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"request {request_id} failed: {error}; "
+                          "the server is stopping, retry on another replica")
+        context.abort(grpc.StatusCode.INTERNAL, f"request {request_id} failed in the engine after "
+                      f"{delta.num_output_tokens} tokens ({error}); the server keeps serving")
+
     def _finished(self, request_id: str, timing: RequestTiming, reason: str) -> None:
         now = time.monotonic()
         self.metrics.request_finished(timing, reason, now)
@@ -86,13 +164,18 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                   prompt_tokens=timing.prompt_tokens, completion_tokens=timing.output_tokens,
                   ttft_s=ttft, e2e_s=round(now - timing.accepted, 4))
 
-    def _accept(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> EngineRequest:
+    def _accept(self, request: pb.GenerateRequest | Unparsed,
+                context: grpc.ServicerContext) -> EngineRequest:
         try:
+            if isinstance(request, Unparsed):
+                raise request.error
             return to_engine_request(request, self.tokenizer, vocab_size=self.vocab_size,
-                                     max_model_len=self.max_model_len)
+                                     max_model_len=self.max_model_len, limits=self.limits)
         except InvalidRequest as err:
-            self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, str(err), request.request_id,
-                         field=err.field)
+            unparsed = isinstance(request, Unparsed)
+            rid = "" if unparsed else request.request_id[:self.limits.max_request_id_chars]
+            reason = "unparsed" if unparsed else "invalid"
+            self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, str(err), rid, reason, field=err.field)
             raise AssertionError("unreachable") from err  # context.abort raised
 
     def _submit(self, req: EngineRequest, context: grpc.ServicerContext):
@@ -100,21 +183,22 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             return self.core.submit(params=req.params, prompt_token_ids=req.prompt_token_ids,
                                     request_id=req.request_id)
         except QueueFull as err:
-            code, details = grpc.StatusCode.RESOURCE_EXHAUSTED, f"server busy: {err}; retry later"
+            code, details, reason = grpc.StatusCode.RESOURCE_EXHAUSTED, f"server busy: {err}; retry later", \
+                "queue_full"
         except EngineStopped as err:
-            code, details = grpc.StatusCode.UNAVAILABLE, str(err)
+            code, details, reason = grpc.StatusCode.UNAVAILABLE, str(err), "shutting_down"
         except ValueError as err:  # the engine's own checks (they name the field)
             already = "already" in str(err) and "request_id" in str(err)
             code = grpc.StatusCode.ALREADY_EXISTS if already else grpc.StatusCode.INVALID_ARGUMENT
-            details = str(err)
-        self._reject(context, code, details, req.request_id)
+            details, reason = str(err), "duplicate_id" if already else "invalid"
+        self._reject(context, code, details, req.request_id, reason)
         raise AssertionError("unreachable")
 
     def _reject(self, context: grpc.ServicerContext, code: grpc.StatusCode, details: str,
-                request_id: str, **fields: object) -> None:
-        self.metrics.rejected.labels(code.name).inc()
-        log_event("request.rejected", request_id=request_id or None, code=code.name,
-                  details=details, **fields)
+                request_id: str, reason: str, **fields: object) -> None:
+        self.metrics.rejected.labels(code.name, reason).inc()
+        log_event("request.rejected", logging.WARNING, request_id=request_id or None, code=code.name,
+                  reason=reason, details=details, peer=context.peer(), **fields)
         context.abort(code, details)
 
     def _deltas(self, stream, context: grpc.ServicerContext) -> Iterator[RequestDelta]:
@@ -126,8 +210,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 if not context.is_active():
                     return
                 continue
-            except RuntimeError as err:  # the engine step failed; the core aborted the request
-                context.abort(grpc.StatusCode.INTERNAL, str(err))
+            except (RuntimeError, EngineStopped) as err:  # the core failed it without a delta
+                delta = _ErrorDelta(stream.request_id, [], "", None, True, "error", 0, 0, str(err))
             yield delta
             if delta.finished:
                 return
@@ -135,30 +219,37 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     # -- unary calls -------------------------------------------------------------------
 
     def Tokenize(self, request: pb.TokenizeRequest, context: grpc.ServicerContext) -> pb.TokenizeResponse:
-        self._check_unary(request, context)
+        self._check_unary(request, context, "Tokenize")
         add_bos = request.add_bos if request.HasField("add_bos") else True
         return pb.TokenizeResponse(token_ids=self.tokenizer.encode(request.text, add_bos=add_bos))
 
     def Detokenize(self, request: pb.DetokenizeRequest,
                    context: grpc.ServicerContext) -> pb.DetokenizeResponse:
-        self._check_unary(request, context)
+        self._check_unary(request, context, "Detokenize")
         bad = [t for t in request.token_ids if not 0 <= t < self.vocab_size]
         if bad:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"token_ids: {bad[:5]} outside the vocabulary [0, {self.vocab_size})")
+            self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, f"token_ids: {bad[:5]} outside the "
+                         f"vocabulary [0, {self.vocab_size})", "", "invalid", method="Detokenize")
         skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
         return pb.DetokenizeResponse(text=self.tokenizer.decode(list(request.token_ids),
                                                                 skip_special_tokens=skip))
 
-    def _check_unary(self, request, context: grpc.ServicerContext) -> None:
+    def _check_unary(self, request, context: grpc.ServicerContext, method: str,
+                     needs_tokenizer: bool = True) -> None:
+        """Refuse (counted, logged) a unary call whose body did not parse or has unknown fields."""
         try:
+            if isinstance(request, Unparsed):
+                raise request.error
             check_known(request)
         except InvalidRequest as err:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
-        if self.tokenizer is None:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this model has no tokenizer")
+            reason = "unparsed" if isinstance(request, Unparsed) else "invalid"
+            self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, str(err), "", reason, method=method)
+        if needs_tokenizer and self.tokenizer is None:
+            self._reject(context, grpc.StatusCode.FAILED_PRECONDITION, "this model has no tokenizer", "",
+                         "no_tokenizer", method=method)
 
     def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.ServicerContext) -> pb.ModelInfo:
+        self._check_unary(request, context, "GetModelInfo", needs_tokenizer=False)
         engine = self.core.engine
         cfg, sc = engine.model_config, engine.plan.scheduler
         info = pb.ModelInfo(

@@ -2,8 +2,10 @@
 
 `ServerMetrics` owns the series (all named `hybrid_jax_*`):
 
-  requests_total{finish_reason}      counter: finished requests (stop | length | abort)
-  requests_rejected_total{code}      counter: requests refused before the engine (gRPC code)
+  requests_total{finish_reason}      counter: finished requests (stop | length | abort | error)
+  requests_rejected_total{code,reason}  counter: calls refused before the engine (gRPC code and
+                                     why: invalid, unparsed, too_many_streams, queue_full,
+                                     duplicate_id, shutting_down, unauthenticated, no_tokenizer)
   prompt_tokens_total                counter: prompt tokens of accepted requests
   generation_tokens_total            counter: output tokens streamed
   time_to_first_token_seconds        histogram: accept -> first token
@@ -80,8 +82,8 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("hybrid_jax_requests", "Finished requests", ["finish_reason"], registry=r)
-        self.rejected = Counter("hybrid_jax_requests_rejected", "Requests refused before the engine",
-                                ["code"], registry=r)
+        self.rejected = Counter("hybrid_jax_requests_rejected", "Calls refused before the engine",
+                                ["code", "reason"], registry=r)
         self.prompt_tokens = Counter("hybrid_jax_prompt_tokens", "Prompt tokens of accepted requests",
                                      registry=r)
         self.generation_tokens = Counter("hybrid_jax_generation_tokens", "Output tokens streamed",
@@ -96,7 +98,7 @@ class ServerMetrics:
         self.step = Histogram("hybrid_jax_engine_step_seconds", "One engine step", buckets=STEP_BUCKETS,
                               registry=r)
         r.register(_PoolCollector(stats))
-        for reason in ("stop", "length", "abort"):  # expose zeros before the first request
+        for reason in ("stop", "length", "abort", "error"):  # expose zeros before the first request
             self.requests.labels(reason)
         self._http = None
 
@@ -116,9 +118,12 @@ class ServerMetrics:
         if timing.output_tokens > 1 and timing.last_token is not None and timing.first_token is not None:
             self.tpot.observe((timing.last_token - timing.first_token) / (timing.output_tokens - 1))
 
-    def start_http(self, port: int, addr: str = "0.0.0.0") -> int:
-        """Serve /metrics on `port` (0: any free port); returns the bound port."""
-        self._http, _ = start_http_server(port, addr=addr, registry=self.registry)
+    def start_http(self, port: int, addr: str = "127.0.0.1") -> int:
+        """Serve /metrics on `addr`:`port` (0: any free port); returns the bound port.
+
+        `addr` is a host name or address, IPv6 with or without brackets ("[::]", "::").
+        """
+        self._http, _ = start_http_server(port, addr=addr.strip("[]"), registry=self.registry)
         return self._http.server_port
 
     def stop_http(self) -> None:

@@ -1,8 +1,7 @@
-"""The hybrid-jax CLI: generate streams the reference greedy continuation; errors exit 2."""
+"""The hybrid-jax CLI: generate streams the reference greedy continuation; errors exit 2
+(one line on stderr; tests/test_cli_errors.py has the rest)."""
 
 from __future__ import annotations
-
-import pytest
 
 from hybrid_jax.generate import greedy_generate
 from hybrid_jax.loading import load_model
@@ -28,6 +27,8 @@ def test_bad_max_tokens_is_an_error(capsys):
     assert "--max-tokens=0" in capsys.readouterr().err
 
 
-def test_unknown_model_is_named():
-    with pytest.raises(ValueError, match="no-such-model"):
-        main(["generate", "--model", "no-such-model", "x"])
+def test_unknown_model_is_one_line_and_exit_2(capsys):
+    assert main(["generate", "--model", "no-such-model", "x"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no-such-model" in err and "native-tiny" in err
+    assert err.startswith("hybrid-jax generate: error: ")
