@@ -1,0 +1,95 @@
+"""GraniteMoeHybridForCausalLM, dense only (Granite-4.0-H-Micro: num_local_experts=0).
+
+Mamba2 / attention layers per `layer_types` ("mamba" | "linear_attention",
+"attention" | "full_attention"), each followed by the shared MLP. Quirks that change
+numerics, each handled here:
+- multipliers: the embedding by `embedding_multiplier`; both sub-block outputs by
+  `residual_multiplier` before their residual add; logits divided by `logits_scaling`;
+  attention scores scaled by `attention_multiplier` (not head_dim ** -0.5);
+- NoPE: attention has no positional encoding unless `position_embedding_type` is "rope";
+- the shared MLP keeps gate and up in one `input_linear` [2f, d] (gate first);
+- the Mamba2 mixer reads the same `mamba_*` fields as Bamba.
+Mixture-of-experts layers (num_local_experts > 0: Granite-4.0-H-Tiny/Small) are refused.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hybrid_jax.checkpoints import bamba, hf_fields, names
+from hybrid_jax.config import AttentionConfig, LayerSpec, MLPConfig, ModelConfig
+
+ARCHITECTURE = "GraniteMoeHybridForCausalLM"
+_KINDS = {"mamba": "mamba2", "linear_attention": "mamba2", "attention": "attention",
+          "full_attention": "attention"}
+
+
+def _layers(hf: dict[str, Any]) -> tuple[LayerSpec, ...]:
+    n = hf["num_hidden_layers"]
+    types = hf.get("layer_types") or hf.get("layers_block_type") or ["mamba"] * n
+    if len(types) != n:
+        raise ValueError(f"layer_types has {len(types)} entries for num_hidden_layers={n}")
+    unknown = set(types) - set(_KINDS)
+    if unknown:
+        raise ValueError(f"layer_types contains unsupported kinds {sorted(unknown)}")
+    return tuple(LayerSpec(_KINDS[t]) for t in types)
+
+
+def _check_supported(hf: dict[str, Any]) -> None:
+    experts = hf.get("num_local_experts", 0) or 0
+    if experts > 0:
+        raise ValueError(f"num_local_experts={experts}: mixture-of-experts layers are not "
+                         "supported (only dense Granite-4.0-H, num_local_experts=0)")
+    pe = hf.get("position_embedding_type")
+    if pe not in (None, "nope", "rope"):
+        raise ValueError(f"position_embedding_type={pe!r} is not supported ('rope' or 'nope')")
+    if pe == "rope":
+        hf_fields.check_rope_type(hf)
+
+
+def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
+    _check_supported(hf)
+    layers = _layers(hf)
+    has_attention = any(s.kind.has_attention for s in layers)
+    attention = AttentionConfig(
+        **bamba.attention_shape(hf), rope=hf.get("position_embedding_type") == "rope",
+        rope_theta=hf_fields.rope_theta(hf), scale=float(hf.get("attention_multiplier", 1.0)))
+    return ModelConfig(
+        architecture="granite_hybrid",
+        vocab_size=hf["vocab_size"],
+        hidden_size=hf["hidden_size"],
+        layers=layers,
+        attention=attention if has_attention else None,
+        mamba2=bamba.mamba_config(hf, eps=1e-6) if any(s.kind.has_mamba2 for s in layers)
+        else None,
+        mlp=MLPConfig(hf["shared_intermediate_size"], activation="silu", fused_gate_up=True),
+        norm_eps=hf.get("rms_norm_eps", 1e-6),
+        tie_embeddings=hf.get("tie_word_embeddings", False),
+        embedding_scale=float(hf.get("embedding_multiplier", 1.0)),
+        logits_multiplier=1.0 / float(hf.get("logits_scaling", 1.0)),
+        residual_multiplier=float(hf.get("residual_multiplier", 1.0)),
+        max_position_embeddings=hf.get("max_position_embeddings", 131_072),
+        **hf_fields.special_tokens(hf),
+    )
+
+
+def weight_map(cfg: ModelConfig) -> names.WeightMap:
+    out = names.vector("model.embed_tokens.weight", ("embed", "embedding"))
+    out |= names.vector("model.norm.weight", ("final_norm", "weight"))
+    if not cfg.tie_embeddings:
+        out |= names.linear("lm_head", ("lm_head",), bias=False)
+    for i, spec in enumerate(cfg.layers):
+        p = f"model.layers.{i}"
+        out |= names.vector(f"{p}.input_layernorm.weight", names.layer_path(i, "temporal_norm", "weight"))
+        out |= names.vector(f"{p}.post_attention_layernorm.weight",
+                            names.layer_path(i, "mlp_norm", "weight"))
+        if spec.kind.has_attention:
+            att = cfg.attention
+            out |= names.attention(f"{p}.self_attn", names.layer_path(i, "attention"),
+                                   qkv_bias=att.qkv_bias, o_bias=att.o_bias)
+        else:
+            out |= names.mamba2(f"{p}.mamba", names.layer_path(i, "mamba"), cfg.mamba2)
+        mlp = names.layer_path(i, "mlp")
+        out |= names.linear(f"{p}.shared_mlp.input_linear", (*mlp, "gate_up_proj"), bias=False)
+        out |= names.linear(f"{p}.shared_mlp.output_linear", (*mlp, "down_proj"), bias=False)
+    return out
