@@ -4,6 +4,7 @@
   serve     a gRPC server (+ Prometheus metrics) on the continuous-batching engine
   client    stream one prompt from a running server to the terminal
   presets   list the model presets
+  bench     benchmarks: throughput | serving | scaling | sweep (JSON + PNG)
 
 MODEL is a Hugging Face directory, a native (orbax) directory, a preset name
 (presets have random weights until trained) or a Hugging Face repo id `org/name`
@@ -132,6 +133,10 @@ def _parser() -> argparse.ArgumentParser:
 
     add_client_args(client)
     _sub(sub, "presets", "list the model presets")
+    from serving.bench import args as bench_args
+
+    bench_args.add_args(_sub(sub, "bench", "benchmarks that write OUT/MODE.json and OUT/MODE.png",
+                             bench_args.BENCH_EPILOG))
     return p
 
 
@@ -228,6 +233,10 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         print("\n".join(preset_names()))
         return 0
+    if args.command == "bench":
+        from serving.bench import main as bench_main
+
+        return bench_main(args)
     if args.command == "client":
         from serving.client import run_client
 

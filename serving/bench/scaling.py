@@ -1,0 +1,184 @@
+"""`hybrid-jax bench scaling`: decode step, tokens/s and memory as the context grows.
+
+For each model (a hybrid and its full-attention baseline by default) and each batch,
+one engine is built for the largest context that fits (by the engine's own pool
+plan) and every context up to it is run: the batch's prompts are prefilled, then
+steps in which the whole batch decodes are timed (see `probe.measure_decode`).
+Contexts whose predicted prefill time exceeds `--max-prefill-s` (prefill time grows
+linearly with context for windowed/recurrent models and quadratically with global
+attention) or that come after `--time-budget` are recorded as skipped, with the
+reason. Each point carries its byte floor (weights + in-window K/V + state, over
+the copy bandwidth measured in this run), and the KV and state bytes in use. The
+largest batch that fits at `--fit-contexts` is reported by the engine's pool plan
+and by decode-page arithmetic (one prefill chunk reserved once). Results are
+written after every point, so an interrupted run keeps what it measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import time
+from pathlib import Path
+
+import numpy as np
+
+from hybrid_jax.config import LayerSpec, ModelConfig
+from serving.bench import common, engine_setup, memory, plots
+from serving.bench.floor import copy_bandwidth, floor_report
+from serving.bench.probe import StepTracer, decode_budget, measure_decode, trace_scopes
+
+FULL_ATTENTION = ":full-attention"
+
+
+def model_config(name: str) -> ModelConfig:
+    from hybrid_jax.presets import load_preset
+
+    if name.endswith(FULL_ATTENTION):
+        cfg = load_preset(name.removesuffix(FULL_ATTENTION))
+        return dataclasses.replace(cfg, layers=tuple(LayerSpec("attention", None) for _ in cfg.layers),
+                                   mamba2=None, rglru=None)
+    return load_preset(name)
+
+
+def run(args: argparse.Namespace, out: Path) -> dict:
+    if args.smoke:
+        args.models, args.contexts, args.batches, args.fit_contexts = (
+            "native-tiny,native-tiny:full-attention", "32,160", "4", "128,512")
+        args.decode_steps, args.warmup_steps = 3, 1
+    args.max_prefill_chunk = args.max_prefill_chunk or 4096
+    contexts = common.parse_ints(args.contexts, "--contexts")
+    batches = common.parse_ints(args.batches, "--batches")
+    t_start = time.perf_counter()
+    res = {"mode": "scaling", "dtype": args.dtype, **common.environment(),
+           "page_size": args.page_size, "prefill_chunk": args.max_prefill_chunk,
+           "copy_bandwidth_Bps": copy_bandwidth(64 << 20 if args.smoke else 1 << 30, 3 if args.smoke else 10),
+           "points": [], "skipped": [], "fit": []}
+    tracer = StepTracer(args.profile)
+    for name in args.models.split(","):
+        cfg = model_config(name)
+        lm, wbytes = engine_setup.from_config(cfg, args.dtype, args.seed)
+        res["fit"] += _fit(cfg, name, wbytes, args)
+        for batch in batches:
+            _model_batch(res, cfg, name, lm, wbytes, batch, contexts, args, out, t_start, tracer)
+        del lm
+        engine_setup.collect()
+    res["elapsed_s"] = time.perf_counter() - t_start
+    common.write_json(out, "scaling", res)
+    plots.scaling(res, out / "scaling.png")
+    return res
+
+
+def _model_batch(res, cfg, name, lm, wbytes, batch, contexts, args, out, t_start, tracer) -> None:
+    budget = lambda c: decode_budget(batch=batch, prompt_len=c, chunk=args.max_prefill_chunk,
+                                     steps=args.decode_steps, warmup=args.warmup_steps)
+    fits = [c for c in contexts if _plan_fits(cfg, c + budget(c), batch, wbytes, args)]
+    for c in contexts:
+        if c not in fits:
+            res["skipped"].append({"model": name, "batch": batch, "context": c,
+                                   "reason": "memory (engine plan)"})
+    if not fits:
+        return
+    engine = engine_setup.build_engine(
+        lm, args, max_model_len=max(fits) + budget(max(fits)), max_num_seqs=batch,
+        max_num_batched_tokens=max(args.max_prefill_chunk, batch), max_prefill_chunk=args.max_prefill_chunk,
+        seq_buckets=(batch,), token_buckets=(max(args.max_prefill_chunk, batch),))
+    rng = np.random.default_rng(args.seed)
+    last: tuple[int, float] | None = None
+    quadratic = None in cfg.windows
+    with trace_scopes(engine) if args.profile else _null() as scopes:
+        for c in fits:
+            why = _skip_reason(c, batch, last, quadratic, args, t_start)
+            if why:
+                res["skipped"].append({"model": name, "batch": batch, "context": c, "reason": why})
+                continue
+            run = measure_decode(engine, batch=batch, prompt_len=c, steps=args.decode_steps,
+                                 warmup=args.warmup_steps, max_tokens=budget(c), vocab_size=cfg.vocab_size,
+                                 rng=rng, tracer=tracer)
+            last = (c, run.prefill_s)
+            res["points"].append(_point(name, cfg, run, wbytes, args, res["copy_bandwidth_Bps"], engine))
+            if scopes:
+                res["profile"] = {"dir": args.profile, "scopes": scopes}
+            common.write_json(out, "scaling", res)
+            logging.getLogger(__name__).info("scaling %s", res["points"][-1])
+    del engine
+    engine_setup.collect()
+
+
+def _null():
+    import contextlib
+
+    return contextlib.nullcontext(None)
+
+
+def _skip_reason(c, batch, last, quadratic, args, t_start) -> str | None:
+    if args.time_budget and time.perf_counter() - t_start > args.time_budget:
+        return f"time budget {args.time_budget:.0f} s spent"
+    if last is not None:
+        c0, t0 = last
+        predicted = t0 * (c / c0) ** (2 if quadratic else 1)
+        if predicted > args.max_prefill_s:
+            return f"predicted prefill {predicted:.0f} s > --max-prefill-s {args.max_prefill_s:.0f}"
+    return None
+
+
+def _point(name, cfg, run, wbytes, args, bandwidth, engine) -> dict:
+    summary = run.summary()
+    context = run.prompt_len + run.num_output_tokens - 1  # cached tokens at the last timed step
+    floor = floor_report(cfg, batch=run.batch, context=context, weight_bytes=wbytes, dtype=args.dtype,
+                         step_s=run.median_s, bandwidth=bandwidth)
+    mem = memory.in_use_bytes(cfg, run.stats, args.page_size, args.dtype)
+    return {"model": name, **summary, "weight_bytes": wbytes, **floor, **mem,
+            "kv_reserved_bytes": run.stats["kv_bytes"], "state_reserved_bytes": run.stats["state_bytes"],
+            "device_memory": engine_setup.device_memory()}
+
+
+def _free_bytes() -> int | None:
+    mem = engine_setup.device_memory()
+    return mem["bytes_limit"] - mem["bytes_in_use"] if "bytes_limit" in mem else None
+
+
+def _plan(cfg, max_len, max_seqs, wbytes, args):
+    """The engine's own pool plan for this model and sizing (None if its API changed)."""
+    from hybrid_jax.loading import DTYPES
+    from serving.engine_config import EngineConfig
+
+    try:
+        from serving.engine_config import plan_pools
+
+        ec = EngineConfig(max_num_seqs=max_seqs, max_num_batched_tokens=args.max_prefill_chunk,
+                          max_prefill_chunk=args.max_prefill_chunk, max_model_len=max_len,
+                          page_size=args.page_size, memory_fraction=args.memory_fraction, dtype=args.dtype)
+        return plan_pools(cfg, ec, free_bytes=_free_bytes(), weight_bytes=wbytes, dtype=DTYPES[args.dtype])
+    except (ImportError, TypeError):
+        return None
+
+
+def _plan_fits(cfg, max_len, batch, wbytes, args) -> bool:
+    if max_len > cfg.max_position_embeddings:
+        return False
+    try:
+        plan = _plan(cfg, max_len, batch, wbytes, args)
+    except ValueError:
+        return False
+    return plan is None or plan.scheduler.max_num_seqs >= batch
+
+
+def _fit(cfg, name, wbytes, args) -> list[dict]:
+    """Largest batch at each fit context: by the engine's plan and by decode-page arithmetic."""
+    out = []
+    free = _free_bytes() or 4 << 30
+    logging.getLogger("serving.engine_config").setLevel(logging.ERROR)  # "lowered to N" is the answer here
+    for c in common.parse_ints(args.fit_contexts, "--fit-contexts"):
+        try:
+            plan = _plan(cfg, c + 64, 1 << 20, wbytes, args)
+            planned = plan.scheduler.max_num_seqs if plan is not None else None
+        except ValueError:
+            planned = 0
+        ideal = memory.fit_batch(cfg, context=c, budget_bytes=args.memory_fraction * (free - wbytes),
+                                 page_size=args.page_size, dtype=args.dtype,
+                                 prefill_chunk=args.max_prefill_chunk)
+        out.append({"model": name, "context": c, "engine_plan_max_batch": planned,
+                    "decode_pages_max_batch": ideal, "ran": False})
+    return out

@@ -1,0 +1,75 @@
+"""`hybrid-jax bench MODE --smoke --out DIR` end to end on CPU: each mode writes DIR/MODE.json
+with the batch and lengths actually run, and DIR/MODE.png; the serving load generator runs
+against a real local gRPC server and its counts equal the server's own."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from serving.cli import main
+
+
+def _run(mode: str, tmp_path, *extra: str) -> dict:
+    assert main(["bench", mode, "--smoke", "--out", str(tmp_path), *extra]) == 0
+    png = tmp_path / f"{mode}.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    return json.loads((tmp_path / f"{mode}.json").read_text())
+
+
+def test_throughput_runs_every_request_to_its_length(tmp_path):
+    res = _run("throughput", tmp_path)
+    assert res["num_requests"] == len(res["input_lens"]) == 6
+    assert res["output_lens"] == res["output_lens_requested"]  # EOS ignored: each ran to its length
+    assert res["output_tok_s"] == pytest.approx(sum(res["output_lens"]) / res["elapsed_s"])
+    total = sum(res["input_lens"]) + sum(res["output_lens"])
+    assert res["total_tok_s"] == pytest.approx(total / res["elapsed_s"])
+    assert res["max_num_seqs"] == 4 and res["device"] and res["date"]
+
+
+def test_serving_counts_exactly_the_requests_it_sent(tmp_path):
+    res = _run("serving", tmp_path)
+    server = res["server_counted"]
+    finished = sum(v for k, v in server.items() if k.startswith("finished_"))
+    rejected = sum(v for k, v in server.items() if k.startswith("rejected_"))
+    assert res["sent"] == res["num_requests"] == 12
+    assert finished + rejected == res["sent"]
+    assert server["finished_length"] == res["completed"]
+    assert server["generation_tokens"] == res["output_tokens"]
+    # Independently of the server: requests longer than max_model_len fail INVALID_ARGUMENT, the rest
+    # complete with exactly max_tokens tokens.
+    too_long = [p + m > res["max_model_len"]
+                for p, m in zip(res["input_lens"], res["max_tokens"], strict=True)]
+    assert 0 < sum(too_long) < len(too_long)
+    assert res["failures_by_code"] == {"INVALID_ARGUMENT": sum(too_long)}
+    assert [c != "OK" for c in res["codes"]] == too_long
+    assert [o for o, bad in zip(res["output_lens"], too_long, strict=True) if not bad] == \
+        [m for m, bad in zip(res["max_tokens"], too_long, strict=True) if not bad]
+    for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+        s = res[key]
+        assert s["count"] > 0 and s["p50"] <= s["p90"] <= s["p99"]
+    assert res["ttft_ms"]["p50"] <= res["e2e_ms"]["p50"]
+
+
+def test_scaling_reports_whole_batch_decode_and_its_floor(tmp_path):
+    res = _run("scaling", tmp_path)
+    got = {(p["model"], p["batch"], p["context"]) for p in res["points"]}
+    assert got == {(m, 4, c) for m in ("native-tiny", "native-tiny:full-attention") for c in (32, 160)}
+    for p in res["points"]:
+        assert p["decode_steps_timed"] == 3 and p["floor_bytes"] > p["weight_bytes"] > 0
+    hybrid = {p["context"]: p for p in res["points"] if p["model"] == "native-tiny"}
+    full = {p["context"]: p for p in res["points"] if p["model"] != "native-tiny"}
+    # Past the window (64) the hybrid's K/V stops growing; the full-attention baseline's does not.
+    assert full[160]["kv_in_use_bytes"] > 2 * full[32]["kv_in_use_bytes"]
+    assert hybrid[160]["floor_kv_bytes"] < full[160]["floor_kv_bytes"]
+    assert {f["context"] for f in res["fit"]} == {128, 512}
+
+
+def test_sweep_pages_in_use_equal_a_pure_swa_models_need(tmp_path):
+    res = _run("sweep", tmp_path)
+    cells = {(c["window"], c["state_size"], c["prompt"]) for c in res["cells"]}
+    assert cells == {(w, 16, k) for w in (64, 32) for k in ("short", "long")}
+    assert res["all_pages_match"] and all(c["batch"] == 4 for c in res["cells"])
+    long64 = next(c for c in res["cells"] if c["window"] == 64 and c["prompt"] == "long")
+    assert long64["context"] == 160 and sum(long64["pages_in_use"].values()) <= 4 * (63 // 8 + 2)
