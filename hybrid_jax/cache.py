@@ -32,10 +32,15 @@ class RGLRUState(NamedTuple):
     h: jax.Array  # [slots, c] f32
 
 
+class ShortConvState(NamedTuple):
+    conv: jax.Array  # [slots, conv_kernel - 1, d] (LFM2's B * x inputs, oldest first)
+
+
 class LayerCache(NamedTuple):
     kv: KVCache | None = None
     mamba: Mamba2State | None = None
     rglru: RGLRUState | None = None
+    short_conv: ShortConvState | None = None
 
 
 class RaggedBatch(NamedTuple):
@@ -90,7 +95,7 @@ def init_caches(cfg: ModelConfig, *, num_pages: tuple[int, ...], page_size: int,
     groups = layer_groups(cfg)
     out = []
     for spec, g in zip(cfg.layers, groups, strict=True):
-        kv = mamba = rglru = None
+        kv = mamba = rglru = short_conv = None
         if g is not None:
             a = cfg.attention
             shape = (a.num_kv_heads, num_pages[g], page_size, kv_head_dim(a.head_dim))
@@ -104,7 +109,10 @@ def init_caches(cfg: ModelConfig, *, num_pages: tuple[int, ...], page_size: int,
             r = cfg.rglru
             rglru = RGLRUState(jnp.zeros((num_slots, r.conv_kernel - 1, r.width), dtype),
                                jnp.zeros((num_slots, r.width), jnp.float32))
-        out.append(LayerCache(kv, mamba, rglru))
+        if spec.kind == LayerKind.SHORT_CONV:
+            k = cfg.short_conv.conv_kernel
+            short_conv = ShortConvState(jnp.zeros((num_slots, k - 1, cfg.hidden_size), dtype))
+        out.append(LayerCache(kv, mamba, rglru, short_conv))
     return tuple(out)
 
 
@@ -122,5 +130,6 @@ def cache_bytes(cfg: ModelConfig, *, page_size: int, dtype: jnp.dtype,
     for cache, g in zip(one, layer_groups(cfg), strict=True):
         if cache.kv is not None:
             page[g] += sum(x.size * x.dtype.itemsize for x in cache.kv)
-        slot += sum(x.size * x.dtype.itemsize for x in jax.tree.leaves((cache.mamba, cache.rglru)))
+        states = (cache.mamba, cache.rglru, cache.short_conv)
+        slot += sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(states))
     return tuple(page), slot

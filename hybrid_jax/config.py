@@ -11,6 +11,14 @@ or more mixers on the same normed input, summed into the residual) and, when
 - RGLRU: Griffin's recurrent block (conv1d + RG-LRU).
 - HYBRID: attention AND Mamba2 in parallel on the same input, outputs summed
   (Falcon-H1's layer; with a window it is hybrid-jax's native parallel hybrid layer).
+- SHORT_CONV: LFM2's gated short convolution (in_proj -> B, C, x; C * conv(B * x)).
+- SHARED_BLOCK: Zamba2's hybrid layer: one of the model's shared attention + MLP
+  blocks (`ModelConfig.shared_block`, fed concat(h, embeddings), per-depth LoRA
+  adapters) whose output is added to the input of this layer's Mamba2 mixer.
+- MLP: no temporal sub-block, only the channel one (Nemotron-H's MLP layers).
+
+With `separate_mlp_layers` the MLP lives only in MLP layers (Nemotron-H: every layer
+is one residual block around one mixer); otherwise every layer has it when `mlp` is set.
 
 Sub-configs hold each mixer's shapes; architecture quirks that change numerics are
 explicit fields, never inferred from the architecture name. This module knows
@@ -31,14 +39,17 @@ class LayerKind(enum.StrEnum):
     MAMBA2 = "mamba2"
     RGLRU = "rglru"
     HYBRID = "hybrid"
+    SHORT_CONV = "short_conv"
+    SHARED_BLOCK = "shared_block"
+    MLP = "mlp"
 
     @property
     def has_attention(self) -> bool:
-        return self in (LayerKind.ATTENTION, LayerKind.HYBRID)
+        return self in (LayerKind.ATTENTION, LayerKind.HYBRID, LayerKind.SHARED_BLOCK)
 
     @property
     def has_mamba2(self) -> bool:
-        return self in (LayerKind.MAMBA2, LayerKind.HYBRID)
+        return self in (LayerKind.MAMBA2, LayerKind.HYBRID, LayerKind.SHARED_BLOCK)
 
 
 @dataclass(frozen=True)
@@ -77,10 +88,16 @@ class AttentionConfig:
     softcap: float | None = None  # logits = c * tanh(logits / c)
     key_multiplier: float = 1.0  # Falcon-H1: keys scaled BEFORE rotary
     scale: float | None = None  # None: head_dim ** -0.5
+    qk_norm: bool = False  # RMS norm of each q and k head before rotary (LFM2, Gemma 3)
+    rope: bool = True  # False: no positional encoding (NoPE: Nemotron-H, Granite-4.0-H)
+    rope_scaling: float = 1.0  # linear RoPE scaling of global layers (inv_freq / factor)
+    sliding_rope_theta: float | None = None  # theta of windowed layers (Gemma 3); None: rope_theta
 
     def __post_init__(self) -> None:
         _positive(num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim)
-        _positive(rope_theta=self.rope_theta)
+        _positive(rope_theta=self.rope_theta, rope_scaling=self.rope_scaling)
+        if self.sliding_rope_theta is not None:
+            _positive(sliding_rope_theta=self.sliding_rope_theta)
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}"
@@ -98,6 +115,12 @@ class AttentionConfig:
     @property
     def query_scale(self) -> float:
         return self.head_dim**-0.5 if self.scale is None else self.scale
+
+    def rope_params(self, window: int | None) -> tuple[float, float]:
+        """(theta, linear scaling factor) of a layer with this window (None = global)."""
+        if window is not None and self.sliding_rope_theta is not None:
+            return self.sliding_rope_theta, 1.0
+        return self.rope_theta, self.rope_scaling
 
 
 @dataclass(frozen=True)
@@ -157,19 +180,66 @@ class RGLRUConfig:
 
 
 @dataclass(frozen=True)
+class ShortConvConfig:
+    """LFM2's gated short conv: in_proj d -> 3d (B, C, x), y = C * conv_k(B * x), out_proj."""
+
+    conv_kernel: int = 3
+    bias: bool = False  # in_proj, conv and out_proj biases (LFM2's conv_bias)
+
+    def __post_init__(self) -> None:
+        if self.conv_kernel < 2:
+            raise ValueError(f"conv_kernel={self.conv_kernel} must be >= 2")
+
+
+@dataclass(frozen=True)
+class SharedBlockConfig:
+    """Zamba2's shared attention + MLP blocks, reused by the SHARED_BLOCK layers in turn.
+
+    The j-th SHARED_BLOCK layer uses block j % num_blocks and its own LoRA adapters
+    (rank `adapter_rank`) on gate_up (always) and on q, k, v (`attention_adapters`).
+    The attention takes concat(h, embeddings) [2d] (shapes in `ModelConfig.attention`);
+    the MLP is down(act(gate) * up) of width `intermediate_size`.
+    """
+
+    num_blocks: int
+    intermediate_size: int
+    adapter_rank: int
+    attention_adapters: bool = False
+    activation: str = "gelu"
+    rope: bool = True  # Zamba2's use_mem_rope
+
+    def __post_init__(self) -> None:
+        _positive(num_blocks=self.num_blocks, intermediate_size=self.intermediate_size,
+                  adapter_rank=self.adapter_rank)
+        if self.activation not in ACTIVATION_NAMES:
+            raise ValueError(f"activation={self.activation!r} must be one of {ACTIVATION_NAMES}")
+
+
+ACTIVATION_NAMES = ("silu", "gelu_tanh", "gelu", "relu2")  # relu2: relu(x) ** 2
+
+
+@dataclass(frozen=True)
 class MLPConfig:
-    """Gated MLP: down(act(gate(x) * gate_multiplier) * up(x)) * down_multiplier."""
+    """Gated MLP: down(act(gate(x) * gate_multiplier) * up(x)) * down_multiplier.
+
+    gated=False (Nemotron-H): down(act(up(x))). fused_gate_up (Granite's shared MLP):
+    one projection [d, 2f] whose first half is the gate, second half the up branch.
+    """
 
     intermediate_size: int
-    activation: str = "silu"  # "silu" | "gelu_tanh"
+    activation: str = "silu"  # one of ACTIVATION_NAMES ("gelu" is the exact erf form)
     bias: bool = False
     gate_multiplier: float = 1.0
     down_multiplier: float = 1.0
+    gated: bool = True
+    fused_gate_up: bool = False
 
     def __post_init__(self) -> None:
         _positive(intermediate_size=self.intermediate_size)
-        if self.activation not in ("silu", "gelu_tanh"):
-            raise ValueError(f"activation={self.activation!r} must be 'silu' or 'gelu_tanh'")
+        if self.fused_gate_up and not self.gated:
+            raise ValueError("fused_gate_up=True needs gated=True")
+        if self.activation not in ACTIVATION_NAMES:
+            raise ValueError(f"activation={self.activation!r} must be one of {ACTIVATION_NAMES}")
 
 
 @dataclass(frozen=True)
@@ -184,6 +254,8 @@ class ModelConfig:
     mamba2: Mamba2Config | None = None
     rglru: RGLRUConfig | None = None
     mlp: MLPConfig | None = None
+    short_conv: ShortConvConfig | None = None
+    shared_block: SharedBlockConfig | None = None
     norm_eps: float = 1e-6
     norm_offset: bool = False  # RMSNorm scales by (1 + w) (Gemma family)
     tie_embeddings: bool = False
@@ -191,6 +263,9 @@ class ModelConfig:
     logits_multiplier: float = 1.0
     logits_softcap: float | None = None
     residual_in_fp32: bool = False
+    sandwich_norm: bool = False  # Gemma: each sub-block's output is normed before the add
+    residual_multiplier: float = 1.0  # Granite: h = h + branch * m for both sub-blocks
+    separate_mlp_layers: bool = False  # Nemotron-H: the MLP only in MLP-kind layers
     # Branch multipliers of the temporal sub-block (Falcon-H1 muP); 1.0 elsewhere.
     attention_in_multiplier: float = 1.0
     attention_out_multiplier: float = 1.0
@@ -215,10 +290,16 @@ class ModelConfig:
             "attention": any(k.has_attention for k in kinds),
             "mamba2": any(k.has_mamba2 for k in kinds),
             "rglru": LayerKind.RGLRU in kinds,
+            "short_conv": LayerKind.SHORT_CONV in kinds,
+            "shared_block": LayerKind.SHARED_BLOCK in kinds,
         }
         for name, needed in needs.items():
             if needed and getattr(self, name) is None:
                 raise ValueError(f"{name}=None but the layer pattern has {name} layers")
+        if LayerKind.MLP in kinds and self.mlp is None:
+            raise ValueError("mlp=None but the layer pattern has mlp layers")
+        if self.separate_mlp_layers and LayerKind.MLP not in kinds:
+            raise ValueError("separate_mlp_layers=True but the layer pattern has no mlp layers")
         if self.logits_softcap is not None:
             _positive(logits_softcap=self.logits_softcap)
         for tok in self.eos_token_ids:
@@ -228,6 +309,12 @@ class ModelConfig:
     @property
     def num_layers(self) -> int:
         return len(self.layers)
+
+    def layer_has_mlp(self, spec: LayerSpec) -> bool:
+        """Whether a layer has the channel (MLP) sub-block."""
+        if self.mlp is None:
+            return False
+        return spec.kind == LayerKind.MLP or not self.separate_mlp_layers
 
     @property
     def windows(self) -> tuple[int | None, ...]:
@@ -254,7 +341,8 @@ class ModelConfig:
         if unknown:
             raise ValueError(f"unknown ModelConfig fields: {sorted(unknown)}")
         subs = {"attention": AttentionConfig, "mamba2": Mamba2Config, "rglru": RGLRUConfig,
-                "mlp": MLPConfig}
+                "mlp": MLPConfig, "short_conv": ShortConvConfig,
+                "shared_block": SharedBlockConfig}
         for name, sub in subs.items():
             if d.get(name) is not None:
                 d[name] = _sub_from_dict(sub, d[name])

@@ -1,8 +1,12 @@
 """The causal LM: embedding, a stack of residual layers built from the layer pattern, head.
 
-Each layer: u = norm(h); h = h + sum of its mixers on u (attention, Mamba2, RG-LRU;
-HYBRID layers run attention and Mamba2 in parallel, each with in/out multipliers);
-then, if the model has an MLP, h = h + mlp(norm(h)). `__call__` is the full-sequence
+Each layer: u = norm(h); h = h + sum of its mixers on u (attention, Mamba2, RG-LRU,
+short conv; HYBRID layers run attention and Mamba2 in parallel, each with in/out
+multipliers); then, if the layer has an MLP, h = h + mlp(norm(h)). MLP-kind layers
+(Nemotron-H) have only the MLP sub-block. With sandwich norms (Gemma) each sub-block's
+output is normed before its add; Granite scales both by `residual_multiplier`. SHARED_BLOCK layers
+(Zamba2) first run one of the model's shared attention + MLP blocks on (h, embeddings)
+and normalise h + its output instead of h: u = norm(h + s). `__call__` is the full-sequence
 forward ([b, t], no cache) used for training and as the serving path's reference.
 The model knows nothing of pages, slots or scheduling.
 """
@@ -20,47 +24,77 @@ from hybrid_jax.layers.mamba2 import Mamba2Mixer
 from hybrid_jax.layers.mlp import GatedMLP
 from hybrid_jax.layers.norms import RMSNorm
 from hybrid_jax.layers.rglru import RecurrentBlock
+from hybrid_jax.layers.shared_block import DepthAdapters, SharedBlock
+from hybrid_jax.layers.short_conv import ShortConv
 
 
 class Block(nnx.Module):
     """One residual layer.  h [b, t, d] (+ positions [b, t]) -> [b, t, d]."""
 
-    def __init__(self, cfg: ModelConfig, spec: LayerSpec, *, dtype: jnp.dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, spec: LayerSpec, *, dtype: jnp.dtype, rngs: nnx.Rngs,
+                 shared_ordinal: int | None = None):
         d = cfg.hidden_size
 
         def norm() -> RMSNorm:
             return RMSNorm(d, eps=cfg.norm_eps, offset=cfg.norm_offset, dtype=dtype)
 
         kind = spec.kind
-        self.temporal_norm = norm()
-        self.attention = (Attention(d, cfg.attention, spec.window, dtype=dtype, rngs=rngs)
-                          if kind.has_attention else None)
+        self.temporal_norm = norm() if kind != LayerKind.MLP else None
+        own_attention = kind.has_attention and kind != LayerKind.SHARED_BLOCK
+        self.attention = (Attention(d, cfg.attention, spec.window, dtype=dtype, rngs=rngs,
+                                    norm_eps=cfg.norm_eps, norm_offset=cfg.norm_offset)
+                          if own_attention else None)
         self.mamba = Mamba2Mixer(d, cfg.mamba2, dtype=dtype, rngs=rngs) if kind.has_mamba2 else None
         self.recurrent = (RecurrentBlock(d, cfg.rglru, dtype=dtype, rngs=rngs)
                           if kind == LayerKind.RGLRU else None)
-        self.mlp_norm = norm() if cfg.mlp is not None else None
-        self.mlp = GatedMLP(d, cfg.mlp, dtype=dtype, rngs=rngs) if cfg.mlp is not None else None
+        self.conv = (ShortConv(d, cfg.short_conv, dtype=dtype, rngs=rngs)
+                     if kind == LayerKind.SHORT_CONV else None)
+        # SHARED_BLOCK: this layer's adapters of shared block j % num_blocks.
+        sb = cfg.shared_block
+        self.depth = (DepthAdapters(d, cfg.attention, sb, shared_ordinal % sb.num_blocks,
+                                    dtype=dtype, rngs=rngs)
+                      if kind == LayerKind.SHARED_BLOCK else None)
+        has_mlp = cfg.layer_has_mlp(spec)
+        self.mlp_norm = norm() if has_mlp else None
+        self.mlp = GatedMLP(d, cfg.mlp, dtype=dtype, rngs=rngs) if has_mlp else None
+        sandwich = cfg.sandwich_norm
+        self.post_temporal_norm = norm() if sandwich and self.temporal_norm is not None else None
+        self.post_mlp_norm = norm() if sandwich and has_mlp else None
         self.spec = spec
         self.cfg = cfg
         self.dtype = dtype
 
-    def norm_input(self, h: jax.Array) -> jax.Array:
+    def norm_input(self, h: jax.Array, shared: jax.Array | None = None) -> jax.Array:
         # With f32 residuals (Mamba2) the norm sees the stream cast to the weight dtype.
+        # `shared`: a SHARED_BLOCK layer's shared-block output, added to the mixer input only.
+        if shared is not None:
+            h = h + shared.astype(h.dtype)
         return self.temporal_norm(h.astype(self.dtype))
 
-    def mix(self, h: jax.Array, temporal: jax.Array) -> jax.Array:
-        """Residual add of the temporal output, then the MLP sub-block."""
-        if self.cfg.residual_in_fp32:
-            h = h.astype(jnp.float32) + temporal.astype(jnp.float32)
-        else:
-            h = h + temporal.astype(h.dtype)
+    def mix(self, h: jax.Array, temporal: jax.Array | None) -> jax.Array:
+        """Residual add of the temporal output (None: MLP-kind layer), then the MLP sub-block."""
+        if temporal is not None:
+            h = self._add(h, temporal, self.post_temporal_norm, fp32=self.cfg.residual_in_fp32)
         if self.mlp is not None:
-            h = h + self.mlp(self.mlp_norm(h)).astype(h.dtype)
+            h = self._add(h, self.mlp(self.mlp_norm(h)), self.post_mlp_norm, fp32=False)
         return h
 
-    def __call__(self, h: jax.Array, positions: jax.Array) -> jax.Array:
+    def _add(self, h: jax.Array, branch: jax.Array, post_norm: RMSNorm | None, *,
+             fp32: bool) -> jax.Array:
+        if post_norm is not None:
+            branch = post_norm(branch)
+        if self.cfg.residual_multiplier != 1.0:
+            branch = branch * jnp.asarray(self.cfg.residual_multiplier, branch.dtype)
+        if fp32:
+            return h.astype(jnp.float32) + branch.astype(jnp.float32)
+        return h + branch.astype(h.dtype)
+
+    def __call__(self, h: jax.Array, positions: jax.Array,
+                 shared: jax.Array | None = None) -> jax.Array:
         cfg = self.cfg
-        u = self.norm_input(h)
+        if self.temporal_norm is None:  # MLP-kind layer
+            return self.mix(h, None)
+        u = self.norm_input(h, shared)
         out = jnp.zeros_like(u)
         if self.attention is not None:
             out = out + self.attention(_scale(u, cfg.attention_in_multiplier), positions) \
@@ -69,6 +103,8 @@ class Block(nnx.Module):
             out = out + self.mamba(_scale(u, cfg.ssm_in_multiplier)) * cfg.ssm_out_multiplier
         if self.recurrent is not None:
             out = out + self.recurrent(u, positions)
+        if self.conv is not None:
+            out = out + self.conv(u)
         return self.mix(h, out)
 
 
@@ -81,7 +117,12 @@ class CausalLM(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, *, dtype: jnp.dtype = jnp.float32, rngs: nnx.Rngs):
         self.embed = Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
-        self.layers = nnx.List([Block(cfg, spec, dtype=dtype, rngs=rngs) for spec in cfg.layers])
+        self.layers = nnx.List([Block(cfg, spec, dtype=dtype, rngs=rngs, shared_ordinal=j)
+                                for spec, j in zip(cfg.layers, shared_ordinals(cfg), strict=True)])
+        sb = cfg.shared_block
+        self.shared_blocks = None if sb is None else nnx.List([
+            SharedBlock(cfg.hidden_size, cfg.attention, sb, norm_eps=cfg.norm_eps, dtype=dtype,
+                        rngs=rngs) for _ in range(sb.num_blocks)])
         self.final_norm = RMSNorm(cfg.hidden_size, eps=cfg.norm_eps, offset=cfg.norm_offset,
                                   dtype=dtype)
         self.lm_head = (None if cfg.tie_embeddings else
@@ -110,7 +151,19 @@ class CausalLM(nnx.Module):
     def __call__(self, tokens: jax.Array, positions: jax.Array | None = None) -> jax.Array:
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-        h = self.embed_tokens(tokens)
+        h = e = self.embed_tokens(tokens)
         for layer in self.layers:
-            h = layer(h, positions)
+            shared = None
+            if layer.depth is not None:
+                shared = self.shared_blocks[layer.depth.block](h, e, positions, layer.depth)
+            h = layer(h, positions, shared)
         return self.logits(h)
+
+
+def shared_ordinals(cfg: ModelConfig) -> tuple[int | None, ...]:
+    """Per layer: its rank among the SHARED_BLOCK layers (None for other kinds)."""
+    out, j = [], 0
+    for spec in cfg.layers:
+        out.append(j if spec.kind == LayerKind.SHARED_BLOCK else None)
+        j += spec.kind == LayerKind.SHARED_BLOCK
+    return tuple(out)

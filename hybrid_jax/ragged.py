@@ -13,10 +13,20 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from hybrid_jax.cache import KVCache, LayerCache, Mamba2State, RaggedBatch, RGLRUState, layer_groups
+from hybrid_jax.cache import (
+    KVCache,
+    LayerCache,
+    Mamba2State,
+    RaggedBatch,
+    RGLRUState,
+    ShortConvState,
+    layer_groups,
+)
 from hybrid_jax.layers.attention import Attention
 from hybrid_jax.layers.mamba2 import Mamba2Mixer
 from hybrid_jax.layers.rglru import RecurrentBlock
+from hybrid_jax.layers.shared_block import DepthAttention, SharedBlock
+from hybrid_jax.layers.short_conv import ShortConv
 from hybrid_jax.model import Block, CausalLM, _scale
 from pallas_kernels import (
     conv1d_decode,
@@ -31,7 +41,7 @@ from pallas_kernels import (
 )
 
 
-def _attention(layer: Attention, x: jax.Array, batch: RaggedBatch, kv: KVCache, group: int,
+def _attention(layer: Attention | DepthAttention, x: jax.Array, batch: RaggedBatch, kv: KVCache, group: int,
                decode: bool) -> tuple[jax.Array, KVCache]:
     q, k, v = layer.project(x, batch.positions)
     e = q.shape[-1]
@@ -89,13 +99,37 @@ def _recurrent(layer: RecurrentBlock, x: jax.Array, batch: RaggedBatch, st: RGLR
     return layer.output(h, y), RGLRUState(conv, hs)
 
 
+def _short_conv(layer: ShortConv, x: jax.Array, batch: RaggedBatch, st: ShortConvState,
+                decode: bool) -> tuple[jax.Array, ShortConvState]:
+    bx, C = layer.gates(x)
+    w, bias = layer.conv_weight[...], layer.conv_bias_value()
+    if decode:
+        y, conv = conv1d_decode(bx, w, bias, st.conv, batch.slot_ids, activation=None)
+    else:
+        y, conv = conv1d_ragged(bx, w, bias, batch.cu_seqlens, st.conv, batch.slot_ids,
+                                batch.has_initial, activation=None)
+    return layer.output(y, C), ShortConvState(conv)
+
+
+def _shared_block(shared: SharedBlock, block: Block, h: jax.Array, e: jax.Array,
+                  batch: RaggedBatch, kv: KVCache, group: int,
+                  decode: bool) -> tuple[jax.Array, KVCache]:
+    """A SHARED_BLOCK layer's shared attention + MLP over paged K/V; mirrors SharedBlock."""
+    view = DepthAttention(shared, block.depth)
+    a, kv = _attention(view, shared.attention_input(h, e), batch, kv, group, decode)
+    return shared.mlp(a, block.depth), kv
+
+
 def block_ragged(block: Block, h: jax.Array, batch: RaggedBatch, cache: LayerCache,
-                 group: int | None, decode: bool) -> tuple[jax.Array, LayerCache]:
+                 group: int | None, decode: bool,
+                 shared: jax.Array | None = None) -> tuple[jax.Array, LayerCache]:
     """One residual layer over the ragged tokens h [t, d]; mirrors `Block.__call__`."""
     cfg = block.cfg
-    u = block.norm_input(h)
+    if block.temporal_norm is None:  # MLP-kind layer: no temporal mixer, no cache
+        return block.mix(h, None), cache
+    u = block.norm_input(h, shared)
     out = jnp.zeros_like(u)
-    kv, mamba, rglru = cache
+    kv, mamba, rglru, short_conv = cache
     if block.attention is not None:
         a, kv = _attention(block.attention, _scale(u, cfg.attention_in_multiplier), batch, kv,
                            group, decode)
@@ -106,15 +140,23 @@ def block_ragged(block: Block, h: jax.Array, batch: RaggedBatch, cache: LayerCac
     if block.recurrent is not None:
         r, rglru = _recurrent(block.recurrent, u, batch, rglru, decode)
         out = out + r
-    return block.mix(h, out), LayerCache(kv, mamba, rglru)
+    if block.conv is not None:
+        c, short_conv = _short_conv(block.conv, u, batch, short_conv, decode)
+        out = out + c
+    return block.mix(h, out), LayerCache(kv, mamba, rglru, short_conv)
 
 
 def forward_ragged(model: CausalLM, batch: RaggedBatch, caches: tuple[LayerCache, ...], *,
                    decode: bool) -> tuple[jax.Array, tuple[LayerCache, ...]]:
     """Ragged forward -> (logits [b, v] f32 at each sequence's last token, new caches)."""
-    h = model.embed_tokens(batch.tokens)
+    h = e = model.embed_tokens(batch.tokens)
     new = []
     for block, cache, group in zip(model.layers, caches, layer_groups(model.cfg), strict=True):
-        h, cache = block_ragged(block, h, batch, cache, group, decode)
+        shared = None
+        if block.depth is not None:  # the layer's K/V belong to its shared-block attention
+            sb = model.shared_blocks[block.depth.block]
+            shared, kv = _shared_block(sb, block, h, e, batch, cache.kv, group, decode)
+            cache = cache._replace(kv=kv)
+        h, cache = block_ragged(block, h, batch, cache, group, decode, shared)
         new.append(cache)
     return model.logits(jnp.take(h, batch.last_token, axis=0)), tuple(new)

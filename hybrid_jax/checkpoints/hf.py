@@ -19,13 +19,34 @@ import jax.numpy as jnp
 from flax import nnx
 from safetensors import safe_open
 
-from hybrid_jax.checkpoints import falcon_h1, mamba2, mistral, recurrent_gemma
+from hybrid_jax.checkpoints import (
+    bamba,
+    falcon_h1,
+    gemma2,
+    gemma3,
+    granite_hybrid,
+    lfm2,
+    mamba2,
+    mistral,
+    nemotron_h,
+    recurrent_gemma,
+    zamba2,
+)
 from hybrid_jax.checkpoints.names import Target
 from hybrid_jax.config import ModelConfig
 from hybrid_jax.model import CausalLM
 
-_MODULES: tuple[ModuleType, ...] = (mamba2, mistral, recurrent_gemma, falcon_h1)
+_MODULES: tuple[ModuleType, ...] = (mamba2, mistral, recurrent_gemma, falcon_h1, zamba2, lfm2,
+                                    gemma3, gemma2, bamba, granite_hybrid, nemotron_h)
 _BY_ARCH = {m.ARCHITECTURE: m for m in _MODULES}
+# Known architectures whose math is not implemented: refused naming what is missing.
+_UNSUPPORTED = {
+    "JambaForCausalLM": "the Mamba1 selective scan and mixture-of-experts layers",
+    "MambaForCausalLM": "the Mamba1 selective scan",
+    "FalconMambaForCausalLM": "the Mamba1 selective scan",
+    "Qwen3NextForCausalLM": "Gated DeltaNet and mixture-of-experts layers",
+    "Gemma3ForConditionalGeneration": "the vision tower (text-only Gemma3ForCausalLM loads)",
+}
 
 
 class CheckpointError(ValueError):
@@ -56,6 +77,9 @@ def read_hf_config(path: str | Path) -> dict[str, Any]:
 def _module_for(hf: dict[str, Any]) -> ModuleType:
     archs = hf.get("architectures") or []
     for arch in archs:
+        if arch in _UNSUPPORTED:
+            raise ValueError(f"architectures={archs} needs {_UNSUPPORTED[arch]}, which "
+                             "hybrid-jax does not implement")
         if arch in _BY_ARCH:
             return _BY_ARCH[arch]
     by_type = {m.__name__.rsplit(".", 1)[-1]: m for m in _MODULES}
@@ -137,7 +161,10 @@ def load_hf(path: str | Path, *, dtype: jnp.dtype = jnp.float32) -> tuple[Causal
     unmapped = set(expected) - {t.path for t in wmap.values()}
     assert not unmapped, f"name map of {module.ARCHITECTURE} misses params {sorted(unmapped)}"
     files = _tensor_files(path)
-    present = _plan(path, files, wmap, getattr(module, "ALIASES", {}), expected)
+    aliases = dict(getattr(module, "ALIASES", {}))
+    if hasattr(module, "canonical_name"):  # e.g. a renamed trunk prefix
+        aliases = {n: module.canonical_name(n) for n in files} | aliases
+    present = _plan(path, files, wmap, aliases, expected)
     values: dict[tuple, jax.Array] = {}
     for name, target in wmap.items():
         stored = present[name]

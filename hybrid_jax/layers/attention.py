@@ -14,6 +14,7 @@ from flax import nnx
 
 from hybrid_jax.config import AttentionConfig
 from hybrid_jax.layers.linear import Linear
+from hybrid_jax.layers.norms import RMSNorm
 from hybrid_jax.layers.rotary import apply_rope, rope_cos_sin
 
 
@@ -50,12 +51,16 @@ class Attention(nnx.Module):
     """x [b, t, d] + positions [b, t] -> [b, t, d]."""
 
     def __init__(self, dim: int, cfg: AttentionConfig, window: int | None, *, dtype: jnp.dtype,
-                 rngs: nnx.Rngs):
+                 rngs: nnx.Rngs, norm_eps: float = 1e-6, norm_offset: bool = False):
         h, k, e = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_proj = Linear(dim, h * e, bias=cfg.qkv_bias, dtype=dtype, rngs=rngs)
         self.k_proj = Linear(dim, k * e, bias=cfg.qkv_bias, dtype=dtype, rngs=rngs)
         self.v_proj = Linear(dim, k * e, bias=cfg.qkv_bias, dtype=dtype, rngs=rngs)
         self.o_proj = Linear(h * e, dim, bias=cfg.o_bias, dtype=dtype, rngs=rngs)
+        # q/k norms (cfg.qk_norm): one RMS norm over each head's e dims, like the model's norms.
+        norm = lambda: RMSNorm(e, eps=norm_eps, offset=norm_offset, dtype=dtype)
+        self.q_norm = norm() if cfg.qk_norm else None
+        self.k_norm = norm() if cfg.qk_norm else None
         self.cfg = cfg
         self.window = window
 
@@ -68,7 +73,12 @@ class Attention(nnx.Module):
         v = self.v_proj(x).reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
         if cfg.key_multiplier != 1.0:
             k = k * cfg.key_multiplier
-        cos, sin = rope_cos_sin(positions, cfg.rope_dim, cfg.rope_theta)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if not cfg.rope:
+            return q, k, v
+        theta, scaling = cfg.rope_params(self.window)
+        cos, sin = rope_cos_sin(positions, cfg.rope_dim, theta, scaling)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def output(self, o: jax.Array) -> jax.Array:

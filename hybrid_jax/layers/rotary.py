@@ -10,9 +10,15 @@ import jax
 import jax.numpy as jnp
 
 
-def rope_cos_sin(positions: jax.Array, rotary_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
-    """positions [...] int -> cos, sin [..., r] f32 (frequencies repeated for both halves)."""
+def rope_cos_sin(positions: jax.Array, rotary_dim: int, theta: float,
+                 scaling: float = 1.0) -> tuple[jax.Array, jax.Array]:
+    """positions [...] int -> cos, sin [..., r] f32 (frequencies repeated for both halves).
+
+    `scaling` is linear RoPE scaling: every frequency divided by the factor.
+    """
     inv_freq = 1.0 / (theta ** (jnp.arange(0, rotary_dim, 2, dtype=jnp.float32) / rotary_dim))
+    if scaling != 1.0:
+        inv_freq = inv_freq / scaling
     freqs = positions.astype(jnp.float32)[..., None] * inv_freq
     emb = jnp.concatenate([freqs, freqs], axis=-1)
     return jnp.cos(emb), jnp.sin(emb)

@@ -50,6 +50,77 @@ def falcon_h1_config(*, rms_norm: bool = True, norm_before_gate: bool = True) ->
         ssm_multipliers=[0.9, 1.1, 0.8, 1.25, 0.7])
 
 
+def lfm2_config(*, conv_bias: bool = False) -> T.PretrainedConfig:
+    # MLP width: int(2 * 128 / 3) = 85, rounded up to a multiple of 32 = 96.
+    return T.Lfm2Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=5,
+                        num_attention_heads=4, num_key_value_heads=2, conv_L_cache=3,
+                        conv_bias=conv_bias, block_multiple_of=32, tie_word_embeddings=True,
+                        layer_types=["conv", "full_attention", "conv", "conv", "full_attention"])
+
+
+def zamba2_config(*, adapters: bool = True, rope: bool = True,
+                  mem_blocks: int = 2) -> T.PretrainedConfig:
+    # Hybrid layers 1, 3, 4 use shared blocks 0, 1, 0. transformers clamps dt to
+    # time_step_min in prefill only: a tiny minimum keeps its cached decode exact.
+    return T.Zamba2Config(
+        vocab_size=128, hidden_size=32, num_hidden_layers=6, num_attention_heads=4,
+        layers_block_type=["mamba", "hybrid", "mamba", "hybrid", "hybrid", "mamba"],
+        mamba_d_state=16, n_mamba_heads=4, mamba_ngroups=2, chunk_size=CHUNK,
+        intermediate_size=64, num_mem_blocks=mem_blocks, adapter_rank=8,
+        use_shared_attention_adapter=adapters, use_mem_rope=rope, time_step_min=1e-6)
+
+
+def gemma3_config() -> T.PretrainedConfig:
+    # Global layers use theta 1e6 with linear scaling x8 (gemma-3-4b+), sliding ones 1e4;
+    # query_pre_attn_scalar differs from head_dim so the score scale is exercised.
+    return T.Gemma3TextConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24,
+        sliding_window=SEQ_WINDOW, final_logit_softcapping=25.0,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                         "full_attention": {"rope_type": "linear", "rope_theta": 1_000_000.0,
+                                            "factor": 8.0}})
+
+
+def gemma2_config() -> T.PretrainedConfig:
+    return T.Gemma2Config(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24,
+        sliding_window=SEQ_WINDOW, attn_logit_softcapping=20.0, final_logit_softcapping=30.0)
+
+
+MAMBA_FIELDS = dict(mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_n_groups=2,
+                    mamba_chunk_size=CHUNK, mamba_expand=2)
+
+
+def bamba_config() -> T.PretrainedConfig:
+    return T.BambaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                         attn_layer_indices=[1, 3], **MAMBA_FIELDS)
+
+
+def granite_hybrid_config(*, rope: bool = False) -> T.PretrainedConfig:
+    return T.GraniteMoeHybridConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, shared_intermediate_size=96,
+        num_hidden_layers=5, num_attention_heads=4, num_key_value_heads=2, num_local_experts=0,
+        layer_types=["mamba", "attention", "mamba", "mamba", "attention"],
+        position_embedding_type="rope" if rope else "nope", embedding_multiplier=1.7,
+        residual_multiplier=0.6, attention_multiplier=0.1, logits_scaling=2.5,
+        tie_word_embeddings=True, **MAMBA_FIELDS)
+
+
+def nemotron_h_config() -> T.PretrainedConfig:
+    # transformers clamps dt to time_step_min in prefill only: a tiny minimum keeps its
+    # cached decode exact (see hybrid_jax/checkpoints/nemotron_h.py).
+    return T.NemotronHConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, mamba_num_heads=8, mamba_head_dim=16,
+        ssm_state_size=16, n_groups=2, chunk_size=CHUNK, time_step_min=1e-6,
+        layers_block_type=["linear_attention", "mlp", "full_attention", "mlp",
+                           "linear_attention", "mlp"])
+
+
 BUILDERS = {
     "mamba2": (mamba2_config, T.Mamba2ForCausalLM),
     "mistral": (mistral_config, T.MistralForCausalLM),
@@ -58,7 +129,23 @@ BUILDERS = {
     "falcon_h1_nonorm": (lambda: falcon_h1_config(rms_norm=False), T.FalconH1ForCausalLM),
     "falcon_h1_gate_first": (lambda: falcon_h1_config(norm_before_gate=False),
                              T.FalconH1ForCausalLM),
+    "lfm2": (lfm2_config, T.Lfm2ForCausalLM),
+    "lfm2_bias": (lambda: lfm2_config(conv_bias=True), T.Lfm2ForCausalLM),
+    "zamba2": (zamba2_config, T.Zamba2ForCausalLM),
+    "zamba2_plain": (lambda: zamba2_config(adapters=False, rope=False, mem_blocks=1),
+                     T.Zamba2ForCausalLM),
+    "gemma3": (gemma3_config, T.Gemma3ForCausalLM),
+    "gemma2": (gemma2_config, T.Gemma2ForCausalLM),
+    "bamba": (bamba_config, T.BambaForCausalLM),
+    "granite_hybrid": (granite_hybrid_config, T.GraniteMoeHybridForCausalLM),
+    "granite_hybrid_rope": (lambda: granite_hybrid_config(rope=True),
+                            T.GraniteMoeHybridForCausalLM),
+    "nemotron_h": (nemotron_h_config, T.NemotronHForCausalLM),
 }
+
+# Zamba2 at std 0.2 is ill-conditioned: transformers' own f32 forward is 2.6e-4 (relative)
+# from its float64 forward. At 0.1 both f32 implementations sit within 1e-6 of float64.
+INIT_STD = {"zamba2": 0.1, "zamba2_plain": 0.1}
 
 
 @torch.no_grad()
@@ -69,7 +156,8 @@ def randomize_(model: torch.nn.Module, *, seed: int, std: float = 0.2) -> None:
     def normal(p: torch.Tensor, mean: float, s: float) -> None:
         p.copy_(mean + s * torch.randn(p.shape, generator=gen))
 
-    offset_norm = isinstance(model, T.RecurrentGemmaForCausalLM)
+    offset_norm = isinstance(model, (T.RecurrentGemmaForCausalLM, T.Gemma3ForCausalLM,
+                                     T.Gemma2ForCausalLM))
     for name, p in model.named_parameters():
         leaf = name.rsplit(".", 1)[-1]
         if leaf == "A_log":
@@ -82,7 +170,7 @@ def randomize_(model: torch.nn.Module, *, seed: int, std: float = 0.2) -> None:
             normal(p, 0.0 if offset_norm else 1.0, 0.1)
         elif p.ndim == 1:
             normal(p, 0.0, 0.1)
-        elif "conv" in name:
+        elif "conv" in name and p.ndim == 3:  # conv kernels [c, 1, k]
             normal(p, 0.0, 0.3)
         elif "embed" in name:
             normal(p, 0.0, 1.0)
@@ -97,6 +185,6 @@ def build(name: str, out_dir: Path, *, seed: int = 0) -> torch.nn.Module:
     cfg._attn_implementation = "eager"
     torch.manual_seed(seed)
     model = cls(cfg).eval()
-    randomize_(model, seed=seed)
+    randomize_(model, seed=seed, std=INIT_STD.get(name, 0.2))
     model.save_pretrained(out_dir)
     return model
