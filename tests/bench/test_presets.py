@@ -1,0 +1,45 @@
+"""The benchmark presets have the published shapes: parameter counts of the real models
+(counted from abstract shapes, no weights are made), and the full-attention baseline is
+native-1b-parallel's stack with global attention and no SSM."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+
+from hybrid_jax.config import LayerKind
+from hybrid_jax.model import CausalLM
+from hybrid_jax.presets import load_preset
+
+
+def _params(name: str) -> int:
+    cfg = load_preset(name)
+    model = nnx.eval_shape(lambda: CausalLM(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
+    return sum(x.size for x in jax.tree.leaves(nnx.state(model)))
+
+
+@pytest.mark.parametrize(("name", "billions"), [
+    ("recurrentgemma-2b", 2.68), ("mamba2-2.7b", 2.70), ("falcon-h1-1.5b", 1.48), ("mistral-7b", 7.24),
+    ("native-1b-parallel", 1.46), ("native-1b-full-attention", 1.15)])
+def test_parameter_counts(name, billions):
+    assert _params(name) / 1e9 == pytest.approx(billions, abs=0.01)
+
+
+def test_layer_patterns():
+    rg, m2, fh, ms = (load_preset(n) for n in ("recurrentgemma-2b", "mamba2-2.7b", "falcon-h1-1.5b",
+                                                "mistral-7b"))
+    assert [s.kind for s in rg.layers[:3]] == [LayerKind.RGLRU, LayerKind.RGLRU, LayerKind.ATTENTION]
+    assert rg.num_layers == 26 and rg.windows == (2048,) and rg.attention.num_kv_heads == 1
+    assert m2.num_layers == 64 and m2.windows == () and m2.mamba2.num_heads == 80
+    assert fh.num_layers == 24 and fh.windows == (None,) and fh.mamba2.state_size == 256
+    assert ms.num_layers == 32 and ms.windows == (4096,) and ms.attention.num_kv_heads == 8
+
+
+def test_full_attention_baseline_matches_the_hybrid_but_for_its_mixers():
+    hybrid, full = load_preset("native-1b-parallel"), load_preset("native-1b-full-attention")
+    assert full.num_layers == hybrid.num_layers and full.hidden_size == hybrid.hidden_size
+    assert full.attention == hybrid.attention and full.mlp == hybrid.mlp
+    assert all(s.kind == LayerKind.ATTENTION and s.window is None for s in full.layers)
+    assert full.mamba2 is None
