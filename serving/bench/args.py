@@ -30,6 +30,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--page-size", type=int, default=16)
     g.add_argument("--memory-fraction", type=float, default=0.5)
+    g.add_argument("--seq-buckets", default=None, help="throughput/serving: e.g. 64 (default: powers of 2)")
+    g.add_argument("--token-buckets", default=None, help="throughput/serving: e.g. 2048")
     for mode_args in (_throughput, _serving_mode, _scaling, _sweep):
         mode_args(p)
 

@@ -47,10 +47,17 @@ def build_engine(lm: LoadedModel, args: argparse.Namespace, *, max_model_len: in
 
 
 def smoke_buckets(args: argparse.Namespace) -> dict:
-    """One decode and one mixed bucket for --smoke runs (a few seconds of compilation)."""
-    if not args.smoke:
-        return {}
-    return {"seq_buckets": (args.max_num_seqs,), "token_buckets": (args.max_num_batched_tokens,)}
+    """Bucket ladders: --seq-buckets / --token-buckets, or one of each for --smoke runs."""
+    from serving.bench.common import parse_ints
+
+    if args.smoke:
+        return {"seq_buckets": (args.max_num_seqs,), "token_buckets": (args.max_num_batched_tokens,)}
+    out = {}
+    if getattr(args, "seq_buckets", None):
+        out["seq_buckets"] = parse_ints(args.seq_buckets, "--seq-buckets")
+    if getattr(args, "token_buckets", None):
+        out["token_buckets"] = parse_ints(args.token_buckets, "--token-buckets")
+    return out
 
 
 def collect() -> None:

@@ -43,7 +43,8 @@ def swa_pages(window: int | None, cached: int, page_size: int) -> int:
     """Pages a sequence with `cached` tokens must keep for its next query (at position `cached`).
 
     That query reads keys max(0, cached - W + 1) .. cached; the last is being written,
-    so the cached ones it needs are positions [max(0, cached - W + 1), cached).
+    so the cached ones it needs are positions [max(0, cached - W + 1), cached), plus the
+    partly filled page it writes into (which holds cached - 1 unless W = 1).
     """
     if cached == 0:
         return 0

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import math
 import time
 from pathlib import Path
 
@@ -85,18 +86,17 @@ def _model_batch(res, cfg, name, lm, wbytes, batch, contexts, args, out, t_start
         max_num_batched_tokens=max(args.max_prefill_chunk, batch), max_prefill_chunk=args.max_prefill_chunk,
         seq_buckets=(batch,), token_buckets=(max(args.max_prefill_chunk, batch),))
     rng = np.random.default_rng(args.seed)
-    last: tuple[int, float] | None = None
-    quadratic = None in cfg.windows
+    history: list[tuple[int, float]] = []  # (context, prefill s) of the points run
     with trace_scopes(engine) if args.profile else _null() as scopes:
         for c in fits:
-            why = _skip_reason(c, batch, last, quadratic, args, t_start)
+            why = _skip_reason(c, history, args, t_start)
             if why:
                 res["skipped"].append({"model": name, "batch": batch, "context": c, "reason": why})
                 continue
             run = measure_decode(engine, batch=batch, prompt_len=c, steps=args.decode_steps,
                                  warmup=args.warmup_steps, max_tokens=budget(c), vocab_size=cfg.vocab_size,
                                  rng=rng, tracer=tracer)
-            last = (c, run.prefill_s)
+            history.append((c, run.prefill_s))
             res["points"].append(_point(name, cfg, run, wbytes, args, res["copy_bandwidth_Bps"], engine))
             if scopes:
                 res["profile"] = {"dir": args.profile, "scopes": scopes}
@@ -112,15 +112,27 @@ def _null():
     return contextlib.nullcontext(None)
 
 
-def _skip_reason(c, batch, last, quadratic, args, t_start) -> str | None:
+def _skip_reason(c: int, history: list[tuple[int, float]], args, t_start: float) -> str | None:
     if args.time_budget and time.perf_counter() - t_start > args.time_budget:
         return f"time budget {args.time_budget:.0f} s spent"
-    if last is not None:
-        c0, t0 = last
-        predicted = t0 * (c / c0) ** (2 if quadratic else 1)
-        if predicted > args.max_prefill_s:
-            return f"predicted prefill {predicted:.0f} s > --max-prefill-s {args.max_prefill_s:.0f}"
+    predicted = predict_prefill_s(history, c)
+    if predicted > args.max_prefill_s:
+        return f"predicted prefill {predicted:.0f} s > --max-prefill-s {args.max_prefill_s:.0f}"
     return None
+
+
+def predict_prefill_s(history: list[tuple[int, float]], context: int) -> float:
+    """Prefill time at `context` from the last points: t ~ context^k, k from the last two
+    points clipped to [1, 2] (linear for windows and SSMs, quadratic for global attention)."""
+    if not history:
+        return 0.0
+    c1, t1 = history[-1]
+    k = 1.0
+    if len(history) >= 2:
+        c0, t0 = history[-2]
+        if c1 > c0 and t1 > 0 and t0 > 0:
+            k = min(2.0, max(1.0, math.log(t1 / t0) / math.log(c1 / c0)))
+    return t1 * (context / c1) ** k
 
 
 def _point(name, cfg, run, wbytes, args, bandwidth, engine) -> dict:

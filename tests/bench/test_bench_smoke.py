@@ -73,3 +73,13 @@ def test_sweep_pages_in_use_equal_a_pure_swa_models_need(tmp_path):
     assert res["all_pages_match"] and all(c["batch"] == 4 for c in res["cells"])
     long64 = next(c for c in res["cells"] if c["window"] == 64 and c["prompt"] == "long")
     assert long64["context"] == 160 and sum(long64["pages_in_use"].values()) <= 4 * (63 // 8 + 2)
+
+
+def test_prefill_prediction_follows_the_measured_growth():
+    from serving.bench.scaling import predict_prefill_s
+
+    assert predict_prefill_s([], 1 << 20) == 0.0
+    assert predict_prefill_s([(1000, 1.0)], 4000) == pytest.approx(4.0)  # one point: linear
+    assert predict_prefill_s([(1000, 1.0), (2000, 4.0)], 4000) == pytest.approx(16.0)  # quadratic
+    assert predict_prefill_s([(1000, 1.0), (2000, 8.0)], 4000) == pytest.approx(32.0)  # clipped at 2
+    assert predict_prefill_s([(1000, 1.0), (2000, 1.5)], 4000) == pytest.approx(3.0)  # at least linear
