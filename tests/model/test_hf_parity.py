@@ -11,6 +11,7 @@ save_pretrained, loads it with hybrid_jax, and compares in f32:
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -44,7 +45,7 @@ def test_logits_and_greedy_match_transformers(arch, tmp_path):
     ids = np.random.default_rng(1).integers(0, cfg.vocab_size, (2, SEQ))
     with torch.no_grad():
         ref = hf_model(torch.tensor(ids)).logits.numpy()
-    ours = np.asarray(model(jnp.asarray(ids, jnp.int32)))
+    ours = np.asarray(jax.jit(lambda x: model(x))(jnp.asarray(ids, jnp.int32)))  # eager: 4x slower
     err = np.abs(ours - ref).max() / np.abs(ref).max()
     assert err <= 1e-4, f"{arch}: max relative logit error {err:.2e}"
 
