@@ -53,7 +53,7 @@ def test_serving_counts_exactly_the_requests_it_sent(tmp_path):
 
 
 def test_scaling_reports_whole_batch_decode_and_its_floor(tmp_path):
-    res = _run("scaling", tmp_path)
+    res = _run("scaling", tmp_path, "--profile", str(tmp_path / "trace"))
     got = {(p["model"], p["batch"], p["context"]) for p in res["points"]}
     assert got == {(m, 4, c) for m in ("native-tiny", "native-tiny:full-attention") for c in (32, 160)}
     for p in res["points"]:
@@ -64,6 +64,10 @@ def test_scaling_reports_whole_batch_decode_and_its_floor(tmp_path):
     assert full[160]["kv_in_use_bytes"] > 2 * full[32]["kv_in_use_bytes"]
     assert hybrid[160]["floor_kv_bytes"] < full[160]["floor_kv_bytes"]
     assert {f["context"] for f in res["fit"]} == {128, 512}
+    # The trace holds the named scopes put around the engine's phases.
+    assert {"engine_step", "schedule", "device_step"} <= set(res["profile"]["scopes"])
+    trace = b"".join(f.read_bytes() for f in (tmp_path / "trace").rglob("*.xplane.pb"))
+    assert all(name.encode() in trace for name in res["profile"]["scopes"])
 
 
 def test_sweep_pages_in_use_equal_a_pure_swa_models_need(tmp_path):
