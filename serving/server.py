@@ -45,7 +45,7 @@ from serving.validation import RequestLimits, default_request_bytes
 SERVICE_NAME = SERVICE  # "hybrid_jax.v1.Generation"
 SPARE_WORKERS = 16  # threads beyond the open streams: health, unary calls, rejections
 EXIT_ENGINE_FAILED = 1  # run_until_signal's answer when the engine cannot recover
-FATAL_DRAIN_S = 2.0  # after such a fault: time for failed streams to get their status
+FATAL_DRAIN_S = 2.0  # after such a fault: NOT_SERVING answered, then the transport closes
 
 
 class GenerationServer:
@@ -159,8 +159,8 @@ class GenerationServer:
         """Block until SIGTERM or SIGINT (main thread only), then shut down gracefully: 0.
 
         When the engine core reports an unrecoverable fault (its `on_fatal` callbacks, or
-        `healthy` turning False) health is already NOT_SERVING; the server drains for
-        FATAL_DRAIN_S and returns EXIT_ENGINE_FAILED.
+        `healthy` turning False) health is already NOT_SERVING; the server keeps answering
+        (NOT_SERVING, UNAVAILABLE) for FATAL_DRAIN_S, stops and returns EXIT_ENGINE_FAILED.
         """
         previous = {s: signal.signal(s, lambda signum, frame: self._wake.set())
                     for s in (signal.SIGTERM, signal.SIGINT)}
@@ -172,7 +172,10 @@ class GenerationServer:
                 log_event("server.signal", grace_s=grace_s)
                 self.shutdown(grace_s)
                 return 0
-            self._shutdown_bounded(min(grace_s, FATAL_DRAIN_S))
+            # Drain: health answers NOT_SERVING (so balancers see it) and every stream
+            # gets its status before the transport closes.
+            time.sleep(min(grace_s, FATAL_DRAIN_S))
+            self._shutdown_bounded(0.0)
             log_event("server.exit", logging.CRITICAL, code=EXIT_ENGINE_FAILED,
                       reason="the engine cannot recover; restart the process")
             return EXIT_ENGINE_FAILED

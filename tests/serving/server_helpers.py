@@ -67,3 +67,39 @@ def rpc_code(fn: Callable[[], object]) -> tuple[grpc.StatusCode, str]:
     except grpc.RpcError as err:
         return err.code(), err.details()
     raise AssertionError("the call succeeded; a gRPC error was expected")
+
+
+def metric_samples(metrics_port: int) -> dict[tuple[str, tuple], float]:
+    """Every sample of the server's /metrics, keyed by (name, sorted label items)."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    body = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(body.decode()) for s in family.samples}
+
+
+def rejected(samples: dict[tuple[str, tuple], float], code: str, reason: str) -> float:
+    """hybrid_jax_requests_rejected_total{code, reason} (0 when absent)."""
+    return samples.get(("hybrid_jax_requests_rejected_total", (("code", code), ("reason", reason))), 0.0)
+
+
+def listening(port: int) -> list[str]:
+    """Addresses with a TCP socket listening on `port` on this machine (Linux /proc/net)."""
+    import ipaddress
+    from pathlib import Path
+
+    out = []
+    for name, width in (("tcp", 4), ("tcp6", 16)):
+        table = Path("/proc/net") / name
+        for line in table.read_text().splitlines()[1:] if table.exists() else []:
+            local, state = line.split()[1], line.split()[3]
+            addr, hex_port = local.split(":")
+            if state != "0A" or int(hex_port, 16) != port:  # 0A = LISTEN
+                continue
+            raw = bytes.fromhex(addr)  # little-endian 32-bit words
+            raw = b"".join(raw[i:i + 4][::-1] for i in range(0, width, 4))
+            ip = ipaddress.ip_address(raw)
+            out.append(str(ip.ipv4_mapped or ip) if ip.version == 6 else str(ip))
+    return out

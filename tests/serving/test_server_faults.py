@@ -1,0 +1,120 @@
+"""Engine faults as gRPC clients and operators see them: a request the engine fails ends
+with INTERNAL (counted as finish_reason="error", logged) while the others finish and
+health stays SERVING; a fault the engine cannot recover from turns health NOT_SERVING
+and makes `run_until_signal` return non-zero. The fault is injected by wrapping the
+runner (a test hook, as in tests/serving/test_faults.py)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from serving.llm import LLM
+from serving.proto.hybrid_jax.v1 import generation_pb2_grpc as pb_grpc
+from serving.sampling_params import SamplingParams
+from serving.server import EXIT_ENGINE_FAILED, GenerationServer
+from tests.serving.server_helpers import collect, metric_samples, request_for, rpc_code, wait_for
+
+PARAMS = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+PROMPTS = ["First of all", "Second", "A third one", "Fourth"]
+
+
+def _poisoned(engine, request_id: str | None, *, lose_state: bool = False):
+    """Make every step that holds `request_id` (None: every step) raise; returns an undo."""
+    run, lost = engine.runner.run, engine.runner.state_lost
+
+    def faulty(arrays, sampling):
+        seq = engine.scheduler.get(request_id) if request_id else None
+        if request_id is None or (seq is not None and seq.slot in arrays.slot_ids.tolist()):
+            raise RuntimeError("injected fault")
+        return run(arrays, sampling)
+
+    engine.runner.run = faulty
+    if lose_state:
+        engine.runner.state_lost = lambda: True
+
+    def undo() -> None:
+        engine.runner.run, engine.runner.state_lost = run, lost
+    return undo
+
+
+def _health(port: int) -> int:
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+        return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5).status
+
+
+@pytest.fixture(scope="module")
+def expected(server_engine) -> dict[str, list[int]]:
+    """Outputs without a fault (computed before any server's engine loop runs)."""
+    llm = LLM.from_engine(server_engine)
+    return {p: llm.generate([p], PARAMS)[0].token_ids for p in PROMPTS}
+
+
+@pytest.fixture
+def server(server_engine, expected):
+    server = GenerationServer(server_engine, model_name="native-tiny", port=0, metrics_port=0).start()
+    yield server
+    server.shutdown(grace_s=0)
+
+
+def test_a_failed_request_gets_internal_and_the_others_their_output(server, server_engine, expected,
+                                                                       caplog):
+    before = metric_samples(server.metrics_port)
+    undo = _poisoned(server_engine, "bad")
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{server.port}") as ch, ThreadPoolExecutor(5) as pool, \
+                caplog.at_level(logging.INFO, logger="serving.requests"):
+            stub = pb_grpc.GenerationStub(ch)
+            good = [pool.submit(collect, stub, request_for(p, PARAMS), 120) for p in PROMPTS]
+            code, details = rpc_code(lambda: list(stub.Generate(
+                request_for("Poison", PARAMS, request_id="bad"), timeout=120)))
+            got = {p: f.result(timeout=120).token_ids for p, f in zip(PROMPTS, good, strict=True)}
+    finally:
+        undo()
+    assert code == grpc.StatusCode.INTERNAL and "request bad failed in the engine" in details
+    assert got == expected
+    after = metric_samples(server.metrics_port)
+    key = ("hybrid_jax_requests_total", (("finish_reason", "error"),))
+    assert after[key] - before.get(key, 0) == 1
+    events = [r.fields for r in caplog.records if hasattr(r, "fields")]
+    assert [e["request_id"] for e in events if e["event"] == "request.failed"] == ["bad"]
+    finished = [e for e in events if e["event"] == "request.finished" and e["request_id"] == "bad"]
+    assert [e["finish_reason"] for e in finished] == ["error"]
+    assert _health(server.port) == health_pb2.HealthCheckResponse.SERVING
+    with grpc.insecure_channel(f"127.0.0.1:{server.port}") as ch:
+        again = collect(pb_grpc.GenerationStub(ch), request_for("Poison", PARAMS, request_id="bad"))
+    assert again.completion_tokens == 8  # the fault is gone: the same request now succeeds
+
+
+def test_an_unrecoverable_fault_turns_health_off_and_exits_non_zero(server, server_engine):
+    undo = _poisoned(server_engine, None, lose_state=True)
+    seen: dict[str, object] = {}
+
+    def client() -> None:
+        with grpc.insecure_channel(f"127.0.0.1:{server.port}") as ch:
+            stub = pb_grpc.GenerationStub(ch)
+            seen["stream"] = rpc_code(lambda: list(stub.Generate(request_for("Doomed", PARAMS), timeout=60)))
+            wait_for(lambda: _health(server.port) == health_pb2.HealthCheckResponse.NOT_SERVING,
+                     what="health NOT_SERVING")
+            seen["health"] = "NOT_SERVING"
+            seen["late"] = rpc_code(lambda: list(stub.Generate(request_for("Late", PARAMS), timeout=10)))
+
+    thread = threading.Thread(target=client)
+    try:
+        thread.start()
+        code = server.run_until_signal(grace_s=30)  # returns when the engine reports the fault
+        thread.join(timeout=30)
+    finally:
+        undo()
+    assert code == EXIT_ENGINE_FAILED != 0
+    assert not server.core.healthy and server.fatal_error is not None
+    assert seen["stream"][0] == grpc.StatusCode.UNAVAILABLE and "retry" in seen["stream"][1]
+    assert seen["health"] == "NOT_SERVING"
+    assert seen["late"][0] == grpc.StatusCode.UNAVAILABLE
+    stats = server_engine.stats()  # the shared engine is left clean for the next tests
+    assert stats["slots_in_use"] == 0 and sum(stats["pages_in_use"].values()) == 0
