@@ -10,7 +10,9 @@ from serving.cli import main
 
 def test_generate_prints_the_greedy_continuation(capsys):
     assert main(["generate", "--model", "native-tiny", "--max-tokens", "6", "Hi"]) == 0
-    out = capsys.readouterr().out
+    captured = capsys.readouterr()
+    out, err = captured.out, captured.err
+    assert err.startswith("loading model native-tiny\n")  # said before the first compile
     lm = load_model("native-tiny")
     tokens = greedy_generate(lm.model, lm.tokenizer.encode("Hi", add_bos=True), 6,
                              eos_ids=lm.config.eos_token_ids)
