@@ -71,7 +71,15 @@ def environment() -> dict[str, str]:
     return {"device": getattr(dev, "device_kind", str(dev)), "platform": dev.platform,
             "jax": jax.__version__, "python": platform.python_version(),
             "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-            "command": " ".join(["hybrid-jax", *sys.argv[1:]]) if sys.argv else ""}
+            "command": _command()}
+
+
+def _command() -> str:
+    if not sys.argv:
+        return ""
+    prog = Path(sys.argv[0]).name
+    prog = "python -m serving.bench" if prog == "__main__.py" else prog
+    return " ".join([prog, *sys.argv[1:]])
 
 
 def write_json(out: Path, mode: str, data: dict) -> Path:

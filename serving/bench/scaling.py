@@ -57,12 +57,17 @@ def run(args: argparse.Namespace, out: Path) -> dict:
            "copy_bandwidth_Bps": copy_bandwidth(64 << 20 if args.smoke else 1 << 30, 3 if args.smoke else 10),
            "points": [], "skipped": [], "fit": []}
     tracer = StepTracer(args.profile)
-    for name in args.models.split(","):
+    # Batch-major, so that with a time budget every model gets measured at the first batch;
+    # each (batch, model) group gets an equal share of the budget left when it starts.
+    groups = [(b, name) for b in batches for name in args.models.split(",")]
+    for i, (batch, name) in enumerate(groups):
+        left = args.time_budget - (time.perf_counter() - t_start) if args.time_budget else math.inf
+        deadline = time.perf_counter() + left / (len(groups) - i)
         cfg = model_config(name)
         lm, wbytes = engine_setup.from_config(cfg, args.dtype, args.seed)
-        res["fit"] += _fit(cfg, name, wbytes, args)
-        for batch in batches:
-            _model_batch(res, cfg, name, lm, wbytes, batch, contexts, args, out, t_start, tracer)
+        if i < len(groups) // len(batches):
+            res["fit"] += _fit(cfg, name, wbytes, args)
+        _model_batch(res, cfg, name, lm, wbytes, batch, contexts, args, out, deadline, tracer)
         del lm
         engine_setup.collect()
     res["elapsed_s"] = time.perf_counter() - t_start
@@ -71,7 +76,7 @@ def run(args: argparse.Namespace, out: Path) -> dict:
     return res
 
 
-def _model_batch(res, cfg, name, lm, wbytes, batch, contexts, args, out, t_start, tracer) -> None:
+def _model_batch(res, cfg, name, lm, wbytes, batch, contexts, args, out, deadline, tracer) -> None:
     budget = lambda c: decode_budget(batch=batch, prompt_len=c, chunk=args.max_prefill_chunk,
                                      steps=args.decode_steps, warmup=args.warmup_steps)
     fits = [c for c in contexts if _plan_fits(cfg, c + budget(c), batch, wbytes, args)]
@@ -79,7 +84,9 @@ def _model_batch(res, cfg, name, lm, wbytes, batch, contexts, args, out, t_start
         if c not in fits:
             res["skipped"].append({"model": name, "batch": batch, "context": c,
                                    "reason": "memory (engine plan)"})
-    if not fits:
+    if not fits or time.perf_counter() > deadline:
+        res["skipped"] += [{"model": name, "batch": batch, "context": c, "reason": "time budget"}
+                           for c in fits]
         return
     engine = engine_setup.build_engine(
         lm, args, max_model_len=max(fits) + budget(max(fits)), max_num_seqs=batch,
@@ -89,7 +96,7 @@ def _model_batch(res, cfg, name, lm, wbytes, batch, contexts, args, out, t_start
     history: list[tuple[int, float]] = []  # (context, prefill s) of the points run
     with trace_scopes(engine) if args.profile else _null() as scopes:
         for c in fits:
-            why = _skip_reason(c, history, args, t_start)
+            why = _skip_reason(c, history, args, deadline)
             if why:
                 res["skipped"].append({"model": name, "batch": batch, "context": c, "reason": why})
                 continue
@@ -112,12 +119,12 @@ def _null():
     return contextlib.nullcontext(None)
 
 
-def _skip_reason(c: int, history: list[tuple[int, float]], args, t_start: float) -> str | None:
-    if args.time_budget and time.perf_counter() - t_start > args.time_budget:
-        return f"time budget {args.time_budget:.0f} s spent"
+def _skip_reason(c: int, history: list[tuple[int, float]], args, deadline: float) -> str | None:
     predicted = predict_prefill_s(history, c)
     if predicted > args.max_prefill_s:
         return f"predicted prefill {predicted:.0f} s > --max-prefill-s {args.max_prefill_s:.0f}"
+    if time.perf_counter() + predicted > deadline:
+        return f"time budget (predicted prefill {predicted:.0f} s past this group's share)"
     return None
 
 
