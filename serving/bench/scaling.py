@@ -107,7 +107,8 @@ def _model_batch(res, cfg, name, lm, wbytes, batch, contexts, args, out, deadlin
             res["points"].append(_point(name, cfg, run, wbytes, args, res["copy_bandwidth_Bps"], engine))
             if scopes:
                 res["profile"] = {"dir": args.profile, "scopes": scopes}
-            common.write_json(out, "scaling", res)
+            common.write_json(out, "scaling", res)  # after every point: a killed run keeps its figures
+            plots.scaling(res, out / "scaling.png")
             logging.getLogger(__name__).info("scaling %s", res["points"][-1])
     del engine
     engine_setup.collect()
