@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from hybrid_jax.config import LayerSpec, ModelConfig
-from serving.bench import common, engine_setup, memory, plots
+from serving.bench import common, engine_setup, memory, plots, trace_report
 from serving.bench.floor import copy_bandwidth, floor_report
 from serving.bench.probe import StepTracer, decode_budget, measure_decode, trace_scopes
 
@@ -105,8 +105,9 @@ def _model_batch(res, cfg, name, lm, wbytes, batch, contexts, args, out, deadlin
                                  rng=rng, tracer=tracer)
             history.append((c, run.prefill_s))
             res["points"].append(_point(name, cfg, run, wbytes, args, res["copy_bandwidth_Bps"], engine))
-            if scopes:
-                res["profile"] = {"dir": args.profile, "scopes": scopes}
+            if scopes and "profile" not in res and tracer.state == "done":
+                res["profile"] = {"dir": args.profile, "scopes": scopes, "model": name, "batch": batch,
+                                  "context": c, **trace_report.summarize(args.profile, scopes)}
             common.write_json(out, "scaling", res)  # after every point: a killed run keeps its figures
             plots.scaling(res, out / "scaling.png")
             logging.getLogger(__name__).info("scaling %s", res["points"][-1])

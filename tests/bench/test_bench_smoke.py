@@ -68,6 +68,10 @@ def test_scaling_reports_whole_batch_decode_and_its_floor(tmp_path):
     assert {"engine_step", "schedule", "device_step"} <= set(res["profile"]["scopes"])
     trace = b"".join(f.read_bytes() for f in (tmp_path / "trace").rglob("*.xplane.pb"))
     assert all(name.encode() in trace for name in res["profile"]["scopes"])
+    # Read back: one of each scope per timed step of the traced point (the first).
+    assert (res["profile"]["model"], res["profile"]["context"]) == ("native-tiny", 32)
+    counts = {k: v["count"] for k, v in res["profile"]["scope_stats"].items()}
+    assert counts == dict.fromkeys(res["profile"]["scopes"], 3)
 
 
 def test_sweep_pages_in_use_equal_a_pure_swa_models_need(tmp_path):

@@ -1,0 +1,44 @@
+"""Where the milliseconds of the traced steps go, read back from a jax.profiler trace.
+
+Reads the Chrome-format trace (`*.trace.json.gz`) that `jax.profiler` writes and
+reports, per named host scope (engine_step, schedule, host_prep, device_step,
+update), the count and mean duration, and, per device lane (a GPU stream, or XLA's
+module and op lanes), the busy time per traced engine step. On a GPU the stream lanes'
+busy time per step is the kernel time a step costs; engine_step minus that is the
+time the device waits for the host or between kernels.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from collections import defaultdict
+from pathlib import Path
+
+
+def summarize(directory: str | Path, scopes: list[str]) -> dict:
+    """Per-scope count and mean ms; per device lane busy ms per engine step. {} if no trace."""
+    files = sorted(Path(directory).rglob("*.trace.json.gz"))
+    if not files:
+        return {}
+    events = json.loads(gzip.decompress(files[-1].read_bytes()))["traceEvents"]
+    procs = {e["pid"]: e["args"]["name"] for e in events
+             if e.get("ph") == "M" and e.get("name") == "process_name"}
+    threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
+               if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    scope_us: dict[str, list[float]] = defaultdict(list)
+    lane_us: dict[str, float] = defaultdict(float)
+    for e in events:
+        if e.get("ph") != "X":
+            continue
+        if e["name"] in scopes:
+            scope_us[e["name"]].append(float(e.get("dur", 0.0)))
+        proc = procs.get(e["pid"], "")
+        if proc.startswith("/device:"):
+            lane_us[f"{proc} {threads.get((e['pid'], e['tid']), e['tid'])}"] += float(e.get("dur", 0.0))
+    steps = max(1, len(scope_us.get("engine_step", [])))
+    return {
+        "file": str(files[-1]), "steps": steps,
+        "scope_stats": {k: {"count": len(v), "mean_ms": sum(v) / len(v) / 1e3} for k, v in scope_us.items()},
+        "device_lanes_ms_per_step": {k: v / steps / 1e3 for k, v in sorted(lane_us.items())},
+    }
