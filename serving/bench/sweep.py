@@ -47,11 +47,11 @@ def run(args: argparse.Namespace, out: Path) -> dict:
     for w in common.parse_ints(args.windows, "--windows"):
         for n in common.parse_ints(args.state_sizes, "--state-sizes"):
             res["cells"] += _variant_cells(variant(base, w, n), w, n, args)
-            common.write_json(out, "sweep", res)
+            res["all_pages_match"] = all(c["pages_match"] for c in res["cells"])
+            common.write_json(out, "sweep", res)  # after every variant: a killed run keeps its figures
+            plots.sweep(res, out / "sweep.png")
     res["elapsed_s"] = time.perf_counter() - t0
-    res["all_pages_match"] = all(c["pages_match"] for c in res["cells"])
     common.write_json(out, "sweep", res)
-    plots.sweep(res, out / "sweep.png")
     return res
 
 
