@@ -25,6 +25,8 @@ import numpy as np
 from serving.client import make_request
 from serving.proto.hybrid_jax.v1 import generation_pb2_grpc as pb_grpc
 
+MAX_THREADS = 1024  # client threads (one per request in flight); beyond, requests queue here
+
 
 @dataclass
 class Record:
@@ -78,7 +80,7 @@ def run_load(target: str, prompts: list[list[int]], max_tokens: list[int], spec:
     records: list[Record] = []
     channel = grpc.insecure_channel(target)
     stub = pb_grpc.GenerationStub(channel)
-    workers = min(len(prompts), spec.concurrency or len(prompts)) or 1
+    workers = min(len(prompts), spec.concurrency or len(prompts), MAX_THREADS) or 1
     start = time.perf_counter()
     try:
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="load") as pool:

@@ -47,6 +47,7 @@ def run(args: argparse.Namespace, out: Path) -> dict:
                "input_lens": [r.prompt_len for r in records],
                "output_lens": [r.output_tokens for r in records],
                "max_tokens": [r.max_tokens for r in records], "codes": [r.code for r in records],
+               **_timeline(records),
                "wall_s": wall, **report(records, wall)}
         if server is not None:
             res["server_counted"] = server_counts(server)
@@ -56,6 +57,14 @@ def run(args: argparse.Namespace, out: Path) -> dict:
     common.write_json(out, "serving", res)
     plots.serving(res, records, out / "serving.png")
     return res
+
+
+def _timeline(records) -> dict[str, list]:
+    """Per request, seconds from the first send: sent, first token (None if none), end."""
+    t0 = min((r.sent for r in records), default=0.0)
+    return {"sent_s": [r.sent - t0 for r in records],
+            "first_token_s": [r.token_times[0] - t0 if r.token_times else None for r in records],
+            "end_s": [r.end - t0 for r in records]}
 
 
 def _local_server(args: argparse.Namespace):

@@ -91,3 +91,27 @@ def test_prefill_prediction_follows_the_measured_growth():
     assert predict_prefill_s([(1000, 1.0), (2000, 4.0)], 4000) == pytest.approx(16.0)  # quadratic
     assert predict_prefill_s([(1000, 1.0), (2000, 8.0)], 4000) == pytest.approx(32.0)  # clipped at 2
     assert predict_prefill_s([(1000, 1.0), (2000, 1.5)], 4000) == pytest.approx(3.0)  # at least linear
+
+
+def test_serving_keeps_at_most_concurrency_requests_in_flight(tmp_path):
+    res = _run("serving", tmp_path, "--concurrency", "2")
+    assert res["sent"] == 12 and res["concurrency"] == 2
+    spans = list(zip(res["sent_s"], res["end_s"], strict=True))
+    for t, _ in spans:  # at each send, at most 2 requests (this one included) are open
+        assert sum(s <= t < e for s, e in spans) <= 2
+
+
+def test_poisson_arrivals_have_the_requested_rate():
+    import math
+
+    import numpy as np
+
+    from serving.bench.load import LoadSpec, arrival_offsets
+
+    gaps = np.diff(arrival_offsets(20000, 8.0, np.random.default_rng(0)), prepend=0.0)
+    assert gaps.min() >= 0 and abs(gaps.mean() - 1 / 8) < 0.005 and abs(gaps.std() - 1 / 8) < 0.005
+    assert not arrival_offsets(5, math.inf, np.random.default_rng(0)).any()
+    with pytest.raises(ValueError, match="concurrency=0"):
+        LoadSpec(concurrency=0)
+    with pytest.raises(ValueError, match="rate=0"):
+        LoadSpec(rate=0)
