@@ -96,6 +96,14 @@ def test_client_streams_the_greedy_continuation_from_the_server(server):
     assert finished["request_id"] == "cli-e2e" and finished["completion_tokens"] == len(tokens)
 
 
+def test_loading_is_logged_before_the_compile_and_the_host_is_reported(server):
+    names = [e.get("event") for e in server.events]
+    assert "server.loading" in names and names.index("server.loading") < names.index("server.started")
+    raw = "".join(server.raw)
+    assert raw.index('"server.loading"') < raw.index("compiling step buckets")
+    assert server.wait_event("server.started", timeout=1)["host"] == "127.0.0.1"
+
+
 def test_client_reports_a_bad_request_with_its_status(server):
     out = subprocess.run([sys.executable, "-m", "serving.cli", "client", "--server",
                           f"127.0.0.1:{server.port}", "--top-p", "0", "Hi"],
