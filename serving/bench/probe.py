@@ -69,10 +69,10 @@ def measure_decode(engine, *, batch: int, prompt_len: int, steps: int, warmup: i
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     ids = [engine.add_request(prompt_token_ids=rng.integers(3, vocab_size, prompt_len).tolist(),
                               params=params) for _ in range(batch)]
-    live, outputs = set(ids), dict.fromkeys(ids, 0)
+    outputs = dict.fromkeys(ids, 0)
     try:
         t0 = time.perf_counter()
-        for _ in range(max_prefill_steps):
+        for _ in range(max_prefill_steps):  # until every sequence has its first token
             _count(engine.step(), outputs)
             if all(outputs.values()):
                 break
@@ -80,33 +80,38 @@ def measure_decode(engine, *, batch: int, prompt_len: int, steps: int, warmup: i
             raise RuntimeError(f"prefill of {batch} x {prompt_len} did not finish "
                                f"in {max_prefill_steps} steps")
         run = DecodeRun(batch, prompt_len, time.perf_counter() - t0)
-        done = 0
-        while len(run.step_s) < steps and done < warmup + 2 * steps + 2:
-            before = dict(outputs)
-            if tracer is not None and len(run.step_s) == 0 and done == warmup:
-                tracer.start()
-            t = time.perf_counter()
-            deltas = engine.step()
-            dt = time.perf_counter() - t
-            finished = _count(deltas, outputs)
-            done += 1
-            whole = not finished and all(outputs[r] - before[r] == 1 for r in ids)
-            if done <= warmup:
-                continue
-            if whole:
-                run.step_s.append(dt)
-            else:
-                run.skipped_steps += 1
-        if tracer is not None:
-            tracer.stop()
+        _timed_steps(engine, run, outputs, steps=steps, warmup=warmup, tracer=tracer)
         run.stats = engine.stats()
         run.outputs = list(outputs.values())
         if not run.step_s:
             raise RuntimeError(f"no step decoded the whole batch of {batch} (max_num_seqs too small?)")
         return run
     finally:
-        for rid in live:
+        for rid in ids:
             engine.abort(rid)
+
+
+def _timed_steps(engine, run: DecodeRun, outputs: dict[str, int], *, steps: int, warmup: int,
+                 tracer: StepTracer | None) -> None:
+    """Step past `warmup`, then keep the times of steps where every sequence got one token."""
+    done = 0
+    while len(run.step_s) < steps and done < warmup + 2 * steps + 2:
+        before = dict(outputs)
+        if tracer is not None and done == warmup:
+            tracer.start()
+        t = time.perf_counter()
+        deltas = engine.step()
+        dt = time.perf_counter() - t
+        finished = _count(deltas, outputs)
+        done += 1
+        if done <= warmup:
+            continue
+        if not finished and all(outputs[r] - before[r] == 1 for r in outputs):
+            run.step_s.append(dt)
+        else:
+            run.skipped_steps += 1
+    if tracer is not None:
+        tracer.stop()
 
 
 def _count(deltas, outputs: dict[str, int]) -> bool:
