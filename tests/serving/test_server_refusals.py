@@ -109,7 +109,7 @@ def test_far_oversized_body_is_refused_by_grpc_not_internal(served):
 
 def test_full_streams_refuse_one_more_counted_while_health_and_unary_answer(served):
     server, stub, _, channel = served
-    slow = lambda deltas, dt: time.sleep(0.02)
+    slow = lambda deltas, dt: time.sleep(0.05)  # the long streams outlive the checks (>= 5 s)
     server.core.on_step.append(slow)
     calls = []
     try:
