@@ -24,6 +24,7 @@ from hybrid_jax.checkpoints import (
     falcon_h1,
     gemma2,
     gemma3,
+    gemma3_vlm,
     granite_hybrid,
     lfm2,
     mamba2,
@@ -37,7 +38,8 @@ from hybrid_jax.config import ModelConfig
 from hybrid_jax.model import CausalLM
 
 _MODULES: tuple[ModuleType, ...] = (mamba2, mistral, recurrent_gemma, falcon_h1, zamba2, lfm2,
-                                    gemma3, gemma2, bamba, granite_hybrid, nemotron_h)
+                                    gemma3, gemma2, bamba, granite_hybrid, nemotron_h,
+                                    gemma3_vlm)
 _BY_ARCH = {m.ARCHITECTURE: m for m in _MODULES}
 # Known architectures whose math is not implemented: refused naming what is missing.
 _UNSUPPORTED = {
@@ -45,7 +47,6 @@ _UNSUPPORTED = {
     "MambaForCausalLM": "the Mamba1 selective scan",
     "FalconMambaForCausalLM": "the Mamba1 selective scan",
     "Qwen3NextForCausalLM": "Gated DeltaNet and mixture-of-experts layers",
-    "Gemma3ForConditionalGeneration": "the vision tower (text-only Gemma3ForCausalLM loads)",
 }
 
 
@@ -161,6 +162,11 @@ def load_hf(path: str | Path, *, dtype: jnp.dtype = jnp.float32) -> tuple[Causal
     unmapped = set(expected) - {t.path for t in wmap.values()}
     assert not unmapped, f"name map of {module.ARCHITECTURE} misses params {sorted(unmapped)}"
     files = _tensor_files(path)
+    if hasattr(module, "skipped"):  # tensors of parts not served (a vision tower)
+        files = {n: f for n, f in files.items() if not module.skipped(n)}
+    if hasattr(module, "tied_copies"):  # stored copies of tied weights (Zamba2's shared blocks)
+        copies = module.tied_copies(cfg)
+        files = {n: f for n, f in files.items() if n not in copies}
     aliases = dict(getattr(module, "ALIASES", {}))
     if hasattr(module, "canonical_name"):  # e.g. a renamed trunk prefix
         aliases = {n: module.canonical_name(n) for n in files} | aliases

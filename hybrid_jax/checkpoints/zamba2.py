@@ -10,7 +10,8 @@ Quirks that change numerics, each handled here:
 - the Mamba2 conv always has a bias (whatever `use_conv_bias`), the gated norm's eps is
   1e-5, dt is clamped below at `time_step_min` (transformers does so in prefill only);
 - tied shared-block weights are stored once, under the first hybrid layer that uses each
-  block (`model.layers.{i}.shared_transformer.*`, adapters indexed by j there too).
+  block (`model.layers.{i}.shared_transformer.*`, adapters indexed by j there too); copies
+  under later hybrid layers, if a file has them, are ignored as transformers ties them.
 Refused: `add_bias_linear` (biases in the shared MLP) and `use_long_context` (RoPE rescaling).
 """
 
@@ -152,4 +153,17 @@ def weight_map(cfg: ModelConfig) -> names.WeightMap:
             out |= names.vector(f"{p}.input_layernorm.weight",
                                 names.layer_path(i, "temporal_norm", "weight"))
             out |= names.mamba2(f"{p}.mamba", names.layer_path(i, "mamba"), cfg.mamba2)
+    return out
+
+
+def tied_copies(cfg: ModelConfig) -> set[str]:
+    """Names of shared-block tensors under later hybrid layers: copies of the tied weights."""
+    firsts = _first_layers(cfg)
+    hybrid = [i for i, s in enumerate(cfg.layers) if s.kind == LayerKind.SHARED_BLOCK]
+    stored = [n for n in weight_map(cfg) if ".shared_transformer." in n]
+    out = set()
+    for j, i in enumerate(hybrid[len(firsts):], start=len(firsts)):
+        first = f"model.layers.{firsts[j % len(firsts)]}.shared_transformer."
+        out |= {n.replace(first, f"model.layers.{i}.shared_transformer.") for n in stored
+                if n.startswith(first)}
     return out

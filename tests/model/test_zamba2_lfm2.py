@@ -117,6 +117,23 @@ def test_variant_logits_match_transformers(arch, tmp_path):
     assert np.abs(ours - ref).max() / np.abs(ref).max() <= 1e-4
 
 
+def test_zamba2_stored_copies_of_tied_blocks_are_ignored(tmp_path):
+    """A file that also stores layer 4's copy of shared block 0 (tied to layer 1's) loads the same."""
+    from safetensors.numpy import load_file, save_file
+
+    build("zamba2", tmp_path / "a", seed=1)
+    tensors = load_file(tmp_path / "a" / "model.safetensors")
+    first = "model.layers.1.shared_transformer."
+    copies = {n.replace(first, "model.layers.4.shared_transformer."): v
+              for n, v in tensors.items() if n.startswith(first)}
+    assert copies
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "config.json").write_text((tmp_path / "a" / "config.json").read_text())
+    save_file(tensors | copies, tmp_path / "b" / "model.safetensors")
+    a, b = (jax.tree.leaves(nnx.state(load_hf(tmp_path / x)[0])) for x in "ab")
+    assert all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))
+
+
 ZAMBA2 = dict(architectures=["Zamba2ForCausalLM"], vocab_size=64, hidden_size=32,
               num_hidden_layers=2, num_attention_heads=4, layers_block_type=["mamba", "hybrid"])
 LFM2 = dict(architectures=["Lfm2ForCausalLM"], vocab_size=64, hidden_size=32, num_hidden_layers=2,
