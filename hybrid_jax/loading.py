@@ -13,6 +13,7 @@ from pathlib import Path
 import jax.numpy as jnp
 from flax import nnx
 
+from configs import DEFAULT_MODEL, resolve_model_name
 from hybrid_jax.checkpoints.hf import load_hf
 from hybrid_jax.checkpoints.native import is_native_dir, load_native
 from hybrid_jax.config import ModelConfig
@@ -53,9 +54,11 @@ def byte_tokenizer(cfg: ModelConfig) -> Tokenizer:
     return tok
 
 
-def load_model(model: str, *, dtype: str = "float32", seed: int = 0) -> LoadedModel:
-    """Load `model`: an HF dir (config.json), a native dir, or a preset name."""
+def load_model(model: str = DEFAULT_MODEL, *, dtype: str = "float32", seed: int = 0) -> LoadedModel:
+    """Load `model`: an HF dir (config.json), a native dir, a preset name, or "default"
+    (the shipped model trained on Python source, configs/default_model)."""
     dt = _dtype(dtype)
+    model = resolve_model_name(model)
     path = Path(model)
     if path.is_dir() and is_native_dir(path):
         m, cfg = load_native(path, dtype=dt)
@@ -67,7 +70,7 @@ def load_model(model: str, *, dtype: str = "float32", seed: int = 0) -> LoadedMo
         cfg = load_preset(model)
         m = CausalLM(cfg, dtype=dt, rngs=nnx.Rngs(seed))
         return LoadedModel(m, cfg, _maybe_bytes(cfg), "preset")
-    raise ValueError(f"model={model!r} is neither a model directory nor a preset "
+    raise ValueError(f"model={model!r} is neither a model directory, {DEFAULT_MODEL!r} nor a preset "
                      f"({', '.join(preset_names())})")
 
 

@@ -4,6 +4,7 @@
   serve     a gRPC server (+ Prometheus metrics) on the continuous-batching engine
   client    stream one prompt from a running server to the terminal
   presets   list the model presets
+  train     train a model (hybrid_jax.train): optax AdamW, orbax checkpoints, exact resume
   bench     benchmarks: throughput | serving | scaling | sweep (JSON + PNG)
 
 MODEL is a Hugging Face directory, a native (orbax) directory, a preset name
@@ -22,10 +23,13 @@ import os
 import sys
 from collections.abc import Sequence
 
+from configs import DEFAULT_MODEL, resolve_model_name
 from serving.cli_support import check_bindable, prepare_model, run_user_command
 
 EPILOG = """examples:
   hybrid-jax presets
+  hybrid-jax generate "def fibonacci(n):"           # the shipped default model
+  echo "import os" | hybrid-jax generate --temperature 0.8 --top-p 0.95 --seed 1
   hybrid-jax generate --model native-tiny "Hello"
   hybrid-jax generate --model ./my-hf-model --max-tokens 64 --dtype bfloat16 "Once upon"
 
@@ -67,10 +71,17 @@ def _sub(sub, name: str, help: str, epilog: str = EPILOG) -> argparse.ArgumentPa
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="native-tiny",
-                   help="HF dir, native dir, preset name or HF repo id org/name (default: native-tiny)")
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help="HF dir, native dir, preset name or HF repo id org/name (default: 'default', "
+                        "the shipped hybrid trained on Python source; docs/training.md)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--seed", type=int, default=0, help="seed for preset weights (default 0)")
+    p.add_argument("--weights-seed", type=int, default=0,
+                   help="seed for a preset's random weights (default 0)")
+
+
+# `generate`'s sampling defaults: a fixed seed, so the README's command prints the same
+# text on every run (temperature 0 gives greedy decoding).
+GENERATE_DEFAULTS = {"max_tokens": 64, "temperature": 0.0, "top_p": 1.0, "top_k": -1, "seed": 0}
 
 
 # EngineConfig's defaults, written out so that `--help` needs no JAX import
@@ -102,9 +113,18 @@ def _parser() -> argparse.ArgumentParser:
                                 description="Serve and run hybrid SSM + sliding-window models.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     gen = _sub(sub, "generate", "generate a continuation of a prompt in this process (streams)")
-    gen.add_argument("prompt", help="prompt text")
+    gen.add_argument("prompt", nargs="?", help="prompt text (default: read from stdin)")
     _model_args(gen)
-    gen.add_argument("--max-tokens", type=int, default=32, help="tokens to generate (default 32)")
+    gen.add_argument("--max-tokens", type=int, default=GENERATE_DEFAULTS["max_tokens"],
+                     help=f"tokens to generate (default {GENERATE_DEFAULTS['max_tokens']})")
+    gen.add_argument("--temperature", type=float, default=GENERATE_DEFAULTS["temperature"],
+                     help=f"0 = greedy (default {GENERATE_DEFAULTS['temperature']})")
+    gen.add_argument("--top-p", type=float, default=GENERATE_DEFAULTS["top_p"],
+                     help=f"nucleus mass in (0, 1] (default {GENERATE_DEFAULTS['top_p']})")
+    gen.add_argument("--top-k", type=int, default=GENERATE_DEFAULTS["top_k"],
+                     help=f"keep the k most likely tokens, -1 = off (default {GENERATE_DEFAULTS['top_k']})")
+    gen.add_argument("--seed", type=int, default=GENERATE_DEFAULTS["seed"],
+                     help=f"sampling seed, for reproducible output (default {GENERATE_DEFAULTS['seed']})")
 
     serve = _sub(sub, "serve", "serve a model over gRPC, with Prometheus metrics", SERVE_EPILOG)
     _model_args(serve)
@@ -133,6 +153,9 @@ def _parser() -> argparse.ArgumentParser:
 
     add_client_args(client)
     _sub(sub, "presets", "list the model presets")
+    # `train` is parsed by hybrid_jax.train (main() hands it the arguments), which imports
+    # JAX; listed here for `hybrid-jax --help`.
+    _sub(sub, "train", "train a model on .py/text files (run `hybrid-jax train --help`)", "")
     from serving.bench import args as bench_args
 
     bench_args.add_args(_sub(sub, "bench", "benchmarks that write OUT/MODE.json and OUT/MODE.png",
@@ -150,23 +173,37 @@ def _generate(args: argparse.Namespace) -> int:
     if args.max_tokens < 1:
         print(f"error: --max-tokens={args.max_tokens} must be >= 1", file=sys.stderr)
         return 2
-    lm = load_model(prepare_model(args.model, needs_tokenizer=True, announce=_to_stderr),
-                    dtype=args.dtype, seed=args.seed)
+    # Everything the user typed is checked before the weights load and the engine compiles.
+    sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                              seed=args.seed, max_tokens=args.max_tokens)
+    text = _prompt_text(args.prompt)
+    lm = load_model(prepare_model(resolve_model_name(args.model), needs_tokenizer=True, announce=_to_stderr),
+                    dtype=args.dtype, seed=args.weights_seed)
     if lm.tokenizer is None:
         print(f"error: {args.model} has no tokenizer.json", file=sys.stderr)
         return 2
-    prompt = lm.tokenizer.encode(args.prompt, add_bos=True)
+    prompt = lm.tokenizer.encode(text, add_bos=True)
     # One sequence: few buckets to compile, and room for exactly this prompt + output.
     chunk = min(64, max(16, len(prompt)))
     cfg = EngineConfig(max_num_seqs=1, max_num_batched_tokens=chunk, max_prefill_chunk=chunk,
                        max_model_len=len(prompt) + args.max_tokens, dtype=args.dtype)
     llm = LLM.from_engine(LLMEngine(lm, cfg))
-    print(args.prompt, end="", flush=True)
-    for delta in llm.stream(prompt_token_ids=prompt,
-                            sampling_params=SamplingParams(temperature=0.0, max_tokens=args.max_tokens)):
+    print(text, end="", flush=True)
+    for delta in llm.stream(prompt_token_ids=prompt, sampling_params=sampling):
         print(delta.text, end="", flush=True)
     print()
     return 0
+
+
+def _prompt_text(prompt: str | None) -> str:
+    """The prompt argument, or stdin when none is given (a terminal is not waited on)."""
+    if prompt is None:
+        if sys.stdin is None or sys.stdin.isatty():
+            raise ValueError("no prompt: give one as an argument or pipe it on stdin")
+        prompt = sys.stdin.read()
+    if not prompt:
+        raise ValueError("the prompt is empty")
+    return prompt
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -182,7 +219,7 @@ def _serve(args: argparse.Namespace) -> int:
     if args.metrics_port >= 0:
         check_bindable(args.host, args.metrics_port, "--metrics-port")
     limits = _request_limits(args)
-    model = prepare_model(args.model, needs_tokenizer=False,
+    model = prepare_model(resolve_model_name(args.model), needs_tokenizer=False,
                           announce=lambda msg: log_event("server.loading", message=msg))
     return _serve_model(args, model, tls, limits)
 
@@ -206,7 +243,7 @@ def _serve_model(args: argparse.Namespace, model: str, tls, limits) -> int:
     cfg = EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                        max_prefill_chunk=args.max_prefill_chunk, max_model_len=args.max_model_len,
                        page_size=args.page_size, memory_fraction=args.memory_fraction, dtype=args.dtype)
-    engine = LLMEngine(load_model(model, dtype=args.dtype, seed=args.seed), cfg)
+    engine = LLMEngine(load_model(model, dtype=args.dtype, seed=args.weights_seed), cfg)
     server = GenerationServer(engine, model_name=args.model, host=args.host, port=args.port,
                               metrics_port=None if args.metrics_port < 0 else args.metrics_port,
                               max_waiting=args.max_waiting, limits=limits, tls=tls,
@@ -224,6 +261,11 @@ def _to_stderr(message: str) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one subcommand; a user error is one line on stderr and exit code 2 (cli_support)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["train"]:
+        from hybrid_jax.train.__main__ import main as train_main
+
+        return train_main(argv[1:], prog="hybrid-jax train")
     return run_user_command(_dispatch, _parser().parse_args(argv))
 
 

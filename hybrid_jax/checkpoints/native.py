@@ -14,6 +14,7 @@ import json
 import shutil
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from flax import nnx
@@ -46,7 +47,11 @@ def load_native(path: str | Path, *, dtype: jnp.dtype = jnp.float32) -> tuple[Ca
     cfg = ModelConfig.from_dict(json.loads((path / CONFIG_FILE).read_text()))
     abstract = nnx.eval_shape(lambda: CausalLM(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
-    target = nnx.to_pure_dict(state)
+    # Restore onto this process's default device, whatever devices the checkpoint was
+    # saved from (a model trained on a GPU loads on a CPU).
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
+                          nnx.to_pure_dict(state))
     with ocp.StandardCheckpointer() as ckpt:
         restored = ckpt.restore(path / "params", target)
     nnx.replace_by_pure_dict(state, restored)

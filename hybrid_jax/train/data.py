@@ -34,7 +34,7 @@ PAD, BOS, EOS = 0, 1, 2
 
 @dataclass(frozen=True)
 class Document:
-    name: str  # path relative to the root it was found under
+    name: str  # the root directory's name / the path below it
     text: str
 
 
@@ -70,13 +70,17 @@ def _expand(path: Path, suffixes: tuple[str, ...], exclude: tuple[str, ...]) -> 
     for p in path.rglob("*"):
         rel = p.relative_to(path).as_posix()
         if p.is_file() and p.suffix in suffixes and not any(part in exclude for part in rel.split("/")):
-            out.append((rel, p))
+            out.append((f"{path.name}/{rel}", p))
     return out
 
 
 def collect_files(paths: list[str | Path], *, suffixes: tuple[str, ...] = (".py",),
-                  exclude: tuple[str, ...] = ("site-packages", "__pycache__")) -> Corpus:
-    """Read every file under `paths`, de-duplicated by content, sorted by relative name."""
+                  exclude: tuple[str, ...] = ("site-packages", "dist-packages", "__pycache__")) -> Corpus:
+    """Read every file under `paths`, de-duplicated by content, sorted by name.
+
+    A file's name is its path from the directory given, that directory's own name first
+    (`python3.12/json/decoder.py`, `numpy/linalg/linalg.py`).
+    """
     if not paths:
         raise ValueError("data=[] names no files or directories")
     found: dict[str, Path] = {}
