@@ -40,15 +40,15 @@ def state_bytes(cfg: ModelConfig, dtype: str, state_dtype: str = "float32") -> i
 
 
 def swa_pages(window: int | None, cached: int, page_size: int) -> int:
-    """Pages a sequence with `cached` tokens must keep for its next query (at position `cached`).
+    """Pages a sequence with `cached` tokens must hold for its next query (at position `cached`).
 
-    That query reads keys max(0, cached - W + 1) .. cached; the last is being written,
-    so the cached ones it needs are positions [max(0, cached - W + 1), cached), plus the
-    partly filled page it writes into (which holds cached - 1 unless W = 1).
+    That query reads keys max(0, cached - W + 1) .. cached; the last is being written, so
+    the cached ones it needs are positions [max(0, cached - W + 1), cached), plus the
+    partly filled page the next token goes into (it holds cached - 1 unless W = 1).
     """
+    first = 0 if window is None else max(0, cached - window + 1)
     if cached == 0:
         return 0
-    first = 0 if window is None else max(0, cached - window + 1)
     return (cached - 1) // page_size - first // page_size + 1
 
 

@@ -66,16 +66,20 @@ def _variant_cells(cfg: ModelConfig, window: int, state_size: int, args) -> list
         max_num_batched_tokens=max(chunk, args.sweep_batch), max_prefill_chunk=chunk,
         seq_buckets=(args.sweep_batch,), token_buckets=(max(chunk, args.sweep_batch),))
     rng = np.random.default_rng(args.seed)
+    ahead = int(bool(getattr(engine.config, "async_scheduling", False)))  # one step in flight
     cells = []
     for kind, n in lens.items():
         run = measure_decode(engine, batch=args.sweep_batch, prompt_len=n, steps=steps, warmup=1,
                              max_tokens=budget[kind], vocab_size=cfg.vocab_size, rng=rng)
-        cached = [n + out - 1 for out in run.outputs]  # per sequence: the last token is not cached yet
+        # Per sequence: its last token is not cached yet, unless the step computing it is already
+        # dispatched (then the engine has moved its pages on as if that step were done).
+        cached = [n + out - 1 + ahead for out in run.outputs]
         expected = {g: sum(memory.swa_pages(w, c, args.page_size) for c in cached)
                     for g, w in zip(run.stats["pages_in_use"], cfg.windows, strict=True)}
         mem = memory.in_use_bytes(cfg, run.stats, args.page_size, args.dtype)
         cells.append({"window": window, "state_size": state_size, "prompt": kind, **run.summary(),
-                      "cached_tokens": sorted(set(cached)), "pages_expected_swa": expected,
+                      "cached_tokens": sorted(set(cached)), "step_in_flight": bool(ahead),
+                      "pages_expected_swa": expected,
                       "pages_match": expected == run.stats["pages_in_use"], **mem,
                       "kv_reserved_bytes": run.stats["kv_bytes"],
                       "state_reserved_bytes": run.stats["state_bytes"], "weight_bytes": wbytes})
