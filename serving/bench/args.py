@@ -13,7 +13,7 @@ LEN_DISTS = ("fixed", "uniform", "lognormal")
 def add_args(p: argparse.ArgumentParser) -> None:
     """The `bench` subcommand's arguments (imports no JAX)."""
     p.add_argument("mode", choices=MODES)
-    p.add_argument("--out", default="bench-out", help="directory for MODE.json and MODE.png")
+    p.add_argument("--out", default="bench_out", help="for MODE.json, MODE.png (default bench_out)")
     p.add_argument("--smoke", action="store_true", help="tiny preset and sizes: checks the mode in seconds")
     p.add_argument("--profile", default=None, metavar="DIR", help="write a jax.profiler trace here")
     p.add_argument("--model", default=None, help="preset or model dir (default native-1b-parallel)")
@@ -58,7 +58,7 @@ def _scaling(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("scaling")
     g.add_argument("--models", default="native-1b-parallel,native-1b-full-attention",
                    help="presets; NAME:full-attention is NAME with global attention and no SSM")
-    g.add_argument("--contexts", default="1k,4k,16k,32k,128k,512k,1020k")
+    g.add_argument("--contexts", default="1k,2k,4k,16k,32k,128k,512k,1020k")
     g.add_argument("--batches", default="1,64")
     g.add_argument("--decode-steps", type=int, default=16, help="timed steps per point")
     g.add_argument("--warmup-steps", type=int, default=3)
