@@ -79,11 +79,13 @@ def run(args: argparse.Namespace, out: Path) -> dict:
 def _model_batch(res, cfg, name, lm, wbytes, batch, contexts, args, out, deadline, tracer) -> None:
     budget = lambda c: decode_budget(batch=batch, prompt_len=c, chunk=args.max_prefill_chunk,
                                      steps=args.decode_steps, warmup=args.warmup_steps)
-    fits = [c for c in contexts if _plan_fits(cfg, c + budget(c), batch, wbytes, args)]
+    fits = []
     for c in contexts:
-        if c not in fits:
-            res["skipped"].append({"model": name, "batch": batch, "context": c,
-                                   "reason": "memory (engine plan)"})
+        why = _unfit_reason(cfg, c + budget(c), batch, wbytes, args)
+        if why:
+            res["skipped"].append({"model": name, "batch": batch, "context": c, "reason": why})
+        else:
+            fits.append(c)
     if not fits or time.perf_counter() > deadline:
         res["skipped"] += [{"model": name, "batch": batch, "context": c, "reason": "time budget"}
                            for c in fits]
@@ -176,14 +178,17 @@ def _plan(cfg, max_len, max_seqs, wbytes, args):
         return None
 
 
-def _plan_fits(cfg, max_len, batch, wbytes, args) -> bool:
+def _unfit_reason(cfg, max_len, batch, wbytes, args) -> str | None:
+    """Why an engine for `batch` sequences of `max_len` tokens cannot be built (None: it can)."""
     if max_len > cfg.max_position_embeddings:
-        return False
+        return f"prompt + decode steps {max_len} > max_position_embeddings {cfg.max_position_embeddings}"
     try:
         plan = _plan(cfg, max_len, batch, wbytes, args)
     except ValueError:
-        return False
-    return plan is None or plan.scheduler.max_num_seqs >= batch
+        return "memory: one sequence does not fit (engine plan)"
+    if plan is not None and plan.scheduler.max_num_seqs < batch:
+        return f"memory: {plan.scheduler.max_num_seqs} sequences fit (engine plan)"
+    return None
 
 
 def _fit(cfg, name, wbytes, args) -> list[dict]:
