@@ -149,10 +149,11 @@ def predict_prefill_s(history: list[tuple[int, float]], context: int) -> float:
 def _point(name, cfg, run, wbytes, args, bandwidth, engine) -> dict:
     summary = run.summary()
     context = run.prompt_len + run.num_output_tokens - 1  # cached tokens at the last timed step
+    state_dtype = getattr(engine.config, "ssm_state_dtype", "float32")
     floor = floor_report(cfg, batch=run.batch, context=context, weight_bytes=wbytes, dtype=args.dtype,
-                         step_s=run.median_s, bandwidth=bandwidth)
-    mem = memory.in_use_bytes(cfg, run.stats, args.page_size, args.dtype)
-    return {"model": name, **summary, "weight_bytes": wbytes, **floor, **mem,
+                         step_s=run.median_s, bandwidth=bandwidth, state_dtype=state_dtype)
+    mem = memory.in_use_bytes(cfg, run.stats, args.page_size, args.dtype, state_dtype)
+    return {"model": name, **summary, "weight_bytes": wbytes, "ssm_state_dtype": state_dtype, **floor, **mem,
             "kv_reserved_bytes": run.stats["kv_bytes"], "state_reserved_bytes": run.stats["state_bytes"],
             "device_memory": engine_setup.device_memory()}
 
