@@ -83,8 +83,8 @@ class Block(nnx.Module):
              fp32: bool) -> jax.Array:
         if post_norm is not None:
             branch = post_norm(branch)
-        if self.cfg.residual_multiplier != 1.0:
-            branch = branch * jnp.asarray(self.cfg.residual_multiplier, branch.dtype)
+        if self.cfg.residual_multiplier != 1.0:  # in f32, like torch's python-scalar multiply
+            branch = (branch.astype(jnp.float32) * self.cfg.residual_multiplier).astype(branch.dtype)
         if fp32:
             return h.astype(jnp.float32) + branch.astype(jnp.float32)
         return h + branch.astype(h.dtype)

@@ -24,6 +24,7 @@ from hybrid_jax.checkpoints import (
     falcon_h1,
     gemma2,
     gemma3,
+    gemma3_vlm,
     granite_hybrid,
     lfm2,
     mamba2,
@@ -37,7 +38,8 @@ from hybrid_jax.config import ModelConfig
 from hybrid_jax.model import CausalLM
 
 _MODULES: tuple[ModuleType, ...] = (mamba2, mistral, recurrent_gemma, falcon_h1, zamba2, lfm2,
-                                    gemma3, gemma2, bamba, granite_hybrid, nemotron_h)
+                                    gemma3, gemma2, bamba, granite_hybrid, nemotron_h,
+                                    gemma3_vlm)
 _BY_ARCH = {m.ARCHITECTURE: m for m in _MODULES}
 # Known architectures whose math is not implemented: refused naming what is missing.
 _UNSUPPORTED = {

@@ -83,6 +83,14 @@ def gemma3_config() -> T.PretrainedConfig:
                                             "factor": 8.0}})
 
 
+def gemma3_vlm_config() -> T.PretrainedConfig:
+    # The text model of gemma3_config under a one-layer vision tower (skipped on load).
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                  num_attention_heads=2, image_size=28, patch_size=14)
+    return T.Gemma3Config(text_config=gemma3_config().to_dict(), vision_config=vision,
+                          mm_tokens_per_image=4)
+
+
 def gemma2_config() -> T.PretrainedConfig:
     return T.Gemma2Config(
         vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
@@ -146,6 +154,7 @@ VARIANTS = {
                      T.Zamba2ForCausalLM),
     "granite_hybrid_rope": (lambda: granite_hybrid_config(rope=True),
                             T.GraniteMoeHybridForCausalLM),
+    "gemma3_vlm": (gemma3_vlm_config, T.Gemma3ForConditionalGeneration),
 }
 
 # Zamba2 at std 0.2 is ill-conditioned: transformers' own f32 forward is 2.6e-4 (relative)
@@ -162,7 +171,7 @@ def randomize_(model: torch.nn.Module, *, seed: int, std: float = 0.2) -> None:
         p.copy_(mean + s * torch.randn(p.shape, generator=gen))
 
     offset_norm = isinstance(model, (T.RecurrentGemmaForCausalLM, T.Gemma3ForCausalLM,
-                                     T.Gemma2ForCausalLM))
+                                     T.Gemma2ForCausalLM, T.Gemma3ForConditionalGeneration))
     for name, p in model.named_parameters():
         leaf = name.rsplit(".", 1)[-1]
         if leaf == "A_log":

@@ -26,6 +26,7 @@ from flax import nnx  # noqa: E402
 from hybrid_jax.checkpoints import (  # noqa: E402
     bamba,
     gemma3,
+    gemma3_vlm,
     granite_hybrid,
     load_hf,
     nemotron_h,
@@ -35,7 +36,7 @@ from hybrid_jax.presets import load_preset, preset_names  # noqa: E402
 from tests.model import hf_models  # noqa: E402
 
 
-@pytest.mark.parametrize("variant", ["granite_hybrid_rope"])
+@pytest.mark.parametrize("variant", ["granite_hybrid_rope", "gemma3_vlm"])
 def test_variant_logits_match_transformers(variant, tmp_path):
     hf_model = hf_models.build(variant, tmp_path, seed=1)
     model, cfg = load_hf(tmp_path)
@@ -78,6 +79,16 @@ REFUSALS = [
 def test_unsupported_fields_are_refused_by_name(module, name, change, match):
     with pytest.raises(ValueError, match=match):
         module.config_from_hf(hf_dict(name) | change)
+
+
+def test_gemma3_vlm_fills_hub_defaults_and_skips_the_vision_tower():
+    hub = {"architectures": ["Gemma3ForConditionalGeneration"], "eos_token_id": [1, 106],
+           "text_config": {"hidden_size": 2560, "intermediate_size": 10240,
+                           "num_hidden_layers": 34, "sliding_window": 1024,
+                           "rope_scaling": {"factor": 8.0, "rope_type": "linear"}}}
+    assert gemma3_vlm.config_from_hf(hub) == load_preset("gemma-3-4b")
+    assert gemma3_vlm.skipped("vision_tower.vision_model.post_layernorm.weight")
+    assert gemma3_vlm.canonical_name("language_model.model.norm.weight") == "model.norm.weight"
 
 
 @pytest.mark.parametrize(("arch", "what"), [("JambaForCausalLM", "Mamba1"),
