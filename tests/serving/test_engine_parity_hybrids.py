@@ -5,8 +5,11 @@ Prompts of 3, 16 and 30 tokens (below, at and beyond every test window and SSD c
 both 16) are served together in a ragged batch with prefill chunks of 7 tokens, so
 prompts cross chunk, window and page boundaries over several steps. transformers then
 scores prompt + generated tokens in one uncached forward (teacher forcing): wherever its
-top-1/top-2 logit gap exceeds 1e-3, the engine's token must be its argmax. Gemma 3 runs
-its window-16 group and its global group side by side in one engine. (Gemma 2 is Gemma 3's
+top-1/top-2 logit gap exceeds 1e-3, the engine's token must be its argmax. Each request
+served alone gives the same tokens as in the batch (greedy and seeded sampling). Gemma 3
+runs its window-16 group and its global group side by side in one engine; with whole
+prompts in one chunk and too few pages for the batch (preemption by recompute) it gives
+the same tokens again. (Gemma 2 is Gemma 3's
 layer without q/k norms, plus attention soft-capping, which the paged-kernel tests cover;
 it is checked against transformers in tests/model/test_hf_parity.py.)
 """
@@ -35,17 +38,25 @@ GROUPS = {"gemma3": ((16, 4), (None, 8)), "bamba": ((None, 8),), "granite_hybrid
           "nemotron_h": ((None, 8),)}
 
 
-def engine(path: str, chunk: int) -> LLMEngine:
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
+
+
+def engine(path: str, chunk: int, **kw) -> LLMEngine:
     # One mixed bucket (32 tokens) and the decode bucket: two compilations per engine.
     cfg = EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, max_prefill_chunk=chunk,
-                       max_model_len=64, page_size=8, token_buckets=(32,))
+                       page_size=8, token_buckets=(32,), **{"max_model_len": 64} | kw)
     return LLMEngine(load_model(path), cfg, show_progress=False)
 
 
-def engine_tokens(eng: LLMEngine, prompts: list[list[int]]) -> list[list[int]]:
-    params = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
+def engine_tokens(eng: LLMEngine, prompts: list[list[int]],
+                  params: SamplingParams | list[SamplingParams] = GREEDY) -> list[list[int]]:
     outs = LLM.from_engine(eng).generate(prompt_token_ids=prompts, sampling_params=params)
     return [out.token_ids for out in outs]
+
+
+def seeded(n: int) -> list[SamplingParams]:
+    return [SamplingParams(temperature=0.9, top_k=20, seed=100 + i, max_tokens=NEW,
+                           ignore_eos=True) for i in range(n)]
 
 
 def check_against_transformers(hf_model, prompt: list[int], tokens: list[int]) -> int:
@@ -76,3 +87,12 @@ def test_engine_greedy_equals_transformers_argmax(arch, tmp_path):
     compared = sum(check_against_transformers(hf_model, p, t)
                    for p, t in zip(prompts, outs, strict=True))
     assert compared >= 0.8 * NEW * len(prompts), f"{arch}: only {compared} clear-gap tokens"
+    # A request's tokens do not depend on the batch it is served in.
+    assert [engine_tokens(eng, [p])[0] for p in prompts] == outs
+    sampled = engine_tokens(eng, prompts, seeded(len(prompts)))
+    assert [engine_tokens(eng, [p], [sp])[0] for p, sp in zip(prompts, seeded(3), strict=True)] \
+        == sampled
+    if arch == "gemma3":  # whole prompts in one chunk, too few pages: preemption by recompute
+        tight = engine(str(tmp_path), chunk=32, max_model_len=48, num_pages=8)
+        assert engine_tokens(tight, prompts) == outs
+        assert tight.stats()["num_preemptions"] > 0
