@@ -79,9 +79,10 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                    help="seed for a preset's random weights (default 0)")
 
 
-# `generate`'s sampling defaults: a fixed seed, so the README's command prints the same
-# text on every run (temperature 0 gives greedy decoding).
-GENERATE_DEFAULTS = {"max_tokens": 64, "temperature": 0.0, "top_p": 1.0, "top_k": -1, "seed": 0}
+# `generate`'s sampling defaults: sampled (greedy decoding of the small default model falls
+# into loops), with a fixed seed so the README's command prints the same text on every
+# run. --temperature 0 gives greedy decoding.
+GENERATE_DEFAULTS = {"max_tokens": 64, "temperature": 0.6, "top_p": 0.9, "top_k": -1, "seed": 0}
 
 
 # EngineConfig's defaults, written out so that `--help` needs no JAX import

@@ -1,6 +1,7 @@
 """The Python API, familiar to vLLM users.
 
     from serving import LLM, SamplingParams
+    llm = LLM()                                         # the shipped default model
     llm = LLM(model="native-tiny")                      # HF dir, native dir or preset
     outs = llm.generate(["Hello"], SamplingParams(temperature=0.0, max_tokens=32))
     outs = llm.generate(prompt_token_ids=[[1, 2, 3]], sampling_params=SamplingParams())
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
+from configs import DEFAULT_MODEL
 from serving.engine import LLMEngine
 from serving.engine_config import EngineConfig
 from serving.outputs import RequestDelta, RequestOutput
@@ -23,7 +25,7 @@ Params = SamplingParams | Sequence[SamplingParams] | None
 
 
 class LLM:
-    def __init__(self, model: str, *, dtype: str = "float32", seed: int = 0,
+    def __init__(self, model: str = DEFAULT_MODEL, *, dtype: str = "float32", seed: int = 0,
                  show_progress: bool = True, **engine_kwargs):
         self.engine = LLMEngine(model, EngineConfig(dtype=dtype, **engine_kwargs), seed=seed,
                                 show_progress=show_progress)

@@ -9,7 +9,7 @@ from serving.cli import main
 
 
 def test_generate_prints_the_greedy_continuation(capsys):
-    assert main(["generate", "--model", "native-tiny", "--max-tokens", "6", "Hi"]) == 0
+    assert main(["generate", "--model", "native-tiny", "--max-tokens", "6", "--temperature", "0", "Hi"]) == 0
     captured = capsys.readouterr()
     out, err = captured.out, captured.err
     assert err.startswith("loading model native-tiny\n")  # said before the first compile
