@@ -134,7 +134,7 @@ def plot(results: dict, window: int, path: Path) -> None:
     ax.axvline(window, color="gray", ls="--", label=f"window {window}")
     ax.set_xlabel("token position in the 512-token row")
     ax.set_ylabel("held-out loss (nats/token, 16-token mean)")
-    ax.set_title("Python stdlib, equal parameters, data and steps")
+    ax.set_title("held-out Python (stdlib + packages): equal parameters, data and steps")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
