@@ -140,7 +140,6 @@ BUILDERS = {
     "lfm2": (lfm2_config, T.Lfm2ForCausalLM),
     "zamba2": (zamba2_config, T.Zamba2ForCausalLM),
     "gemma3": (gemma3_config, T.Gemma3ForCausalLM),
-    "gemma2": (gemma2_config, T.Gemma2ForCausalLM),
     "bamba": (bamba_config, T.BambaForCausalLM),
     "granite_hybrid": (granite_hybrid_config, T.GraniteMoeHybridForCausalLM),
     "nemotron_h": (nemotron_h_config, T.NemotronHForCausalLM),
@@ -155,6 +154,7 @@ VARIANTS = {
     "granite_hybrid_rope": (lambda: granite_hybrid_config(rope=True),
                             T.GraniteMoeHybridForCausalLM),
     "gemma3_vlm": (gemma3_vlm_config, T.Gemma3ForConditionalGeneration),
+    "gemma2": (gemma2_config, T.Gemma2ForCausalLM),
 }
 
 # Zamba2 at std 0.2 is ill-conditioned: transformers' own f32 forward is 2.6e-4 (relative)

@@ -36,7 +36,7 @@ from hybrid_jax.presets import load_preset, preset_names  # noqa: E402
 from tests.model import hf_models  # noqa: E402
 
 
-@pytest.mark.parametrize("variant", ["granite_hybrid_rope", "gemma3_vlm"])
+@pytest.mark.parametrize("variant", ["granite_hybrid_rope", "gemma3_vlm", "gemma2"])
 def test_variant_logits_match_transformers(variant, tmp_path):
     hf_model = hf_models.build(variant, tmp_path, seed=1)
     model, cfg = load_hf(tmp_path)
