@@ -25,6 +25,18 @@ Re-running the same command resumes from the run's last checkpoint.
 """
 
 _D = TrainConfig()
+HELP = {
+    "steps": "optimizer steps", "batch_size": "sequences per optimizer step (all devices, micro-steps)",
+    "grad_accum": "micro-steps per optimizer step (gradient accumulation)",
+    "seq_len": "tokens per training row", "lr": "peak learning rate (AdamW)",
+    "min_lr_ratio": "cosine decay ends at lr x this", "warmup_steps": "linear warmup steps",
+    "weight_decay": "AdamW decay (matrices only)", "clip_norm": "global gradient-norm clip",
+    "b1": "Adam beta1", "b2": "Adam beta2", "compute_dtype": "forward/backward dtype (weights stay f32)",
+    "seed": "initialisation and data order", "vocab_size": "of the BPE tokenizer trained without --tokenizer",
+    "eval_fraction": "of the files held out", "eval_every": "steps between held-out evaluations",
+    "eval_rows": "held-out rows per evaluation (at most)", "ckpt_every": "steps between checkpoints",
+    "log_every": "steps between log lines",
+}
 
 
 def add_train_args(p: argparse.ArgumentParser) -> None:
@@ -46,7 +58,7 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
         flag = "--dtype" if f.name == "compute_dtype" else "--" + f.name.replace("_", "-")
         kw = {"choices": COMPUTE_DTYPES} if f.name == "compute_dtype" else {}
         g.add_argument(flag, dest=f.name, type=type(getattr(_D, f.name)), default=getattr(_D, f.name),
-                       help=f"(default {getattr(_D, f.name)})", **kw)
+                       help=f"{HELP[f.name]} (default {getattr(_D, f.name)})", **kw)
 
 
 def _model_config(args: argparse.Namespace):

@@ -12,8 +12,6 @@ from __future__ import annotations
 import sysconfig
 from pathlib import Path
 
-DATA_ALIASES = ("stdlib",)
-
 
 def stdlib_dir() -> Path:
     return Path(sysconfig.get_paths()["stdlib"])
