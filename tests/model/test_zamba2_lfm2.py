@@ -3,7 +3,7 @@ batched == solo (greedy and seeded) under preemption; config variants' logits; r
 the real-size presets (size, one forward with tiny overrides, listed by the CLI).
 
 Tiny random models are built with transformers (tests/model/hf_models.py) and loaded
-from disk. Prompts of 1, 3, 16 and 30 tokens sit below, at and beyond the conv widths
+from disk. Prompts of 1, 3, 4, 16 and 30 tokens sit below, at and beyond the conv widths
 (LFM2 3, Zamba2 4), the SSD chunk (16) and the KV page (8); prefill chunks of 1, 7 and
 32 tokens split them differently across steps. transformers scores prompt + generated
 tokens in one uncached forward (teacher forcing): wherever its top-1/top-2 logit gap
@@ -36,7 +36,7 @@ from tests.model.hf_models import build  # noqa: E402
 
 NEW = 8
 GAP = 1e-3
-PROMPT_LENS = (1, 3, 16, 30)
+PROMPT_LENS = (1, 3, 4, 16, 30)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
 
 
@@ -50,8 +50,8 @@ def engine(source: str | LoadedModel, chunk: int) -> LLM:
     """Every engine here has the same shapes (one decode and one mixed bucket), so the
     persistent compilation cache serves all but the first of each model.
 
-    9 global-attention pages (+ the dummy; one 64-token sequence needs 8): four prompts
-    with their outputs need up to 14 at once, so some are preempted and recomputed.
+    9 global-attention pages (+ the dummy; one 64-token sequence needs 8): the prompts
+    with their outputs need up to 15 at once, so some are preempted and recomputed.
     """
     cfg = EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, max_prefill_chunk=chunk,
                        max_model_len=64, page_size=8, num_pages=10, seq_buckets=(4,),
