@@ -155,14 +155,14 @@ def run(a: argparse.Namespace) -> dict:
         started |= {d.request_id for d in engine.step()}
     step_s, ran = [], []
     captured = {}
-    orig = engine.runner.run
+    orig = engine.runner.dispatch
 
-    def spy(arrays, sampling):
+    def spy(arrays, sampling, *args, **kwargs):
         captured["args"] = (arrays, sampling)
         ran.append(len(arrays.slot_ids) == arrays.num_decodes == a.batch)
-        return orig(arrays, sampling)
+        return orig(arrays, sampling, *args, **kwargs)
 
-    engine.runner.run = spy
+    engine.runner.dispatch = spy
     for _ in range(200):  # until the whole batch decodes (late prefills and recomputes done)
         engine.step()
         if ran[-1]:
@@ -172,7 +172,7 @@ def run(a: argparse.Namespace) -> dict:
         t = time.perf_counter()
         engine.step()
         step_s.append(time.perf_counter() - t)
-    engine.runner.run = orig
+    engine.runner.dispatch = orig
     assert all(ran), f"a measured step was not a full-batch decode: {ran} {engine.stats()}"
     # The compiled decode executable alone, every input on the device.
     r = engine.runner

@@ -83,8 +83,17 @@ def _drive(engine: LLMEngine, prompts, params, *, abort_at: dict[int, str] | Non
     return outs
 
 
-def _key(o: RequestOutput):
-    return o.token_ids, o.text, o.finish_reason, o.logprobs
+def _same(a: RequestOutput, b: RequestOutput) -> bool:
+    """Tokens, text and finish reason exactly; logprobs to 1e-4 relative (a step's batch
+    composition, and so its padding bucket, differs between the loops: sums round apart)."""
+    if (a.token_ids, a.text, a.finish_reason) != (b.token_ids, b.text, b.finish_reason):
+        return False
+    if (a.logprobs is None) != (b.logprobs is None):
+        return False
+    for x, y in zip(a.logprobs or [], b.logprobs or [], strict=True):
+        if x.keys() != y.keys() or not all(np.isclose(x[k], y[k], rtol=1e-4, atol=1e-5) for k in x):
+            return False
+    return True
 
 
 def test_overlapped_loop_equals_the_synchronous_loop(engines):
@@ -92,7 +101,8 @@ def test_overlapped_loop_equals_the_synchronous_loop(engines):
     prompts, params = _workload(sync)
     expect = _drive(sync, prompts, params)
     got = _drive(fast, prompts, params)
-    assert {r: _key(o) for r, o in got.items()} == {r: _key(o) for r, o in expect.items()}
+    assert got.keys() == expect.keys()
+    assert [r for r in got if not _same(got[r], expect[r])] == []
     reasons = {o.finish_reason for o in got.values()}
     assert {"stop", "length"} <= reasons
 
@@ -104,11 +114,11 @@ def test_aborts_and_bad_requests_mid_run_harm_no_one(engines):
     for engine in (fast, sync):
         got = _drive(engine, prompts, params, abort_at={3: "q3", 5: "q10", 6: "q0"}, bad_at=4)
         for rid, o in got.items():
-            if rid in ("q3", "q10", "q0") and o.finish_reason == "abort":
+            if rid in ("q3", "q10", "q0"):  # aborted (LLMEngine.abort emits no delta): a prefix
                 n = len(o.token_ids)
-                assert o.token_ids == clean[rid].token_ids[:n]
+                assert o.token_ids == clean[rid].token_ids[:n], rid
             else:
-                assert _key(o) == _key(clean[rid]), rid
+                assert _same(o, clean[rid]), rid
 
 
 def test_a_slot_reused_at_once_never_sees_the_old_state(engines):
