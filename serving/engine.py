@@ -12,7 +12,9 @@ import itertools
 import logging
 import os
 import sys
+from collections import deque
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -21,12 +23,12 @@ from hybrid_jax.loading import DTYPES, LoadedModel, load_model
 from serving.block_table import ring_width
 from serving.detokenizer import IncrementalDetokenizer
 from serving.engine_config import EngineConfig, PoolPlan, plan_pools
-from serving.faults import FaultIsolator
+from serving.faults import EngineFatal, FaultIsolator
 from serving.outputs import RequestDelta
-from serving.runner import ModelRunner, StepResult
+from serving.runner import ModelRunner, Pending, StepResult
 from serving.sampling import SUPPRESS_WIDTH, SamplingArrays
 from serving.sampling_params import SamplingParams
-from serving.schedule import Schedule, flatten
+from serving.schedule import PENDING, Schedule, flatten
 from serving.scheduler import Scheduler
 from serving.sequence import FinishReason, Sequence
 
@@ -39,6 +41,19 @@ class _Request:
     detok: IncrementalDetokenizer | None
     seed: int
     ban: list[int]  # EOS and stop ids, suppressed while fewer than min_tokens were generated
+    full: bool  # needs the full sampler: penalties, top-k/p/min-p, or top-n logprobs
+
+
+class _Launched(NamedTuple):
+    schedule: Schedule
+    pending: Pending
+    rows: dict[str, int]  # request id -> row in the step
+
+
+def _needs_full(p: SamplingParams) -> bool:
+    filters = p.temperature > 0 and (p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0)
+    penalties = p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+    return filters or penalties or bool(p.logprobs)
 
 
 def _device_free_bytes() -> int | None:
@@ -52,11 +67,12 @@ def _use_compilation_cache(path: str | None) -> None:
         jax.config.update("jax_compilation_cache_dir", os.path.expanduser(path))
 
 
-def _progress(i: int, n: int, bucket) -> None:
+def _progress(i: int, n: int, key) -> None:
     bar = "#" * (20 * i // n)
-    print(f"\rcompiling step buckets [{bar:<20}] {i}/{n} (t={bucket.tokens}, b={bucket.seqs}"
-          f"{', decode' if bucket.decode else ''})", end="\n" if i == n else "", file=sys.stderr,
-          flush=True)
+    what = (f"t={key.tokens}, b={key.seqs}{', decode' if key.decode else ''}" if hasattr(key, "seqs")
+            else f"sampler b={key[0]}{', full' if key[1] else ''}")
+    print(f"\rcompiling step executables [{bar:<20}] {i}/{n} ({what})".ljust(78),
+          end="\n" if i == n else "", file=sys.stderr, flush=True)
 
 
 class LLMEngine:
@@ -77,9 +93,12 @@ class LLMEngine:
             ring_widths=tuple(ring_width(g.window, sc.page_size, sc.max_prefill_chunk,
                                          sc.max_model_len) for g in sc.groups),
             max_num_seqs=sc.max_num_seqs, max_num_batched_tokens=sc.max_num_batched_tokens,
-            seq_sizes=self.config.seq_buckets, token_sizes=self.config.token_buckets)
+            seq_sizes=self.config.seq_buckets, token_sizes=self.config.token_buckets,
+            state_dtype=DTYPES[self.config.ssm_state_dtype])
         self.runner.compile_all(_progress if show_progress else None)
         self.requests: dict[str, _Request] = {}
+        self._inflight: deque[_Launched] = deque()  # dispatched steps not yet resolved
+        self._last_rows: dict[str, int] = {}  # rows of the last dispatched step (for feeding)
         self._faults = FaultIsolator(self)
         self._ids = itertools.count()
         self._seeds = np.random.default_rng(seed)
@@ -106,7 +125,8 @@ class LLMEngine:
         # Any int is a valid seed: the sampling seed is seed mod 2**32 (documented on SamplingParams).
         seed = params.seed % 2**32 if params.seed is not None else int(self._seeds.integers(2**32))
         eos = () if params.ignore_eos else self.model_config.eos_token_ids
-        self.requests[rid] = _Request(seq, detok, seed, list(dict.fromkeys((*eos, *params.stop_token_ids))))
+        self.requests[rid] = _Request(seq, detok, seed, list(dict.fromkeys((*eos, *params.stop_token_ids))),
+                                      _needs_full(params))
         return rid
 
     def _prompt_ids(self, prompt: str | None, ids: list[int] | None) -> list[int]:
@@ -168,32 +188,71 @@ class LLMEngine:
     # -- one step ----------------------------------------------------------------
 
     def step(self) -> list[RequestDelta]:
+        """Schedule and dispatch the next step, then resolve the previous one.
+
+        With async_scheduling the step dispatched here runs on the device while this
+        call turns the previous step's tokens into deltas (its result is returned by the
+        next call); without it, the step is resolved before returning. Same outputs.
+        """
         schedule = self.scheduler.schedule()
-        if schedule.is_empty:
-            self.scheduler.update(schedule, [])
-            return []
-        try:
-            result = self.runner.run(flatten(schedule), self._sampling(schedule))
-        except Exception as err:
-            return self._faults.failed(schedule, err)
-        self._faults.succeeded(schedule)
+        deltas: list[RequestDelta] = []
+        launched = None
+        if not schedule.is_empty:
+            try:
+                launched = self._dispatch(schedule)
+            except Exception as err:
+                deltas += self._faults.failed(schedule, err)
+            else:
+                self._faults.succeeded(schedule)
+                self._inflight.append(launched)
+        keep = 1 if launched is not None and self.config.async_scheduling else 0
+        while len(self._inflight) > keep:
+            deltas += self._resolve(self._inflight.popleft())
+        return deltas
+
+    def _dispatch(self, schedule: Schedule) -> _Launched:
+        arrays = flatten(schedule)
+        sampling, full = self._sampling(schedule)
+        pending = self.runner.dispatch(arrays, sampling, self._feed(schedule, arrays), full=full)
         rows = {e.seq.request_id: i for i, e in enumerate(schedule.entries)}
+        self._last_rows = rows
+        return _Launched(schedule, pending, rows)
+
+    def _feed(self, schedule: Schedule, arrays) -> np.ndarray | None:
+        """For each PENDING token, the row of the last dispatched step that samples it."""
+        where = np.flatnonzero(arrays.token_ids == PENDING)
+        if not where.size:
+            return None
+        feed = np.full(len(arrays.token_ids), -1, np.int32)
+        entry = np.searchsorted(arrays.cu_seqlens[1:], where, side="right")
+        for i, e in zip(where.tolist(), entry.tolist(), strict=True):
+            feed[i] = self._last_rows[schedule.entries[e].seq.request_id]
+        return feed
+
+    def _resolve(self, launched: _Launched) -> list[RequestDelta]:
+        try:
+            result = self.runner.fetch(launched.pending)
+        except Exception as err:  # the device failed while running the step
+            raise EngineFatal(f"fetching a step's results failed: {err}") from err
+        schedule, rows = launched.schedule, launched.rows
         outputs = self.scheduler.update(schedule, result.tokens.tolist())
         return [self._delta(out.seq, out.new_token_ids, result, rows[out.seq.request_id])
                 for out in outputs]
 
-    def _sampling(self, schedule: Schedule) -> SamplingArrays:
-        rows = []
+    def _sampling(self, schedule: Schedule) -> tuple[SamplingArrays, bool]:
+        """Per-row sampling arrays, and whether any row needs the full sampler."""
+        rows, full = [], False
         for e in schedule.entries:
             req = self.requests[e.seq.request_id]
-            p, n_out = e.seq.params, e.seq.num_output_tokens
+            p, n_out = e.seq.params, e.out_index
             rows.append({"temperature": p.temperature, "top_k": max(p.top_k, 0),
                          "top_p": p.top_p, "min_p": p.min_p, "seed": req.seed, "step": n_out,
                          "suppress": req.ban if n_out < p.min_tokens else [],
                          "repetition": p.repetition_penalty, "presence": p.presence_penalty,
                          "frequency": p.frequency_penalty, "prompt_len": e.seq.num_prompt_tokens,
                          "want_top": bool(p.logprobs)})
-        return SamplingArrays.from_rows(rows)
+            full = full or req.full
+        return SamplingArrays.from_rows(rows), full
 
     def _delta(self, seq: Sequence, tokens: list[int], result: StepResult, row: int) -> RequestDelta:
         req = self.requests[seq.request_id]

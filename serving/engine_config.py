@@ -14,6 +14,7 @@ import logging
 from dataclasses import dataclass
 
 import jax
+import jax.numpy as jnp
 
 from hybrid_jax.cache import cache_bytes
 from hybrid_jax.config import ModelConfig
@@ -43,6 +44,12 @@ class EngineConfig:
     # to max_num_seqs / max_num_batched_tokens. Fewer buckets: faster start-up, more padding.
     seq_buckets: tuple[int, ...] | None = None
     token_buckets: tuple[int, ...] | None = None
+    # Recurrent (SSM / RG-LRU) state dtype, as vLLM's mamba_ssm_cache_dtype: float32, or
+    # bfloat16 to halve the state traffic that dominates large-batch decode.
+    ssm_state_dtype: str = "float32"
+    # Overlap host and device: dispatch step N+1 before step N's tokens reach the host
+    # (fed on device), and do step N's bookkeeping while N+1 runs. Outputs are identical.
+    async_scheduling: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_prefill_chunk", "page_size"):
@@ -52,6 +59,12 @@ class EngineConfig:
             raise ValueError(f"memory_fraction={self.memory_fraction} must be in (0, 1]")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len={self.max_model_len} must be >= 2")
+        if self.ssm_state_dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"ssm_state_dtype={self.ssm_state_dtype!r} must be 'float32' or 'bfloat16'")
+        for name in ("seq_buckets", "token_buckets"):
+            sizes = getattr(self, name)
+            if sizes is not None and (not sizes or min(sizes) < 1):
+                raise ValueError(f"{name}={sizes} must be a non-empty tuple of sizes >= 1")
 
 
 @dataclass(frozen=True)
@@ -73,7 +86,8 @@ def plan_pools(model: ModelConfig, cfg: EngineConfig, *, free_bytes: int | None,
                weight_bytes: int, dtype) -> PoolPlan:
     """Choose page and slot counts; ValueError when one max-length sequence cannot fit."""
     max_len = cfg.max_model_len or min(model.max_position_embeddings, 8192)
-    page_bytes, slot_bytes = cache_bytes(model, page_size=cfg.page_size, dtype=dtype)
+    page_bytes, slot_bytes = cache_bytes(model, page_size=cfg.page_size, dtype=dtype,
+                                         state_dtype=jnp.dtype(cfg.ssm_state_dtype))
     slot_bytes += sum(x.size * x.dtype.itemsize  # penalty statistics of one slot
                       for x in jax.eval_shape(lambda: init_token_stats(1, model.vocab_size)))
     # Pages one sequence may hold at once (the chunk in flight included).

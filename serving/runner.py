@@ -12,8 +12,11 @@ is a mesh change). The runner knows nothing of requests or scheduling policy.
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -26,9 +29,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from hybrid_jax.cache import RaggedBatch, init_caches
 from hybrid_jax.model import CausalLM
 from hybrid_jax.ragged import forward_ragged
+from serving.packing import PackLayout, pack, unpack
 from serving.penalties import TokenStats, apply_penalties, init_token_stats, update_token_stats
 from serving.sampling import SamplingArrays, sample
-from serving.schedule import StepArrays
+from serving.schedule import PENDING, StepArrays
 
 log = logging.getLogger(__name__)
 TOP_LOGPROBS = 20  # top-n logprobs computed every step (n <= 20 per request)
@@ -48,12 +52,22 @@ class Bucket:
     decode: bool
 
 
-def _pow2_ladder(lo: int, hi: int) -> list[int]:
+def _geometric(lo: int, hi: int, factor: int) -> list[int]:
     out, v = [], lo
     while v < hi:
         out.append(v)
-        v *= 2
+        v *= factor
     return [*out, hi]
+
+
+def _ladder(name: str, sizes: tuple[int, ...] | None, limit: int, lo: int, factor: int) -> list[int]:
+    """Explicit sizes (clamped to the limit, which the memory plan may have lowered) or a
+    geometric ladder lo, lo*factor, ... closed by the limit."""
+    if sizes is None:
+        return _geometric(lo, limit, factor)
+    if max(sizes) > limit:
+        log.warning("%s=%s: sizes above %d (the limit in force) are replaced by it", name, sizes, limit)
+    return sorted({*(min(x, limit) for x in sizes), limit})
 
 
 def make_buckets(max_num_seqs: int, max_num_batched_tokens: int, min_tokens: int = 16,
@@ -61,71 +75,108 @@ def make_buckets(max_num_seqs: int, max_num_batched_tokens: int, min_tokens: int
                  token_sizes: tuple[int, ...] | None = None) -> list[Bucket]:
     """Decode buckets (t == b) and mixed buckets (t tokens, b <= t sequences).
 
-    The ladders are powers of two up to the limits unless `seq_sizes` / `token_sizes`
-    give them (fewer buckets: faster start-up, more padding); the limits always close them.
+    The ladders are geometric up to the limits (sequences x2 from 8, tokens x4 from 16)
+    unless `seq_sizes` / `token_sizes` give them (fewer buckets: faster start-up, more
+    padding); the limits always close them, and sizes above a limit are clamped to it.
     """
-    seqs = sorted({*(seq_sizes or _pow2_ladder(min(min_seqs, max_num_seqs), max_num_seqs)),
-                   max_num_seqs})
-    toks = sorted({*(token_sizes or _pow2_ladder(min(min_tokens, max_num_batched_tokens),
-                                                 max_num_batched_tokens)), max_num_batched_tokens})
-    if seqs[-1] > max_num_seqs or toks[-1] > max_num_batched_tokens:
-        raise ValueError(f"bucket sizes {seqs} / {toks} exceed max_num_seqs={max_num_seqs} / "
-                         f"max_num_batched_tokens={max_num_batched_tokens}")
+    seqs = _ladder("seq_buckets", seq_sizes, max_num_seqs, min(min_seqs, max_num_seqs), 2)
+    toks = _ladder("token_buckets", token_sizes, max_num_batched_tokens,
+                   min(min_tokens, max_num_batched_tokens), 4)
     out = [Bucket(b, b, True) for b in seqs]
     out += [Bucket(t, b, False) for t in toks for b in seqs if b <= t or b == seqs[0]]
     return out
 
 
-def _step_fn(graphdef: nnx.GraphDef, decode: bool) -> Callable:
-    """The step: forward, penalties from per-slot token statistics, sampling, logprobs.
+def compile_options() -> dict[str, object]:
+    """XLA options for the step executables.
 
-    Logprobs (of the sampled token and the top-n) are the model's raw distribution,
-    before penalties and filters.
+    dot_merger is off: it merges the projections that share an input (q/k/v and the
+    Mamba2 in_proj of a hybrid layer) by concatenating their WEIGHTS inside the step, a
+    full copy of them on every call (0.43 ms per step on the H100 for native-1b-parallel).
+    HYBRID_JAX_XLA_OPTIONS (JSON) adds or overrides options, for experiments.
+    """
+    opts: dict[str, object] = {"xla_disable_hlo_passes": "dot_merger"}
+    extra = os.environ.get("HYBRID_JAX_XLA_OPTIONS")
+    if extra:
+        opts |= json.loads(extra)
+    return {k: v for k, v in opts.items() if v is not None}
+
+
+def _forward_fn(graphdef: nnx.GraphDef, layout: PackLayout, decode: bool) -> Callable:
+    """The model part of a step: feed the last step's samples, forward, penalty statistics.
+
+    `feed[i] >= 0` takes token i from `last_tokens[feed[i]]` (the previous step's samples,
+    still on the device: the overlapped loop never waits for them). Statistics are
+    updated unconditionally (cheap; a lax.cond would read its predicate on the host).
     """
 
-    def step(params, caches, stats: TokenStats, batch: RaggedBatch, sampling: SamplingArrays):
-        model = nnx.merge(graphdef, params)
+    def forward(params, caches, stats: TokenStats, batch: RaggedBatch, feed, last_tokens, prompt_len):
+        tokens = jnp.where(feed >= 0, last_tokens[jnp.maximum(feed, 0)], batch.tokens)
+        batch = batch._replace(tokens=tokens)
+        model = nnx.merge(graphdef, unpack(layout, params))
         logits, caches = forward_ragged(model, batch, caches, decode=decode)
-        # Statistics only matter to rows with penalties: a slot's row is rebuilt from its
-        # first chunk, so steps without any penalised row may leave them untouched.
-        penalised = jnp.any((sampling.repetition != 1.0) | (sampling.presence != 0.0)
-                            | (sampling.frequency != 0.0))
-        stats = jax.lax.cond(
-            penalised,
-            lambda st: update_token_stats(st, batch.tokens, batch.positions, batch.cu_seqlens,
-                                          batch.slot_ids, batch.has_initial, sampling.prompt_len),
-            lambda st: st, stats)
-        shaped = apply_penalties(logits, stats, batch.slot_ids, sampling.repetition,
-                                 sampling.presence, sampling.frequency)
-        tokens, _ = sample(shaped, sampling)
-        raw = jax.nn.log_softmax(logits, axis=-1)
-        # Top-n logprobs only when some request in the step asked for them.
-        b = raw.shape[0]
-        top_lp, top_ids = jax.lax.cond(
-            jnp.any(sampling.want_top), lambda r: tuple(jax.lax.top_k(r, TOP_LOGPROBS)),
-            lambda r: (jnp.zeros((b, TOP_LOGPROBS), r.dtype), jnp.zeros((b, TOP_LOGPROBS), jnp.int32)),
-            raw)
-        logprobs = jnp.take_along_axis(raw, tokens[:, None], axis=-1)[:, 0]
-        return caches, stats, tokens, logprobs, top_ids.astype(jnp.int32), top_lp
+        stats = update_token_stats(stats, tokens, batch.positions, batch.cu_seqlens, batch.slot_ids,
+                                   batch.has_initial, prompt_len)
+        return caches, stats, logits
 
-    return jax.jit(step, donate_argnums=(1, 2))
+    return jax.jit(forward, donate_argnums=(1, 2))
+
+
+def _sampler_fn(full: bool, max_seqs: int) -> Callable:
+    """Sampling from a step's logits. full=False: no penalties, filters or top-n logprobs.
+
+    A row without those features samples the same token either way; the host picks the
+    plain sampler when no row of the step needs them. Tokens come back padded to
+    `max_seqs` rows: the buffer the next step feeds from. Logprobs (of the sampled token
+    and the top-n) are the model's raw distribution, before penalties and filters.
+    """
+
+    def sampler(logits, stats: TokenStats, sampling: SamplingArrays, slot_ids):
+        b = logits.shape[0]
+        shaped = logits
+        if full:
+            shaped = apply_penalties(logits, stats, slot_ids, sampling.repetition,
+                                     sampling.presence, sampling.frequency)
+        tokens, _ = sample(shaped, sampling, filters=full)
+        raw = jax.nn.log_softmax(logits, axis=-1)
+        logprobs = jnp.take_along_axis(raw, tokens[:, None], axis=-1)[:, 0]
+        if full:
+            top_lp, top_ids = jax.lax.top_k(raw, TOP_LOGPROBS)
+        else:
+            top_lp, top_ids = jnp.zeros((b, TOP_LOGPROBS), raw.dtype), jnp.zeros((b, TOP_LOGPROBS), jnp.int32)
+        padded = jnp.zeros((max_seqs,), jnp.int32).at[:b].set(tokens)
+        return padded, logprobs, top_ids.astype(jnp.int32), top_lp
+
+    return jax.jit(sampler)
+
+
+class Pending(NamedTuple):
+    """A dispatched step: device results on their way to the host."""
+
+    num_seqs: int
+    tokens: jax.Array  # [max_seqs] int32
+    logprobs: jax.Array
+    top_ids: jax.Array
+    top_logprobs: jax.Array
 
 
 class ModelRunner:
-    """Holds parameters and caches on the mesh; runs one padded step per call."""
+    """Holds parameters and caches on the mesh; dispatches one padded step per call."""
 
     def __init__(self, model: CausalLM, *, num_pages: tuple[int, ...], page_size: int,
                  num_slots: int, ring_widths: tuple[int, ...], max_num_seqs: int,
                  max_num_batched_tokens: int, mesh: Mesh | None = None,
                  seq_sizes: tuple[int, ...] | None = None,
-                 token_sizes: tuple[int, ...] | None = None):
+                 token_sizes: tuple[int, ...] | None = None,
+                 state_dtype: jnp.dtype = jnp.float32):
         self.cfg = model.cfg
         self.mesh = mesh or Mesh(np.asarray(jax.devices()[:1]), ("tp",))
         self.replicated = NamedSharding(self.mesh, PartitionSpec())
         self.graphdef, params = nnx.split(model)
-        self.params = jax.device_put(params, self.replicated)
+        # One flat buffer per dtype (serving/packing.py: hundreds of arguments cost ms per call).
+        self.layout, self.params = pack(jax.device_put(params, self.replicated))
         caches = init_caches(self.cfg, num_pages=num_pages, page_size=page_size,
-                             num_slots=num_slots, dtype=model.dtype)
+                             num_slots=num_slots, dtype=model.dtype, state_dtype=state_dtype)
         self.caches = jax.device_put(caches, self.replicated)
         self.stats = jax.device_put(init_token_stats(num_slots, self.cfg.vocab_size), self.replicated)
         self.ring_widths = ring_widths
@@ -133,17 +184,44 @@ class ModelRunner:
         self.num_pages, self.num_slots = num_pages, num_slots
         self.buckets = make_buckets(max_num_seqs, max_num_batched_tokens, seq_sizes=seq_sizes,
                                     token_sizes=token_sizes)
+        self.max_seqs = max(b.seqs for b in self.buckets)
+        self.last_tokens = jax.device_put(np.zeros(self.max_seqs, np.int32), self.replicated)
         self.compiled: dict[Bucket, Callable] = {}
+        self.samplers: dict[tuple[int, bool], Callable] = {}
 
-    def compile_all(self, progress: Callable[[int, int, Bucket], None] | None = None) -> None:
-        """Compile every bucket ahead of serving (the only compilations the runner does)."""
-        fns = {d: _step_fn(self.graphdef, d) for d in (True, False)}
-        for i, bucket in enumerate(self.buckets):
+    def compile_all(self, progress: Callable[[int, int, Bucket], None] | None = None,
+                    workers: int | None = None) -> None:
+        """Compile every bucket ahead of serving (the only compilations the runner does).
+
+        Lowering is serial (Python); XLA compiles on a thread pool, in parallel.
+        """
+        fwd = {d: _forward_fn(self.graphdef, self.layout, d) for d in (True, False)}
+        opts = (compile_options() if jax.default_backend() == "gpu" else {}) or None
+        jobs: list[tuple[object, object]] = []
+        for bucket in self.buckets:
             batch, sampling = self._dummy(bucket)
-            lowered = fns[bucket.decode].lower(self.params, self.caches, self.stats, batch, sampling)
-            self.compiled[bucket] = lowered.compile()
-            if progress is not None:
-                progress(i + 1, len(self.buckets), bucket)
+            t, b = bucket.tokens, bucket.seqs
+            jobs.append((bucket, fwd[bucket.decode].lower(
+                self.params, self.caches, self.stats, batch, np.full(t, -1, np.int32), self.last_tokens,
+                np.zeros(b, np.int32))))
+        for b in sorted({bk.seqs for bk in self.buckets}):
+            logits = jax.ShapeDtypeStruct((b, self.cfg.vocab_size), jnp.float32)
+            sampling = SamplingArrays.from_rows([{}] * b)
+            for full in (False, True):
+                jobs.append(((b, full), _sampler_fn(full, self.max_seqs).lower(
+                    logits, self.stats, sampling, np.zeros(b, np.int32))))
+        n = len(jobs)
+        workers = workers or min(n, max(1, (os.cpu_count() or 2)))
+        with ThreadPoolExecutor(workers) as pool:
+            futures = {pool.submit(low.compile, compiler_options=opts): key for key, low in jobs}
+            for i, fut in enumerate(as_completed(futures)):
+                key = futures[fut]
+                if isinstance(key, Bucket):
+                    self.compiled[key] = fut.result()
+                else:
+                    self.samplers[key] = fut.result()
+                if progress is not None:
+                    progress(i + 1, n, key)
 
     def pick(self, arrays: StepArrays) -> Bucket:
         b, t = len(arrays.slot_ids), len(arrays.token_ids)
@@ -153,16 +231,38 @@ class ModelRunner:
                 return bucket
         raise ValueError(f"no bucket holds {t} tokens x {b} sequences (decode={decode})")
 
-    def run(self, arrays: StepArrays, sampling: SamplingArrays) -> StepResult:
-        """Pad to a bucket, run the compiled step (caches donated), return host results."""
+    def dispatch(self, arrays: StepArrays, sampling: SamplingArrays, feed: np.ndarray | None = None,
+                 *, full: bool = True) -> Pending:
+        """Pad to a bucket and enqueue the step (caches donated); returns without waiting.
+
+        `feed` [t]: for each token, the row of the previous dispatched step whose sample it
+        is (-1: the token id in `arrays` is real). The results start copying to the host.
+        """
         bucket = self.pick(arrays)
-        batch = self._pad(arrays, bucket)
-        samp = SamplingArrays(*(_pad_rows(np.asarray(x), bucket.seqs) for x in sampling))
-        self.caches, self.stats, tokens, lps, top_ids, top_lps = self.compiled[bucket](
-            self.params, self.caches, self.stats, batch, samp)
-        b = len(arrays.slot_ids)
-        tokens, lps, top_ids, top_lps = jax.device_get((tokens, lps, top_ids, top_lps))
+        t, bs = bucket.tokens, bucket.seqs
+        batch = jax.device_put(self._pad(arrays, bucket), self.replicated)
+        feed = np.full(t, -1, np.int32) if feed is None else _pad_rows(feed.astype(np.int32), t, -1)
+        samp = jax.device_put(SamplingArrays(*(_pad_rows(np.asarray(x), bs) for x in sampling)),
+                              self.replicated)
+        self.caches, self.stats, logits = self.compiled[bucket](
+            self.params, self.caches, self.stats, batch, feed, self.last_tokens, samp.prompt_len)
+        out = self.samplers[(bs, full)](logits, self.stats, samp, batch.slot_ids)
+        self.last_tokens = out[0]
+        for x in out if full else out[:2]:
+            x.copy_to_host_async()
+        return Pending(len(arrays.slot_ids), *out)
+
+    @staticmethod
+    def fetch(p: Pending) -> StepResult:
+        """Wait for a dispatched step's results on the host."""
+        b = p.num_seqs
+        tokens, lps, top_ids, top_lps = jax.device_get((p.tokens, p.logprobs, p.top_ids, p.top_logprobs))
         return StepResult(tokens[:b], lps[:b], top_ids[:b], top_lps[:b])
+
+    def run(self, arrays: StepArrays, sampling: SamplingArrays, feed: np.ndarray | None = None,
+            *, full: bool = True) -> StepResult:
+        """Dispatch and wait (the synchronous step)."""
+        return self.fetch(self.dispatch(arrays, sampling, feed, full=full))
 
     def state_lost(self) -> bool:
         """Whether the donated device state (caches, statistics) is gone, e.g. a step died mid-call."""
@@ -173,11 +273,11 @@ class ModelRunner:
 
     def _check_indices(self, a: StepArrays) -> None:
         """Every index is checked on the host: on device, JAX clamps out-of-range silently."""
-        def within(name: str, x: np.ndarray, hi: int) -> None:
-            if x.size and not (x.min() >= 0 and x.max() < hi):
-                raise AssertionError(f"{name} outside [0, {hi}): {x.min()}..{x.max()}")
+        def within(name: str, x: np.ndarray, hi: int, lo: int = 0) -> None:
+            if x.size and not (x.min() >= lo and x.max() < hi):
+                raise AssertionError(f"{name} outside [{lo}, {hi}): {x.min()}..{x.max()}")
 
-        within("token_ids", a.token_ids, self.cfg.vocab_size)
+        within("token_ids", a.token_ids, self.cfg.vocab_size, lo=PENDING)
         within("slot_ids", a.slot_ids, self.num_slots)
         for g, n in enumerate(self.num_pages):
             within(f"page_tables[{g}]", a.page_tables[g], n)
@@ -189,7 +289,7 @@ class ModelRunner:
         b = len(a.slot_ids)
         cu = np.concatenate([a.cu_seqlens, np.full(bs - b, a.cu_seqlens[-1], np.int32)])
         return RaggedBatch(
-            tokens=_pad_rows(a.token_ids, t), positions=_pad_rows(a.positions, t),
+            tokens=_pad_rows(np.maximum(a.token_ids, 0), t), positions=_pad_rows(a.positions, t),
             cu_seqlens=cu, lengths=_pad_rows(a.seq_lens, bs), slot_ids=_pad_rows(a.slot_ids, bs),
             has_initial=_pad_rows(a.has_initial, bs),
             page_tables=tuple(_pad_rows(p, bs) for p in a.page_tables),
@@ -205,8 +305,8 @@ class ModelRunner:
         return batch, SamplingArrays.from_rows([{}] * b)
 
 
-def _pad_rows(x: np.ndarray, n: int) -> np.ndarray:
-    """Zero-pad the leading axis to n rows (zeros = dummy slot/page 0, greedy, empty)."""
+def _pad_rows(x: np.ndarray, n: int, fill: int = 0) -> np.ndarray:
+    """Pad the leading axis to n rows (zeros = dummy slot/page 0, greedy, empty)."""
     if len(x) > n:
         raise ValueError(f"{len(x)} rows do not fit a bucket of {n}")
-    return np.concatenate([x, np.zeros((n - len(x), *x.shape[1:]), x.dtype)])
+    return np.concatenate([x, np.full((n - len(x), *x.shape[1:]), fill, x.dtype)])

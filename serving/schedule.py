@@ -19,6 +19,8 @@ import numpy as np
 
 from serving.sequence import Sequence
 
+PENDING = -1  # a token id not known on the host yet: fed on device from the last step's samples
+
 
 @dataclass(frozen=True, slots=True)
 class ScheduledSeq:
@@ -32,6 +34,8 @@ class ScheduledSeq:
       page * s + offset, an index into the flattened `[num_pages * s]` axis.
     samples: a token is sampled after this step (a decode, or the chunk that
       completes the prompt / the recompute after a preemption).
+    token_ids holds PENDING (-1) for a token sampled by the step still in flight
+      (the overlapped loop); the runner feeds its value on the device.
     """
 
     seq: Sequence
@@ -41,6 +45,7 @@ class ScheduledSeq:
     ring_rows: tuple[np.ndarray, ...]
     slot_mappings: tuple[tuple[int, ...], ...]
     samples: bool
+    out_index: int = 0  # when sampling: how many output tokens precede the one sampled here
 
     @property
     def num_tokens(self) -> int:

@@ -18,8 +18,17 @@ progress.
 
 The scheduler knows nothing of tokenization, text, devices or the model: it
 moves ints between pools and sequences. Stop strings are the engine's (it
-calls `finish`). Not thread-safe: call it from the engine loop only, and call
-`update` with each Schedule before the next `schedule`.
+calls `finish`). Not thread-safe: call it from the engine loop only.
+
+Overlap: at most two schedules may await `update` (the overlapped loop dispatches
+step N+1 before step N's tokens reach the host). A schedule commits its work at
+once (tokens computed, pages allocated); a token it samples is PENDING until its
+`update` (`Sequence.num_pending`), and the next step's decode of that sequence
+carries a PENDING placeholder that the runner fills on the device. Sequences
+whose pending tokens reach max_tokens are not scheduled again; a stop (EOS, stop
+id, stop string) seen one step late discards the extra step's sample. Freed pages
+and slots are only reused by steps dispatched later, which the device runs after
+the in-flight ones, so an early free never corrupts a running step.
 """
 
 from __future__ import annotations
@@ -34,7 +43,7 @@ from typing import NamedTuple
 
 from serving.block_table import KVGroup
 from serving.pools import DUMMY_INDEX, SlotPool
-from serving.schedule import Schedule, ScheduledSeq
+from serving.schedule import PENDING, Schedule, ScheduledSeq
 from serving.scheduler_config import SchedulerConfig
 from serving.sequence import FinishReason, Sequence, SequenceStatus, check_stop
 
@@ -95,7 +104,7 @@ class Scheduler:
         self.num_preemptions = 0
         self._live: dict[str, Sequence] = {}  # unfinished sequences by request id
         self._arrivals = itertools.count()
-        self._pending: Schedule | None = None
+        self._inflight: deque[Schedule] = deque()  # schedules awaiting update(), oldest first
         # Waiting sequences not to admit for now (the engine isolates a suspected fault).
         self.held: set[str] = set()
 
@@ -151,14 +160,14 @@ class Scheduler:
 
     def schedule(self) -> Schedule:
         """Choose the next step's work and allocate its pages (see the module docstring)."""
-        if self._pending is not None:
-            raise RuntimeError("schedule() called again before update() of the last Schedule")
+        if len(self._inflight) >= 2:
+            raise RuntimeError("schedule() called with two Schedules still awaiting update()")
         step = _Step(budget=self.config.max_num_batched_tokens)
         self._schedule_decodes(step)
         self._schedule_partial_prefills(step)
         if not step.preempted:  # pages are short: let the preempted go first next step
             self._admit_waiting(step)
-        self._pending = Schedule(
+        schedule = Schedule(
             entries=tuple(step.decodes + step.prefills),
             num_decodes=len(step.decodes),
             group_names=tuple(g.name for g in self.groups),
@@ -166,7 +175,9 @@ class Scheduler:
             page_size=self.config.page_size,
             preempted=tuple(step.preempted),
         )
-        return self._pending
+        if not schedule.is_empty:
+            self._inflight.append(schedule)
+        return schedule
 
     def update(self, schedule: Schedule, sampled_token_ids: SequenceABC[int]) -> list[StepOutput]:
         """Record a finished step: advance caches, free out-of-window pages, append samples.
@@ -176,23 +187,27 @@ class Scheduler:
         or was aborted since `schedule()` are skipped. Returns one StepOutput per
         sequence that sampled; finished ones have already released everything.
         """
-        if schedule is not self._pending:
-            raise RuntimeError("update() needs the Schedule returned by the last schedule()")
         if len(sampled_token_ids) != len(schedule.entries):
             raise ValueError(
                 f"{len(sampled_token_ids)=} must equal the number of entries ({len(schedule.entries)})"
             )
-        self._pending = None
+        if schedule.is_empty:
+            return []
+        if not self._inflight or schedule is not self._inflight[0]:
+            raise RuntimeError("update() needs the oldest Schedule that awaits it")
+        self._inflight.popleft()
         outputs: list[StepOutput] = []
         for entry, token in zip(schedule.entries, sampled_token_ids, strict=True):
             seq = entry.seq
-            if seq.status is not RUNNING:
-                continue
-            seq.num_computed_tokens += entry.num_tokens
-            for group, ring in zip(self.groups, seq.rings, strict=True):
-                group.release(ring, seq.num_computed_tokens)
+            if seq.is_finished:
+                continue  # aborted or stopped since: a late step's sample is dropped
+            if seq.status is RUNNING:
+                for group, ring in zip(self.groups, seq.rings, strict=True):
+                    group.release(ring, seq.num_computed_tokens)
             if not entry.samples:
                 continue
+            # A running or requeued (preempted, rolled back) sequence keeps its sample.
+            seq.num_pending -= 1
             seq.append_token(int(token))
             reason = check_stop(seq, self.eos_token_ids)
             if reason is not None:
@@ -209,12 +224,14 @@ class Scheduler:
         exactly as consistent as after any step. Not counted as a preemption.
         Returns the sequences requeued.
         """
-        if schedule is not self._pending:
+        if not self._inflight or schedule is not self._inflight[-1]:
             raise RuntimeError("rollback() needs the Schedule returned by the last schedule()")
-        self._pending = None
+        self._inflight.pop()
         requeued = []
         for entry in schedule.entries:
             seq = entry.seq
+            if entry.samples and not seq.is_finished:
+                seq.num_pending -= 1
             if seq.status is RUNNING:
                 self._requeue(seq)
                 requeued.append(seq)
@@ -236,7 +253,7 @@ class Scheduler:
     def _schedule_decodes(self, step: _Step) -> None:
         """One token for every running sequence that has one left, oldest first."""
         for seq in list(self.running):
-            if seq.status is not RUNNING or seq.num_uncomputed_tokens != 1:
+            if seq.status is not RUNNING or seq.num_uncomputed_tokens != 1 or seq.is_exhausted:
                 continue
             if self._make_room(seq, step, may_preempt_self=True):
                 step.add(self._commit(seq, 1), decode=True)
@@ -246,7 +263,7 @@ class Scheduler:
         for seq in list(self.running):
             if step.budget == 0:
                 return
-            if seq.status is not RUNNING or seq.request_id in step.scheduled:
+            if seq.status is not RUNNING or seq.request_id in step.scheduled or seq.is_exhausted:
                 continue
             if self._make_room(seq, step, may_preempt_self=False):
                 step.add(self._commit(seq, self._chunk(seq, step.budget)), decode=False)
@@ -259,7 +276,7 @@ class Scheduler:
         i = 0
         while step.budget > 0 and self._can_admit() and i < len(self.waiting):
             seq = self.waiting[i]
-            if seq.request_id in self.held:
+            if seq.request_id in self.held or seq.num_pending:  # pending: its recompute needs the value
                 i += 1
                 continue
             c = self._chunk(seq, step.budget)
@@ -305,15 +322,22 @@ class Scheduler:
         pairs = tuple(zip(self.groups, seq.rings, strict=True))
         for group, ring in pairs:
             group.allocate(ring, n, c)
-        return ScheduledSeq(
+        known = seq.token_ids[n : n + c]
+        samples = n + c == seq.num_tokens + seq.num_pending
+        entry = ScheduledSeq(
             seq=seq,
-            token_ids=tuple(seq.token_ids[n : n + c]),
+            token_ids=(*known, *([PENDING] * (c - len(known)))),
             start=n,
             slot=seq.slot,
             ring_rows=tuple(g.row(r) for g, r in pairs),
             slot_mappings=tuple(tuple(g.slot_mapping(r, n, c)) for g, r in pairs),
-            samples=n + c == seq.num_tokens,
+            samples=samples,
+            out_index=seq.num_output_tokens + seq.num_pending,
         )
+        seq.num_computed_tokens += c  # committed now: the next schedule builds on it
+        if samples:
+            seq.num_pending += 1
+        return entry
 
     def _admit(self, seq: Sequence) -> None:
         seq.slot = self.slots.allocate()

@@ -64,6 +64,9 @@ class Sequence:
         self.finish_reason: FinishReason | None = None
         self.stop_reason: int | str | None = None  # the stop token id or stop string
         self.num_preemptions = 0
+        # Tokens sampled by a dispatched step whose values have not reached the host yet
+        # (the overlapped loop): they follow `token_ids` and count as known for scheduling.
+        self.num_pending = 0
 
     def __repr__(self) -> str:
         return (
@@ -90,8 +93,13 @@ class Sequence:
 
     @property
     def num_uncomputed_tokens(self) -> int:
-        """Tokens still to run through the model before the next sample."""
-        return len(self.token_ids) - self.num_computed_tokens
+        """Tokens (known or pending) still to run through the model before the next sample."""
+        return len(self.token_ids) + self.num_pending - self.num_computed_tokens
+
+    @property
+    def is_exhausted(self) -> bool:
+        """Its pending tokens already reach max_tokens: nothing more may be scheduled."""
+        return self.num_pending > 0 and self.num_output_tokens + self.num_pending >= self.params.max_tokens
 
     @property
     def is_finished(self) -> bool:

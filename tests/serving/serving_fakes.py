@@ -142,8 +142,9 @@ def check_schedule(scheduler: Scheduler, schedule: Schedule) -> None:
     assert all(e.num_tokens == 1 and e.start > 0 and e.samples for e in entries[: schedule.num_decodes])
     for e in entries:
         assert e.seq.status is SequenceStatus.RUNNING and e.slot == e.seq.slot
-        assert e.num_tokens >= 1 and e.start == e.seq.num_computed_tokens
-        assert e.samples == (e.start + e.num_tokens == e.seq.num_tokens)
+        # Work is committed when scheduled: computed tokens include this step's.
+        assert e.num_tokens >= 1 and e.start + e.num_tokens == e.seq.num_computed_tokens
+        assert e.samples == (e.start + e.num_tokens == e.seq.num_tokens + e.seq.num_pending - e.samples)
         assert e.num_tokens <= cfg.max_prefill_chunk or e in entries[: schedule.num_decodes]
     if schedule.preempted:  # no admission in a step that preempted
         assert not any(e.is_first_chunk for e in entries)

@@ -34,15 +34,15 @@ PROMPTS = [[5 + i, 40 + 3 * i, 7, 90 + i] * (1 + i % 3) for i in range(7)]
 
 
 def _run(engine: LLMEngine, poison: str | None = None) -> dict[str, tuple[list[int], str]]:
-    run = engine.runner.run
+    run = engine.runner.dispatch
 
-    def faulty(arrays, sampling):
+    def faulty(arrays, *args, **kwargs):
         seq = engine.scheduler.get(poison) if poison else None
         if seq is not None and seq.slot in arrays.slot_ids.tolist():
             raise RuntimeError("injected fault")
-        return run(arrays, sampling)
+        return run(arrays, *args, **kwargs)
 
-    engine.runner.run = faulty
+    engine.runner.dispatch = faulty
     try:
         ids = [engine.add_request(prompt_token_ids=p, params=_params(i), request_id=f"r{i}")
                for i, p in enumerate(PROMPTS)]
@@ -55,7 +55,7 @@ def _run(engine: LLMEngine, poison: str | None = None) -> dict[str, tuple[list[i
                 out[d.request_id] = (toks + d.token_ids, d.finish_reason or "")
         return out
     finally:
-        engine.runner.run = run
+        engine.runner.dispatch = run
 
 
 def _baseline(engine: LLMEngine) -> tuple[int, int]:
@@ -94,7 +94,7 @@ def test_lost_device_state_is_fatal_and_the_core_says_so(engine, monkeypatch):
     core = EngineCore(engine)
     fatal: list[BaseException] = []
     core.on_fatal.append(fatal.append)
-    monkeypatch.setattr(engine.runner, "run", lambda *a: (_ for _ in ()).throw(RuntimeError("gone")))
+    monkeypatch.setattr(engine.runner, "dispatch", lambda *a: (_ for _ in ()).throw(RuntimeError("gone")))
     monkeypatch.setattr(engine.runner, "state_lost", lambda: True)
     core.start()
     stream = core.submit(prompt_token_ids=[1, 2, 3], params=_params(1))
@@ -112,7 +112,7 @@ def test_lost_device_state_is_fatal_and_the_core_says_so(engine, monkeypatch):
 
 def test_every_step_failing_is_fatal_after_a_bound(engine, monkeypatch):
     """A broken device fails every step: after max_consecutive failures in a row, give up."""
-    monkeypatch.setattr(engine.runner, "run", lambda *a: (_ for _ in ()).throw(RuntimeError("x")))
+    monkeypatch.setattr(engine.runner, "dispatch", lambda *a: (_ for _ in ()).throw(RuntimeError("x")))
     n = engine._faults.max_consecutive + 2
     for i in range(n):
         engine.add_request(prompt_token_ids=[1, 2, 3 + i], params=_params(1), request_id=f"f{i}")

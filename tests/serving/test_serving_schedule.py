@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from serving.sampling_params import SamplingParams
-from serving.schedule import flatten
+from serving.schedule import PENDING, flatten
 from serving.scheduler import Scheduler
 from serving.scheduler_config import AttentionGroup, SchedulerConfig
 from serving.sequence import Sequence
@@ -100,13 +100,22 @@ def test_schedule_update_protocol_is_enforced() -> None:
     scheduler = Scheduler(_config())
     scheduler.add(Sequence("a", [1, 2], SamplingParams(max_tokens=2)))
     schedule = scheduler.schedule()
-    with pytest.raises(RuntimeError, match="before update"):
+    # The overlapped loop: the next step is scheduled before this one's token is known.
+    second = scheduler.schedule()
+    assert second.entries[0].token_ids == (PENDING,) and second.entries[0].samples
+    assert scheduler.get("a").is_exhausted  # max_tokens=2: both tokens are pending
+    with pytest.raises(RuntimeError, match="two Schedules"):
         scheduler.schedule()
     with pytest.raises(ValueError, match="number of entries"):
         scheduler.update(schedule, [1, 2])
-    scheduler.update(schedule, [1])
-    with pytest.raises(RuntimeError, match="last schedule"):
+    with pytest.raises(RuntimeError, match="oldest"):
+        scheduler.update(second, [1])
+    assert scheduler.update(schedule, [7])[0].new_token_ids == [7]
+    with pytest.raises(RuntimeError, match="oldest"):
         scheduler.update(schedule, [1])
+    out = scheduler.update(second, [8])
+    assert out[0].finished and scheduler.get("a") is None
+    assert scheduler.schedule().is_empty
 
 
 def test_add_validates_requests() -> None:
@@ -164,7 +173,8 @@ def test_preemption_takes_the_newest_and_admits_nobody_that_step() -> None:
         assert [e.seq for e in schedule.entries] == [a, b]  # c waits: max_num_seqs
         scheduler.update(schedule, [1] * schedule.num_seqs)
     assert schedule.preempted == (b,) and [e.seq for e in schedule.entries] == [a]
-    assert a.num_computed_tokens == 8 and b.num_preemptions == 1 and scheduler.num_preemptions == 1
+    # a: 8 tokens computed before, + the one this schedule commits
+    assert a.num_computed_tokens == 9 and b.num_preemptions == 1 and scheduler.num_preemptions == 1
     assert list(scheduler.waiting) == [b, c] and b.num_computed_tokens == 0 and b.slot == 0
     assert scheduler.stats().pages_in_use == {"g": 3} and scheduler.stats().slots_in_use == 1
     scheduler.update(schedule, [1])

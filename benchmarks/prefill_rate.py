@@ -1,0 +1,103 @@
+"""Prefill throughput of the engine against the measured bf16 matmul ceiling.
+
+Submits R requests of P prompt tokens with a prefill chunk of C tokens per step
+(max_num_batched_tokens = C), times the steps in which only prefill chunks run, and
+reports tokens/s and model FLOPs/s over the rate of a large bf16 matmul measured in
+the same process. Model FLOPs per token: 2 x (parameters touched per token: every
+weight but the embedding table; the tied head counts once) + attention 4 x heads x
+head_dim x keys in the window + SSD 2 x 3 x heads x head_dim x state (per token,
+chunked form counted at its matmul size) -- written out in `model_flops`.
+
+  PYTHONPATH=. python benchmarks/prefill_rate.py --prompt-len 8192 --chunk 8192 --requests 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hybrid_jax.loading import load_model
+from serving.engine import LLMEngine
+from serving.engine_config import EngineConfig
+from serving.sampling_params import SamplingParams
+
+
+def matmul_rate(n: int = 8192) -> float:
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.bfloat16)
+    b = jax.random.normal(jax.random.key(1), (n, n), jnp.bfloat16)
+    f = jax.jit(lambda x, y: x @ y)
+    f(a, b).block_until_ready()
+    ts = []
+    for _ in range(5):
+        t = time.perf_counter()
+        for _ in range(10):
+            c = f(a, b)
+        c.block_until_ready()
+        ts.append((time.perf_counter() - t) / 10)
+    return 2 * n**3 / min(ts)
+
+
+def model_flops(engine: LLMEngine, context: int) -> float:
+    """FLOPs per prompt token at mean attention span `context` (see module doc)."""
+    cfg = engine.model_config
+    params = sum(x.size for x in jax.tree.leaves(engine.runner.params))
+    dense = 2 * (params - cfg.vocab_size * cfg.hidden_size * (0 if cfg.tie_embeddings else 1))
+    att = ssm = 0
+    for spec in cfg.layers:
+        if spec.kind.has_attention:
+            a = cfg.attention
+            keys = context if spec.window is None else min(context, spec.window)
+            att += 4 * a.num_heads * a.head_dim * keys
+        if spec.kind.has_mamba2:
+            m = cfg.mamba2
+            ssm += 2 * m.num_heads * m.head_dim * (3 * m.state_size + m.chunk_size)
+    return dense + att + ssm
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="native-1b-parallel")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--prompt-len", type=int, default=8192)
+    p.add_argument("--chunk", type=int, default=8192)
+    p.add_argument("--requests", type=int, default=4)
+    p.add_argument("--out", default=None)
+    a = p.parse_args()
+    lm = load_model(a.model, dtype=a.dtype)
+    cfg = EngineConfig(max_num_seqs=a.requests, max_num_batched_tokens=a.chunk, max_prefill_chunk=a.chunk,
+                       max_model_len=a.prompt_len + 8, dtype=a.dtype, memory_fraction=0.8,
+                       seq_buckets=(a.requests,), token_buckets=(a.chunk,))
+    engine = LLMEngine(lm, cfg, show_progress=False)
+    rng = np.random.default_rng(0)
+    for _ in range(a.requests):
+        engine.add_request(prompt_token_ids=rng.integers(3, lm.config.vocab_size, a.prompt_len).tolist(),
+                           params=SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+    times = []
+    while engine.has_unfinished():
+        t = time.perf_counter()
+        engine.step()
+        jax.block_until_ready(engine.runner.caches)
+        times.append(time.perf_counter() - t)
+    steady = times[1:-1] or times
+    step_s = statistics.median(steady)
+    tok_s = a.chunk / step_s
+    rate = matmul_rate()
+    flops = model_flops(engine, a.prompt_len // 2) * tok_s
+    res = {"model": a.model, "chunk_tokens": a.chunk, "requests": a.requests, "prompt_len": a.prompt_len,
+           "device": str(jax.devices()[0]), "step_ms": 1e3 * step_s, "prefill_tok_s": tok_s,
+           "model_TFLOPs": flops / 1e12, "matmul_TFLOPs": rate / 1e12, "fraction_of_ceiling": flops / rate,
+           "steps": len(times)}
+    print(json.dumps(res))
+    if a.out:
+        with open(a.out, "a") as f:
+            f.write(json.dumps(res) + "\n")
+
+
+if __name__ == "__main__":
+    main()

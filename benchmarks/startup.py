@@ -1,0 +1,43 @@
+"""Engine start-up with default settings: cold (empty compilation cache) or warm.
+
+  PYTHONPATH=. python benchmarks/startup.py --cache-dir /tmp/xla-cache   # run twice: cold, then warm
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+t_import = time.perf_counter()
+
+import jax  # noqa: E402
+
+from serving.engine import LLMEngine  # noqa: E402
+from serving.engine_config import EngineConfig  # noqa: E402
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="native-1b-parallel")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--cache-dir", required=True)
+    p.add_argument("--out", default=None)
+    a = p.parse_args()
+    cold = not (os.path.isdir(a.cache_dir) and os.listdir(a.cache_dir))
+    t0 = time.perf_counter()
+    engine = LLMEngine(a.model, EngineConfig(dtype=a.dtype, compilation_cache_dir=a.cache_dir))
+    dt = time.perf_counter() - t0
+    res = {"model": a.model, "cache": "cold" if cold else "warm", "startup_s": round(dt, 1),
+           "executables": len(engine.runner.compiled) + len(engine.runner.samplers),
+           "buckets": [(b.tokens, b.seqs, b.decode) for b in engine.runner.buckets],
+           "import_s": round(t0 - t_import, 1), "device": str(jax.devices()[0])}
+    print(json.dumps(res))
+    if a.out:
+        with open(a.out, "a") as f:
+            f.write(json.dumps(res) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,263 @@
+"""Where a decode step's time goes: engine step, compiled step, host enqueue, GPU kernels, byte floor.
+
+Fills a batch of B sequences with prompts of length P through `LLMEngine`, runs until
+every sequence decodes, then measures on steps where the WHOLE batch decodes:
+
+  engine_ms    `LLMEngine.step()` wall time (median; the step returns host tokens)
+  compiled_ms  the compiled decode step alone (forward + plain sampler executables), inputs
+               already on the device, called back to back (median per call, synchronised loop)
+  enqueue_ms   host time for one such call to return (before the device finishes)
+  kernel_ms    sum of GPU kernel durations per step in a jax.profiler trace
+  kernels      GPU kernels (and memcpys) per step in that trace
+  floor_ms     bytes the step must move (weights + in-window K/V + recurrent state
+               read and written) over the device-to-device copy bandwidth measured here
+
+Prints one table row per configuration; `--out FILE` writes JSON with the top kernels.
+
+  PYTHONPATH=. python benchmarks/step_anatomy.py --batch 64 --prompt-len 600
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import statistics
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hybrid_jax.loading import load_model
+from serving.engine import LLMEngine
+from serving.engine_config import EngineConfig
+from serving.sampling_params import SamplingParams
+
+
+def copy_bandwidth(n_bytes: int = 2**30) -> float:
+    """Bytes read + written per second by a large device-to-device copy (median of 10)."""
+    x = jnp.ones((n_bytes // 4,), jnp.float32)
+    f = jax.jit(lambda a: a + 1.0)
+    f(x).block_until_ready()
+    ts = []
+    for _ in range(5):
+        t = time.perf_counter()
+        for _ in range(10):
+            y = f(x)
+        y.block_until_ready()
+        ts.append((time.perf_counter() - t) / 10)
+    return 2 * n_bytes / min(ts)
+
+
+def floor_bytes(engine: LLMEngine, batch: int, context: int) -> dict[str, int]:
+    """Weights once, each sequence's in-window K/V once, recurrent state read + written."""
+    cfg, runner = engine.model_config, engine.runner
+    weights = sum(x.nbytes for x in jax.tree.leaves(runner.params))
+    kv = state = 0
+    for spec, cache in zip(cfg.layers, runner.caches, strict=True):
+        if cache.kv is not None:
+            k = cache.kv.k  # [k, pages, s, e]
+            per_token = 2 * k.shape[0] * k.shape[3] * k.dtype.itemsize
+            seen = context if spec.window is None else min(context, spec.window)
+            kv += batch * seen * per_token
+        for x in jax.tree.leaves((cache.mamba, cache.rglru)):
+            state += 2 * batch * (x.nbytes // x.shape[0])
+    return {"weights": weights, "kv": kv, "state": state, "total": weights + kv + state}
+
+
+def trace_kernels(fn, n: int) -> tuple[float, float, list[tuple[str, float, int]]]:
+    """Run fn() n times under the profiler: (kernel ms per step, kernels per step, top kernels)."""
+    from jax.profiler import ProfileData
+
+    d = tempfile.mkdtemp()
+    fn()
+    jax.block_until_ready(fn())
+    jax.profiler.start_trace(d)
+    for _ in range(n):
+        out = fn()
+    jax.block_until_ready(out)
+    jax.profiler.stop_trace()
+    path = next(os.path.join(r, f) for r, _, fs in os.walk(d) for f in fs if f.endswith(".xplane.pb"))
+    prof = ProfileData.from_file(path)
+    total, count = 0.0, 0
+    by_name: dict[str, list[float]] = collections.defaultdict(list)
+    names = [(p.name, [ln.name for ln in p.lines][:12]) for p in prof.planes]
+    print("trace planes:", names[:8])
+    for plane in prof.planes:
+        if "GPU" not in plane.name:
+            continue
+        for line in plane.lines:
+            low = line.name.lower()
+            if "stream" not in low or "#" not in low:
+                continue
+            for ev in line.events:
+                if "memcpy" in ev.name.lower():
+                    continue
+                total += ev.duration_ns
+                count += 1
+                by_name[ev.name[:80]].append(ev.duration_ns)
+    top = sorted(((k, sum(v) / 1e6 / n, len(v) // n) for k, v in by_name.items()), key=lambda r: -r[1])
+    return total / 1e6 / n, count / n, top[:40]
+
+
+def hlo_stats(text: str) -> dict[str, object]:
+    """Kernel-launching instructions at the top level of the optimised HLO, and command buffers.
+
+    XLA's command-buffer pass moves runs of capturable thunks into `call`s of computations
+    named command_buffer*; what stays at the top level launches one by one from the host.
+    """
+    import re
+
+    entry = text[text.index("ENTRY"):]
+    entry = entry[:entry.index("\n}")]
+    ops = collections.Counter()
+    for line in entry.splitlines()[1:]:
+        m = re.search(r"= [^ ]+ ([a-z-]+)\(", line) or re.search(r"= \([^)]*\) ([a-z-]+)\(", line)
+        if m:
+            op = m.group(1)
+            if op == "custom-call":
+                t = re.search(r'custom_call_target="([^"]+)"', line)
+                op += ":" + (t.group(1)[:40] if t else "?")
+            ops[op] += 1
+    bufs = re.findall(r"\n(%?command_buffer[^ ]*) ", text)
+    sizes = []
+    for name in bufs:
+        body = text[text.index(name + " "):]
+        body = body[:body.index("\n}")]
+        sizes.append(body.count("\n  "))
+    launching = {k: v for k, v in ops.items() if k not in (
+        "parameter", "get-tuple-element", "tuple", "bitcast", "constant", "copy-start", "copy-done")}
+    return {"entry_ops": dict(ops.most_common()), "launching_top_level": sum(launching.values()),
+            "command_buffers": len(bufs), "command_buffer_sizes": sizes}
+
+
+def run(a: argparse.Namespace) -> dict:
+    lm = load_model(a.model, dtype=a.dtype)
+    cfg = EngineConfig(max_num_seqs=a.batch, max_num_batched_tokens=max(a.chunk, a.batch),
+                       max_prefill_chunk=a.chunk, max_model_len=a.prompt_len + a.steps + 264,
+                       page_size=16, dtype=a.dtype, memory_fraction=0.85,
+                       seq_buckets=(a.batch,), token_buckets=(max(a.chunk, a.batch),),
+                       async_scheduling=not a.sync,
+                       **({"ssm_state_dtype": a.state_dtype} if a.state_dtype else {}))
+    t0 = time.perf_counter()
+    engine = LLMEngine(lm, cfg, show_progress=False)
+    startup = time.perf_counter() - t0
+    rng = np.random.default_rng(0)
+    params = SamplingParams(temperature=0.0, max_tokens=a.steps + 232, ignore_eos=True)
+    for _ in range(a.batch):
+        engine.add_request(prompt_token_ids=rng.integers(3, lm.config.vocab_size, a.prompt_len).tolist(),
+                           params=params)
+    started: set[str] = set()
+    while len(started) < a.batch:  # prefill until every sequence has its first token
+        started |= {d.request_id for d in engine.step()}
+    step_s, ran = [], []
+    captured = {}
+    orig = engine.runner.dispatch
+
+    def spy(arrays, sampling, *args, **kwargs):
+        captured["args"] = (arrays, sampling)
+        ran.append(len(arrays.slot_ids) == arrays.num_decodes == a.batch)
+        return orig(arrays, sampling, *args, **kwargs)
+
+    engine.runner.dispatch = spy
+    for _ in range(200):  # until the whole batch decodes (late prefills and recomputes done)
+        engine.step()
+        if ran[-1]:
+            break
+    ran.clear()
+    for _ in range(a.steps):
+        t = time.perf_counter()
+        engine.step()
+        step_s.append(time.perf_counter() - t)
+    engine.runner.dispatch = orig
+    assert all(ran), f"a measured step was not a full-batch decode: {ran} {engine.stats()}"
+    # The compiled decode executable alone, every input on the device.
+    r = engine.runner
+    arrays, sampling = captured["args"]
+    bucket = r.pick(arrays)
+    exe = r.compiled[bucket]
+    from serving.runner import _pad_rows
+    from serving.sampling import SamplingArrays
+
+    batch = jax.device_put(r._pad(arrays, bucket))
+    samp = jax.device_put(SamplingArrays(*(_pad_rows(np.asarray(x), bucket.seqs) for x in sampling)))
+    feed = jax.device_put(np.full(bucket.tokens, -1, np.int32))
+    sampler = r.samplers[(bucket.seqs, False)]
+    state = {"caches": r.caches, "stats": r.stats, "last": r.last_tokens}
+
+    def call():
+        state["caches"], state["stats"], logits = exe(r.params, state["caches"], state["stats"], batch,
+                                                      feed, state["last"], samp.prompt_len)
+        out = sampler(logits, state["stats"], samp, batch.slot_ids)
+        state["last"] = out[0]
+        return out
+
+    jax.block_until_ready(call())
+    enq, per = [], []
+    for _ in range(5):
+        jax.block_until_ready(call())
+        t = time.perf_counter()
+        out = call()
+        enq.append(time.perf_counter() - t)
+        jax.block_until_ready(out)
+    for _ in range(5):
+        t = time.perf_counter()
+        for _ in range(10):
+            out = call()
+        jax.block_until_ready(out)
+        per.append((time.perf_counter() - t) / 10)
+    text = exe.as_text()
+    hlo = hlo_stats(text)
+    if a.dump:
+        with open(a.dump, "w") as f:
+            f.write(text)
+    print("hlo:", json.dumps(hlo))
+    kernel_ms, kernels, top = trace_kernels(call, 10)
+    r.caches, r.stats, r.last_tokens = state["caches"], state["stats"], state["last"]
+    bw = copy_bandwidth()
+    context = a.prompt_len + a.steps // 2
+    fb = floor_bytes(engine, a.batch, context)
+    res = {
+        "model": a.model, "dtype": a.dtype, "state_dtype": a.state_dtype or "float32",
+        "loop": "sync" if a.sync else "async",
+        "batch_run": a.batch, "context": context, "device": str(jax.devices()[0]),
+        "startup_s": round(startup, 1), "engine_ms": 1e3 * statistics.median(step_s),
+        "compiled_ms": 1e3 * statistics.median(per), "enqueue_ms": 1e3 * statistics.median(enq),
+        "kernel_ms": kernel_ms, "kernels_per_step": kernels, "copy_TBps": bw / 1e12,
+        "floor_bytes": fb, "floor_ms": 1e3 * fb["total"] / bw, "top_kernels": top,
+        "xla_flags": os.environ.get("XLA_FLAGS", ""), "hlo": hlo,
+    }
+    res["engine_over_floor"] = res["engine_ms"] / res["floor_ms"]
+    return res
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="native-1b-parallel")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--state-dtype", default=None, help="ssm_state_dtype (engine default if unset)")
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--prompt-len", type=int, default=600)
+    p.add_argument("--chunk", type=int, default=512)
+    p.add_argument("--steps", type=int, default=24)
+    p.add_argument("--out", default=None)
+    p.add_argument("--sync", action="store_true", help="async_scheduling=False (the synchronous loop)")
+    p.add_argument("--dump", default=None, help="write the decode executable's optimised HLO here")
+    a = p.parse_args()
+    res = run(a)
+    cols = ["batch_run", "context", "state_dtype", "loop", "engine_ms", "compiled_ms", "enqueue_ms",
+            "kernel_ms", "kernels_per_step", "floor_ms", "engine_over_floor", "startup_s"]
+    print(" | ".join(cols))
+    print(" | ".join(f"{res[c]:.2f}" if isinstance(res[c], float) else str(res[c]) for c in cols))
+    for name, ms, n in res["top_kernels"][:25]:
+        print(f"  {ms:8.3f} ms  x{n:<4d} {name}")
+    if a.out:
+        with open(a.out, "a") as f:
+            f.write(json.dumps(res) + "\n")
+
+
+if __name__ == "__main__":
+    main()

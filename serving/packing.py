@@ -1,0 +1,78 @@
+"""Few large arrays into the step instead of hundreds: packed parameters.
+
+Every array passed to a compiled executable costs the host several microseconds per
+call (measured on the H100 with jax 0.11.2: ~10 us per argument, so the 529 arrays of a
+1.4B hybrid's step took ~5 ms to hand over while its kernels needed 5.4 ms). The runner
+therefore passes the model's parameters as one flat buffer per dtype and slices them
+back into shape inside the step; XLA fuses the static slices into their consumers
+(no copies), so the packing costs no device time.
+
+This module knows nothing of models or scheduling: it packs a pytree of arrays.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+ALIGN = 128  # elements: every leaf starts on a 256-byte (bf16) / 512-byte (f32) boundary
+
+
+@dataclass(frozen=True)
+class PackLayout:
+    """Where each leaf of a pytree lives in the packed buffers (static: hashable, no arrays)."""
+
+    treedef: Any
+    dtypes: tuple[str, ...]  # one buffer per dtype
+    leaves: tuple[tuple[int, int, tuple[int, ...]], ...]  # (buffer, offset, shape) per leaf
+    sizes: tuple[int, ...]  # elements per buffer
+
+
+def plan_layout(tree: Any) -> PackLayout:
+    leaves, treedef = jax.tree.flatten(tree)
+    dtypes: list[str] = []
+    fill: list[int] = []
+    where = []
+    for x in leaves:
+        name = jnp.dtype(x.dtype).name
+        if name not in dtypes:
+            dtypes.append(name)
+            fill.append(0)
+        b = dtypes.index(name)
+        size = int(np.prod(x.shape, dtype=np.int64))
+        where.append((b, fill[b], tuple(int(d) for d in x.shape)))
+        fill[b] += -(-max(size, 1) // ALIGN) * ALIGN
+    return PackLayout(treedef, tuple(dtypes), tuple(where), tuple(fill))
+
+
+def pack(tree: Any, layout: PackLayout | None = None) -> tuple[PackLayout, tuple[jax.Array, ...]]:
+    """(layout, buffers): each leaf copied once into its dtype's flat buffer."""
+    layout = layout or plan_layout(tree)
+    leaves = jax.tree.leaves(tree)
+    bufs = []
+    for b, name in enumerate(layout.dtypes):
+        parts, at = [], 0
+        for x, (bi, off, shape) in zip(leaves, layout.leaves, strict=True):
+            if bi != b:
+                continue
+            if off > at:
+                parts.append(jnp.zeros((off - at,), name))
+            parts.append(jnp.ravel(x).astype(name))
+            at = off + int(np.prod(shape, dtype=np.int64))
+        if layout.sizes[b] > at:
+            parts.append(jnp.zeros((layout.sizes[b] - at,), name))
+        bufs.append(jnp.concatenate(parts) if len(parts) > 1 else parts[0])
+    return layout, tuple(bufs)
+
+
+def unpack(layout: PackLayout, bufs: tuple[jax.Array, ...]) -> Any:
+    """The pytree back from its buffers (inside jit: static slices, fused by XLA)."""
+    leaves = []
+    for b, off, shape in layout.leaves:
+        size = int(np.prod(shape, dtype=np.int64))
+        leaves.append(jax.lax.slice(bufs[b], (off,), (off + size,)).reshape(shape))
+    return jax.tree.unflatten(layout.treedef, leaves)
