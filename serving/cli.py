@@ -106,6 +106,10 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help=f"tokens per KV page (default {d['page_size']})")
     g.add_argument("--memory-fraction", type=float, default=d["memory_fraction"],
                    help=f"of free device memory for KV pages and states (default {d['memory_fraction']})")
+    g.add_argument("--ssm-state-dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="recurrent state dtype (bfloat16 halves state traffic; default float32)")
+    g.add_argument("--no-async-scheduling", action="store_true",
+                   help="do not overlap host bookkeeping with the next device step (debugging)")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -243,7 +247,8 @@ def _serve_model(args: argparse.Namespace, model: str, tls, limits) -> int:
 
     cfg = EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                        max_prefill_chunk=args.max_prefill_chunk, max_model_len=args.max_model_len,
-                       page_size=args.page_size, memory_fraction=args.memory_fraction, dtype=args.dtype)
+                       page_size=args.page_size, memory_fraction=args.memory_fraction, dtype=args.dtype,
+                       ssm_state_dtype=args.ssm_state_dtype, async_scheduling=not args.no_async_scheduling)
     engine = LLMEngine(load_model(model, dtype=args.dtype, seed=args.weights_seed), cfg)
     server = GenerationServer(engine, model_name=args.model, host=args.host, port=args.port,
                               metrics_port=None if args.metrics_port < 0 else args.metrics_port,

@@ -24,6 +24,7 @@ from serving.block_table import ring_width
 from serving.detokenizer import IncrementalDetokenizer
 from serving.engine_config import EngineConfig, PoolPlan, plan_pools
 from serving.faults import EngineFatal, FaultIsolator
+from serving.memory import device_free_bytes
 from serving.outputs import RequestDelta
 from serving.runner import ModelRunner, Pending, StepResult
 from serving.sampling import SUPPRESS_WIDTH, SamplingArrays
@@ -56,12 +57,6 @@ def _needs_full(p: SamplingParams) -> bool:
     return filters or penalties or bool(p.logprobs)
 
 
-def _device_free_bytes() -> int | None:
-    stats = jax.devices()[0].memory_stats() or {}
-    limit = stats.get("bytes_limit")
-    return None if limit is None else int(limit - stats.get("bytes_in_use", 0))
-
-
 def _use_compilation_cache(path: str | None) -> None:
     if path is not None and jax.config.jax_compilation_cache_dir is None:
         jax.config.update("jax_compilation_cache_dir", os.path.expanduser(path))
@@ -83,7 +78,7 @@ class LLMEngine:
         lm = model if isinstance(model, LoadedModel) else load_model(model, dtype=self.config.dtype)
         self.model_config, self.tokenizer = lm.config, lm.tokenizer
         weights = sum(x.nbytes for x in jax.tree.leaves(lm.model))
-        self.plan: PoolPlan = plan_pools(lm.config, self.config, free_bytes=_device_free_bytes(),
+        self.plan: PoolPlan = plan_pools(lm.config, self.config, free_bytes=device_free_bytes(),
                                          weight_bytes=weights, dtype=DTYPES[self.config.dtype])
         sc = self.plan.scheduler
         self.scheduler = Scheduler(sc, eos_token_ids=lm.config.eos_token_ids)
