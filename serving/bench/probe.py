@@ -24,7 +24,8 @@ from serving.sampling_params import SamplingParams
 
 # (owner attribute on the engine or "" for the engine itself, method, scope name)
 SCOPES = (("scheduler", "schedule", "schedule"), ("", "_sampling", "host_prep"),
-          ("runner", "run", "device_step"), ("scheduler", "update", "update"))
+          ("runner", "dispatch", "device_step"), ("runner", "fetch", "fetch"),
+          ("scheduler", "update", "update"))
 
 
 @dataclass

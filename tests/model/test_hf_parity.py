@@ -23,6 +23,8 @@ from hybrid_jax.checkpoints import load_hf  # noqa: E402
 from hybrid_jax.generate import greedy_steps  # noqa: E402
 from tests.model.hf_models import BUILDERS, build  # noqa: E402
 
+pytestmark = pytest.mark.slow  # minutes on a 2-core CPU: outside the quick subset (-m "not slow")
+
 SEQ = 80
 PROMPT = 16
 NEW = 32

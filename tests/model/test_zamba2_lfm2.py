@@ -34,6 +34,8 @@ from serving.llm import LLM  # noqa: E402
 from serving.sampling_params import SamplingParams  # noqa: E402
 from tests.model.hf_models import build  # noqa: E402
 
+pytestmark = pytest.mark.slow  # minutes on a 2-core CPU: outside the quick subset (-m "not slow")
+
 NEW = 8
 GAP = 1e-3
 PROMPT_LENS = (1, 3, 4, 16, 30)

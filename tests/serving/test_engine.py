@@ -15,6 +15,8 @@ from jax import monitoring
 from serving.llm import LLM
 from serving.sampling_params import SamplingParams
 
+pytestmark = pytest.mark.slow  # minutes on a 2-core CPU: outside the quick subset (-m "not slow")
+
 COMPILES: list[str] = []
 monitoring.register_event_duration_secs_listener(
     lambda name, *_a, **_k: COMPILES.append(name) if "backend_compile" in name else None)

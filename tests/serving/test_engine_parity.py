@@ -33,6 +33,8 @@ from serving.llm import LLM  # noqa: E402
 from serving.sampling_params import SamplingParams  # noqa: E402
 from tests.model.hf_models import build  # noqa: E402
 
+pytestmark = pytest.mark.slow  # minutes on a 2-core CPU: outside the quick subset (-m "not slow")
+
 NEW = 10
 PROMPT_LENS = (21, 3, 30)  # every test window is 16 (the native preset's is 64)
 ARCHS = ("mamba2", "mistral", "recurrent_gemma", "falcon_h1")

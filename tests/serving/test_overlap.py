@@ -19,6 +19,8 @@ from serving.outputs import RequestOutput
 from serving.sampling_params import SamplingParams
 from tests.serving.conftest import SERVER_CFG
 
+pytestmark = pytest.mark.slow  # minutes on a 2-core CPU: outside the quick subset (-m "not slow")
+
 
 @pytest.fixture(scope="module")
 def engines(server_engine: LLMEngine) -> tuple[LLMEngine, LLMEngine]:

@@ -26,20 +26,20 @@ PROMPTS = ["First of all", "Second", "A third one", "Fourth"]
 
 def _poisoned(engine, request_id: str | None, *, lose_state: bool = False):
     """Make every step that holds `request_id` (None: every step) raise; returns an undo."""
-    run, lost = engine.runner.run, engine.runner.state_lost
+    dispatch, lost = engine.runner.dispatch, engine.runner.state_lost
 
-    def faulty(arrays, sampling):
+    def faulty(arrays, *args, **kwargs):
         seq = engine.scheduler.get(request_id) if request_id else None
         if request_id is None or (seq is not None and seq.slot in arrays.slot_ids.tolist()):
             raise RuntimeError("injected fault")
-        return run(arrays, sampling)
+        return dispatch(arrays, *args, **kwargs)
 
-    engine.runner.run = faulty
+    engine.runner.dispatch = faulty
     if lose_state:
         engine.runner.state_lost = lambda: True
 
     def undo() -> None:
-        engine.runner.run, engine.runner.state_lost = run, lost
+        engine.runner.dispatch, engine.runner.state_lost = dispatch, lost
     return undo
 
 
