@@ -34,8 +34,15 @@ def test_too_many_sequences_are_lowered_with_a_warning(caplog):
     one = plan(EngineConfig(max_num_seqs=1, max_model_len=256), free=1 << 30)
     per_seq = (one.kv_bytes - one.page_bytes[0]) + one.slot_bytes  # one sequence's share
     free = (1 << 20) + int(2 * 3.5 * per_seq)  # room for 3 sequences at fraction 0.5
-    with caplog.at_level(logging.WARNING):
-        p = plan(EngineConfig(max_num_seqs=8, max_model_len=256, memory_fraction=0.5), free=free)
+    # The handler goes on the module's logger itself: a server test earlier in the session
+    # may have stopped "serving" loggers from propagating to the root (its JSON log).
+    logger = logging.getLogger("serving.engine_config")
+    logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.WARNING, logger="serving.engine_config"):
+            p = plan(EngineConfig(max_num_seqs=8, max_model_len=256, memory_fraction=0.5), free=free)
+    finally:
+        logger.removeHandler(caplog.handler)
     assert p.scheduler.max_num_seqs == 3
     assert "max_num_seqs=8 lowered to 3" in caplog.text
 
