@@ -100,7 +100,7 @@ def test_loading_is_logged_before_the_compile_and_the_host_is_reported(server):
     names = [e.get("event") for e in server.events]
     assert "server.loading" in names and names.index("server.loading") < names.index("server.started")
     raw = "".join(server.raw)
-    assert raw.index('"server.loading"') < raw.index("compiling step buckets")
+    assert raw.index('"server.loading"') < raw.index("compiling step executables")
     assert server.wait_event("server.started", timeout=1)["host"] == "127.0.0.1"
 
 
