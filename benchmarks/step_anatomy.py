@@ -28,28 +28,13 @@ import tempfile
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from hybrid_jax.loading import load_model
+from serving.bench.floor import copy_bandwidth
 from serving.engine import LLMEngine
 from serving.engine_config import EngineConfig
 from serving.sampling_params import SamplingParams
-
-
-def copy_bandwidth(n_bytes: int = 2**30) -> float:
-    """Bytes read + written per second by a large device-to-device copy (median of 10)."""
-    x = jnp.ones((n_bytes // 4,), jnp.float32)
-    f = jax.jit(lambda a: a + 1.0)
-    f(x).block_until_ready()
-    ts = []
-    for _ in range(5):
-        t = time.perf_counter()
-        for _ in range(10):
-            y = f(x)
-        y.block_until_ready()
-        ts.append((time.perf_counter() - t) / 10)
-    return 2 * n_bytes / min(ts)
 
 
 def floor_bytes(engine: LLMEngine, batch: int, context: int) -> dict[str, int]:

@@ -48,7 +48,11 @@ def decode_floor_bytes(cfg: ModelConfig, *, batch: int, context: int, weight_byt
 
 
 def copy_bandwidth(nbytes: int = 1 << 30, reps: int = 10) -> float:
-    """Bytes/s (read + write) of an elementwise pass over an `nbytes` f32 buffer, median of `reps`."""
+    """Bytes/s (read + write) of an elementwise pass over an `nbytes` f32 buffer.
+
+    Each sample times 10 passes back to back (one sync: a per-call sync costs the small
+    buffers of CPU smoke runs most of their time); the median of `reps` samples.
+    """
     n = max(1, nbytes // 4)
     x = jnp.arange(n, dtype=jnp.float32)
     step = jax.jit(lambda a: a + 1.0)
@@ -56,8 +60,10 @@ def copy_bandwidth(nbytes: int = 1 << 30, reps: int = 10) -> float:
     times = []
     for _ in range(reps):
         t = time.perf_counter()
-        step(x).block_until_ready()
-        times.append(time.perf_counter() - t)
+        for _ in range(10):
+            y = step(x)
+        y.block_until_ready()
+        times.append((time.perf_counter() - t) / 10)
     del x
     return 2 * n * 4 / statistics.median(times)
 
