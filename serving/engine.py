@@ -93,7 +93,6 @@ class LLMEngine:
         self.runner.compile_all(_progress if show_progress else None)
         self.requests: dict[str, _Request] = {}
         self._inflight: deque[_Launched] = deque()  # dispatched steps not yet resolved
-        self._last_rows: dict[str, int] = {}  # rows of the last dispatched step (for feeding)
         self._faults = FaultIsolator(self)
         self._ids = itertools.count()
         self._seeds = np.random.default_rng(seed)
@@ -210,18 +209,20 @@ class LLMEngine:
         sampling, full = self._sampling(schedule)
         pending = self.runner.dispatch(arrays, sampling, self._feed(schedule, arrays), full=full)
         rows = {e.seq.request_id: i for i, e in enumerate(schedule.entries)}
-        self._last_rows = rows
         return _Launched(schedule, pending, rows)
 
     def _feed(self, schedule: Schedule, arrays) -> np.ndarray | None:
-        """For each PENDING token, the row of the last dispatched step that samples it."""
+        """For each PENDING token, the row of the last dispatched step that samples it.
+
+        That step is the newest in flight: its samples are the runner's `last_tokens`.
+        """
         where = np.flatnonzero(arrays.token_ids == PENDING)
         if not where.size:
             return None
         feed = np.full(len(arrays.token_ids), -1, np.int32)
         entry = np.searchsorted(arrays.cu_seqlens[1:], where, side="right")
         for i, e in zip(where.tolist(), entry.tolist(), strict=True):
-            feed[i] = self._last_rows[schedule.entries[e].seq.request_id]
+            feed[i] = self._inflight[-1].rows[schedule.entries[e].seq.request_id]
         return feed
 
     def _resolve(self, launched: _Launched) -> list[RequestDelta]:
