@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from hybrid_jax.cache import cache_bytes
 from hybrid_jax.config import ModelConfig
-from serving.block_table import ring_width
+from serving.block_table import decode_page_bound, ring_width
 from serving.penalties import init_token_stats
 from serving.scheduler_config import AttentionGroup, SchedulerConfig
 
@@ -90,9 +90,18 @@ def plan_pools(model: ModelConfig, cfg: EngineConfig, *, free_bytes: int | None,
                                          state_dtype=jnp.dtype(cfg.ssm_state_dtype))
     slot_bytes += sum(x.size * x.dtype.itemsize  # penalty statistics of one slot
                       for x in jax.eval_shape(lambda: init_token_stats(1, model.vocab_size)))
-    # Pages one sequence may hold at once (the chunk in flight included).
-    need = [ring_width(w, cfg.page_size, cfg.max_prefill_chunk, max_len) for w in model.windows]
+    # Pages one sequence may hold at once (the chunk in flight included), and between
+    # steps or while it decodes. Only prefilling sequences hold the chunk's extra pages,
+    # and a step prefills at most max_num_batched_tokens tokens in chunks of at most
+    # max_prefill_chunk: the extra is reserved for that many chunks, not per sequence.
+    chunk = min(cfg.max_prefill_chunk, cfg.max_num_batched_tokens)
+    need = [ring_width(w, cfg.page_size, chunk, max_len) for w in model.windows]
+    held = [decode_page_bound(w, cfg.page_size, max_len) for w in model.windows]
+    chunks_per_step = -(-cfg.max_num_batched_tokens // chunk)
+    extra = [(n - h) * chunks_per_step for n, h in zip(need, held, strict=True)]
     one_seq = sum(n * b for n, b in zip(need, page_bytes, strict=True)) + slot_bytes
+    per_seq = sum(h * b for h, b in zip(held, page_bytes, strict=True)) + slot_bytes
+    extra_bytes = sum(e * b for e, b in zip(extra, page_bytes, strict=True))
     max_seqs = cfg.max_num_seqs
     if cfg.num_pages is not None:
         pages = [cfg.num_pages] * len(need)
@@ -103,12 +112,12 @@ def plan_pools(model: ModelConfig, cfg: EngineConfig, *, free_bytes: int | None,
                 f"one sequence of max_model_len={max_len} needs {one_seq / 2**20:.1f} MiB of KV "
                 f"pages and state, but the budget is {max(budget, 0) / 2**20:.1f} MiB: lower "
                 "max_model_len or max_prefill_chunk, or raise memory_fraction")
-        fit = int(budget // one_seq)
+        fit = max(1, int((budget - extra_bytes) // per_seq))
         if fit < max_seqs:
             log.warning("max_num_seqs=%d lowered to %d: that many sequences fit the memory budget",
                         max_seqs, fit)
             max_seqs = fit
-        pages = [n * max_seqs + 1 for n in need]
+        pages = [max(h * max_seqs + e, n) + 1 for h, e, n in zip(held, extra, need, strict=True)]
     for n, p in zip(need, pages, strict=True):
         if p - 1 < n:
             raise ValueError(f"num_pages={p} cannot hold one sequence of max_model_len={max_len} "

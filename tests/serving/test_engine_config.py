@@ -30,10 +30,23 @@ def test_config_that_cannot_fit_one_sequence_is_refused():
         plan(EngineConfig(max_model_len=256), free=(1 << 20) + 1000)
 
 
+# native-tiny: window 64, pages of 16, max_model_len 256, prefill chunks of 256 and 512
+# tokens per step. A sequence holds ceil(63/16)+1 = 5 pages between steps; a prefilling
+# one up to min(16, 1+ceil((64+256-2)/16)) = 16, i.e. 11 more, for each of the
+# ceil(512/256) = 2 chunks a step can carry.
+HELD, EXTRA = 5, 2 * 11
+
+
+def test_prefill_pages_are_reserved_per_chunk_not_per_sequence():
+    p = plan(EngineConfig(max_num_seqs=8, max_model_len=256), free=1 << 30)
+    assert p.scheduler.groups[0].num_pages == HELD * 8 + EXTRA + 1  # + the dummy page
+
+
 def test_too_many_sequences_are_lowered_with_a_warning(caplog):
     one = plan(EngineConfig(max_num_seqs=1, max_model_len=256), free=1 << 30)
-    per_seq = (one.kv_bytes - one.page_bytes[0]) + one.slot_bytes  # one sequence's share
-    free = (1 << 20) + int(2 * 3.5 * per_seq)  # room for 3 sequences at fraction 0.5
+    per_seq = HELD * one.page_bytes[0] + one.slot_bytes  # one sequence's share
+    extra = EXTRA * one.page_bytes[0]
+    free = (1 << 20) + int(2 * (extra + 3.5 * per_seq))  # room for 3 sequences at fraction 0.5
     # The handler goes on the module's logger itself: a server test earlier in the session
     # may have stopped "serving" loggers from propagating to the root (its JSON log).
     logger = logging.getLogger("serving.engine_config")
@@ -44,6 +57,7 @@ def test_too_many_sequences_are_lowered_with_a_warning(caplog):
     finally:
         logger.removeHandler(caplog.handler)
     assert p.scheduler.max_num_seqs == 3
+    assert p.scheduler.groups[0].num_pages == HELD * 3 + EXTRA + 1
     assert "max_num_seqs=8 lowered to 3" in caplog.text
 
 
