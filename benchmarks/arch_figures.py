@@ -120,7 +120,7 @@ def run_preset(name: str, a: argparse.Namespace, bw: float, mm: float, pr) -> No
     lm = load_model(name, dtype=a.dtype)
     big = max(a.batch)
     cfg = EngineConfig(max_num_seqs=big, max_num_batched_tokens=a.chunk, max_prefill_chunk=a.chunk,
-                       max_model_len=a.context + a.steps + 128, dtype=a.dtype, memory_fraction=0.85,
+                       max_model_len=max(a.context, a.prompt_len) + a.steps + 128, dtype=a.dtype,
                        seq_buckets=tuple(sorted(set(a.batch))), token_buckets=(a.chunk,))
     t0 = time.perf_counter()
     engine = LLMEngine(lm, cfg, show_progress=False)
@@ -129,11 +129,13 @@ def run_preset(name: str, a: argparse.Namespace, bw: float, mm: float, pr) -> No
     base = {"model": name, "dtype": a.dtype, "state_dtype": "float32", "device": str(jax.devices()[0]),
             "date": time.strftime("%Y-%m-%d"), "startup_s": round(startup, 1), "weight_bytes": wbytes,
             "copy_TBps": bw / 1e12, "matmul_TFLOPs": mm / 1e12}
+    print(f"{name}: started in {startup:.1f} s; prefill", flush=True)
     rate = measure_prefill(engine, a.requests, a.prompt_len)
     flops = pr.model_flops(engine, a.prompt_len // 2) * rate
     emit(a.out, {**base, "figure": "prefill", "requests": a.requests, "prompt_len": a.prompt_len,
                  "chunk": a.chunk, "tok_s": rate, "model_TFLOPs": flops / 1e12, "of_matmul": flops / mm})
     for b in sorted(a.batch, reverse=True):
+        print(f"{name}: decode batch {b}", flush=True)
         step_s, ran = measure_decode(engine, b, a.context, a.steps)
         fb = decode_floor_bytes(lm.config, batch=ran, context=a.context + a.steps // 2,
                                 weight_bytes=wbytes, dtype=a.dtype)
@@ -145,7 +147,7 @@ def run_preset(name: str, a: argparse.Namespace, bw: float, mm: float, pr) -> No
     if name.startswith("gemma") and a.long:
         longest = max(a.long)
         cfg = EngineConfig(max_num_seqs=1, max_num_batched_tokens=a.chunk, max_prefill_chunk=a.chunk,
-                           max_model_len=longest + a.steps + 128, dtype=a.dtype, memory_fraction=0.85,
+                           max_model_len=longest + a.steps + 128, dtype=a.dtype,
                            seq_buckets=(1,), token_buckets=(a.chunk,))
         engine = LLMEngine(lm, cfg, show_progress=False)
         for c in a.long:

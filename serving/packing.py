@@ -7,6 +7,12 @@ therefore passes the model's parameters as one flat buffer per dtype and slices 
 back into shape inside the step; XLA fuses the static slices into their consumers
 (no copies), so the packing costs no device time.
 
+A buffer holds at most MAX_BUFFER_ELEMENTS elements (a leaf larger than that gets a
+buffer of its own): XLA's generated GPU kernels index with 32 bits, and a fusion that
+slices a buffer of more than 2**31 elements reads out of bounds (seen on the H100 as
+CUDA_ERROR_ILLEGAL_INSTRUCTION while compiling a 3B model); the autotuner also copies
+each input buffer it times, so multi-GB buffers exhausted memory for 8-9B models.
+
 This module knows nothing of models or scheduling: it packs a pytree of arrays.
 """
 
@@ -20,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 ALIGN = 128  # elements: every leaf starts on a 256-byte (bf16) / 512-byte (f32) boundary
+MAX_BUFFER_ELEMENTS = 1 << 28  # 512 MiB of bf16 per buffer
 
 
 @dataclass(frozen=True)
@@ -27,25 +34,28 @@ class PackLayout:
     """Where each leaf of a pytree lives in the packed buffers (static: hashable, no arrays)."""
 
     treedef: Any
-    dtypes: tuple[str, ...]  # one buffer per dtype
+    dtypes: tuple[str, ...]  # the dtype of each buffer (a dtype may fill several)
     leaves: tuple[tuple[int, int, tuple[int, ...]], ...]  # (buffer, offset, shape) per leaf
     sizes: tuple[int, ...]  # elements per buffer
 
 
-def plan_layout(tree: Any) -> PackLayout:
+def plan_layout(tree: Any, max_elements: int = MAX_BUFFER_ELEMENTS) -> PackLayout:
     leaves, treedef = jax.tree.flatten(tree)
     dtypes: list[str] = []
     fill: list[int] = []
+    open_buf: dict[str, int] = {}  # dtype -> the buffer being filled
     where = []
     for x in leaves:
         name = jnp.dtype(x.dtype).name
-        if name not in dtypes:
+        size = int(np.prod(x.shape, dtype=np.int64))
+        room = -(-max(size, 1) // ALIGN) * ALIGN
+        b = open_buf.get(name)
+        if b is None or (fill[b] and fill[b] + room > max_elements):
             dtypes.append(name)
             fill.append(0)
-        b = dtypes.index(name)
-        size = int(np.prod(x.shape, dtype=np.int64))
+            b = open_buf[name] = len(dtypes) - 1
         where.append((b, fill[b], tuple(int(d) for d in x.shape)))
-        fill[b] += -(-max(size, 1) // ALIGN) * ALIGN
+        fill[b] += room
     return PackLayout(treedef, tuple(dtypes), tuple(where), tuple(fill))
 
 
