@@ -52,6 +52,8 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
                    help="dtype of the exported model's parameters (default float32)")
     p.add_argument("--max-seconds", type=float,
                    help="stop (checkpoint and export) after this much training time")
+    p.add_argument("--num-devices", type=int,
+                   help="data-parallel over the first N devices (default: all of them)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     g = p.add_argument_group("optimisation")
     for f in dataclasses.fields(TrainConfig):
@@ -84,6 +86,15 @@ def _with_tokenizer(cfg, vocab_size: int):
                                pad_token_id=PAD)
 
 
+def _devices(num_devices: int | None, available: list) -> list:
+    if num_devices is None:
+        return available
+    if not 1 <= num_devices <= len(available):
+        raise ValueError(f"num_devices={num_devices} must be in [1, {len(available)}] "
+                         f"(the {available[0].platform} devices here)")
+    return available[:num_devices]
+
+
 def run_train(args: argparse.Namespace) -> int:
     """Check everything cheap first, then prepare data, train, export. Raises ValueError."""
     import jax
@@ -96,16 +107,18 @@ def run_train(args: argparse.Namespace) -> int:
     for d in data:
         if not Path(d).exists():
             raise ValueError(f"data={d!r} does not exist")
-    tc.check_devices(jax.device_count())
+    devices = _devices(args.num_devices, jax.devices())
+    tc.check_devices(len(devices))
     from hybrid_jax.train.dataset import prepare
     from hybrid_jax.train.loop import train
 
     ds = prepare(data, tc, args.out, tokenizer=args.tokenizer)
     cfg = _with_tokenizer(cfg, ds.tokenizer.vocab_size)
     res = train(cfg, tc, ds, args.out, quiet=args.quiet, export_dtype=args.export_dtype,
-                max_seconds=args.max_seconds)
+                max_seconds=args.max_seconds, devices=devices)
     ev = res.eval or {}
-    print(json.dumps({"step": res.step, "stopped_early": res.stopped_early, "held_out_loss": ev.get("loss"),
+    print(json.dumps({"step": res.step, "num_devices": len(devices), "stopped_early": res.stopped_early,
+                      "held_out_loss": ev.get("loss"),
                       "bits_per_byte": ev.get("bits_per_byte"),
                       "tokens_per_s": res.tokens_per_s, "mfu": res.mfu,
                       "model": str(Path(args.out) / "model")}))

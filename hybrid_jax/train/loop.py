@@ -61,18 +61,18 @@ def evaluate(steps: Steps, params: Params, data: Dataset, tc: TrainConfig) -> di
             "tokens": int(count.sum()), "loss_by_position": (nats / np.maximum(count, 1)).tolist()}
 
 
-def _peak_flops() -> float | None:
-    kind = jax.devices()[0].device_kind
+def _peak_flops(devices: list) -> float | None:
+    kind = devices[0].device_kind
     for name, tflops in PEAK_TFLOPS.items():
         if name in kind:
-            return tflops * 1e12 * jax.device_count()
+            return tflops * 1e12 * len(devices)
     return None
 
 
 def _compile_checked(steps: Steps, params, opt_state, batch, tc: TrainConfig):
     """Compile the step once; refuse at once if it needs more device memory than there is."""
     compiled = steps.train.lower(params, opt_state, batch).compile()
-    stats = jax.devices()[0].memory_stats() or {}
+    stats = steps.devices[0].memory_stats() or {}
     mem = compiled.memory_analysis()
     if mem is None or "bytes_limit" not in stats:
         return compiled
@@ -92,15 +92,17 @@ def _batch(steps: Steps, data: Dataset, tc: TrainConfig, step: int) -> jax.Array
 
 def train(cfg: ModelConfig, tc: TrainConfig, data: Dataset, run_dir: str | Path, *,
           stop_at: int | None = None, max_seconds: float | None = None, quiet: bool = False,
-          export: bool = True, export_dtype: str = "float32") -> TrainResult:
+          export: bool = True, export_dtype: str = "float32", devices: list | None = None) -> TrainResult:
     """Train (resuming from run_dir/checkpoints if present) up to tc.steps.
 
     `stop_at` ends the run after that step and `max_seconds` after the step that
     crosses that much training time (both checkpoint where they stop); the model is
-    exported when the run reaches tc.steps, or stops on `max_seconds`.
+    exported when the run reaches tc.steps, or stops on `max_seconds`. `devices`
+    (default: all) is the data-parallel mesh; the result does not depend on it
+    beyond f32 reduction order.
     """
     run_dir = Path(run_dir)
-    steps = make_steps(cfg, tc)
+    steps = make_steps(cfg, tc, devices)
     params = steps.replicate(init_params(cfg, tc.seed))
     opt_state = steps.replicate(steps.tx.init(params))
     ckpts = TrainCheckpoints(run_dir / "checkpoints")
@@ -111,8 +113,10 @@ def train(cfg: ModelConfig, tc: TrainConfig, data: Dataset, run_dir: str | Path,
     flops = model_flops_per_token(cfg, params, tc.seq_len)
     log = RunLog(run_dir / "train_log.jsonl", total_steps=tc.steps, quiet=quiet)
     log.record("start", step=start, train=tc.to_dict(), model=cfg.to_dict(), params=param_count(params),
-               flops_per_token=flops, devices=[str(d) for d in jax.devices()],
+               flops_per_token=flops, num_devices=len(steps.devices),
+               devices=[str(d) for d in steps.devices],
                corpus={k: v for k, v in data.manifest.items() if k != "files"})
+    log.message(_devices_line(steps.devices, tc))
     if start:
         log.message(f"resuming from step {start} ({run_dir / 'checkpoints'})")
     end = min(tc.steps, stop_at or tc.steps)
@@ -126,8 +130,17 @@ def train(cfg: ModelConfig, tc: TrainConfig, data: Dataset, run_dir: str | Path,
     return result
 
 
+def _devices_line(devices: list, tc: TrainConfig) -> str:
+    n = len(devices)
+    kind = devices[0].device_kind if devices else "?"
+    if n == 1:
+        return f"training on 1 device ({kind})"
+    return (f"training on {n} devices ({kind}), data parallel: {tc.micro_batch // n} sequences per "
+            f"device per micro-step, {tc.grad_accum} micro-step(s) per optimizer step")
+
+
 def _loop(steps, params, opt_state, data, tc, ckpts, log, start, end, flops, max_seconds) -> TrainResult:
-    peak = _peak_flops()
+    peak = _peak_flops(steps.devices)
     t0 = t_mark = time.perf_counter()
     s_mark, t_first, ev, rates, early = start, None, None, [], False
     for step in range(start, end):

@@ -82,6 +82,10 @@ class Steps:
     tx: optax.GradientTransformation
     mesh: Mesh
 
+    @property
+    def devices(self) -> list:
+        return list(self.mesh.devices.flat)
+
     def shard_batch(self, tokens: np.ndarray, axis: int) -> jax.Array:
         spec = [None] * tokens.ndim
         spec[axis] = "data"

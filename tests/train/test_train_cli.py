@@ -39,6 +39,7 @@ def test_unknown_preset_and_bad_settings(capsys, src, tmp_path):
                                   "--grad-accum", "4")
     assert "warmup_steps=10" in _run(capsys, "--data", src, "--out", str(tmp_path), "--steps", "10",
                                      "--warmup-steps", "10")
+    assert "num_devices=64" in _run(capsys, "--data", src, "--out", str(tmp_path), "--num-devices", "64")
     assert "model_config=" in _run(capsys, "--data", src, "--model-config", str(tmp_path / "x.json"),
                                    "--out", str(tmp_path))
 
