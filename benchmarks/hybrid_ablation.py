@@ -6,110 +6,40 @@ Three models of the native-py-5m shape (d=256, 5 layers, window 128):
   ssm     Mamba2 only; the MLP widened to make up attention's parameters
 1. Language modelling: the same data (the stdlib corpus, the shipped tokenizer), the
    same steps, batch and schedule; held-out loss by token position (seq_len 512).
-2. Synthetic recall: K key-value pairs right after <bos>, filler, then the K keys again
-   (shuffled), each to be answered with its value. The answers lie further back than
-   the window AND than the stack's receptive field (layers x (window - 1)), so
-   attention alone cannot reach them. Loss on the answers only; accuracy on fresh
-   sequences (chance = 1 / values).
-Writes OUT/ablation.json and OUT/ablation_loss_by_position.png.
+2. Synthetic recall beyond the window: benchmarks/recall.py (its own smaller shape and
+   vocabulary, a curriculum on the distance; its docstring has the details), run after
+   the language-modelling part, or alone with --recall-only.
+Writes OUT/ablation.json and OUT/ablation_loss_by_position.png (+ OUT/recall.json and
+OUT/recall.png from the recall part).
 
-  python benchmarks/hybrid_ablation.py --tokenizer hybrid_jax/.../tokenizer.json --out /tmp/abl
+  PYTHONPATH=. python benchmarks/hybrid_ablation.py --tokenizer configs/default_model/tokenizer.json \
+      --out /tmp/abl
+  PYTHONPATH=. python benchmarks/hybrid_ablation.py --recall-only --out /tmp/recall     # ~3 min, one H100
+  PYTHONPATH=. python benchmarks/hybrid_ablation.py --recall-only --smoke --out /tmp/r  # CPU, toy size
+Arguments this script does not know are passed to benchmarks/recall.py (see its --help).
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
-import time
+import sys
 from pathlib import Path
 
 import jax
 import numpy as np
-import optax
 
-from hybrid_jax.config import LayerSpec, MLPConfig, ModelConfig
+from hybrid_jax.config import ModelConfig
 from hybrid_jax.presets import load_preset
 from hybrid_jax.train.cli import _with_tokenizer
 from hybrid_jax.train.config import TrainConfig
 from hybrid_jax.train.corpus import resolve_data
 from hybrid_jax.train.dataset import prepare
 from hybrid_jax.train.loop import train
-from hybrid_jax.train.step import init_params, make_apply, param_count
+from hybrid_jax.train.step import init_params, param_count
 
-
-def variants(base: ModelConfig) -> dict[str, ModelConfig]:
-    """hybrid / swa / ssm with the MLP widths chosen to match the hybrid's parameter count."""
-    d, n = base.hidden_size, base.num_layers
-    w = base.layers[0].window
-    target = param_count(jax.eval_shape(lambda: init_params(base, 0)))
-
-    def with_kind(kind: str, window: int | None) -> ModelConfig:
-        def make(f: int) -> ModelConfig:
-            return dataclasses.replace(base, layers=tuple(LayerSpec(kind, window) for _ in range(n)),
-                                       mlp=MLPConfig(intermediate_size=f))
-        f0 = base.mlp.intermediate_size
-        short = target - param_count(jax.eval_shape(lambda: init_params(make(f0), 0)))
-        return make(f0 + round(short / (3 * d * n)))
-
-    return {"hybrid": base, "swa": with_kind("attention", w), "ssm": with_kind("mamba2", None)}
-
-
-def recall_batch(rng: np.random.Generator, b: int, length: int, k: int, n_values: int) -> tuple:
-    """tokens [b, length + 1] and the target mask [b, length] (True at the K answers)."""
-    toks = rng.integers(3000, 4000, (b, length + 1))
-    keys = 1000 + np.argsort(rng.random((b, 500)), axis=1)[:, :k]
-    vals = 2000 + rng.integers(0, n_values, (b, k))
-    toks[:, 0] = 1
-    toks[:, 1:2 * k + 1:2], toks[:, 2:2 * k + 2:2] = keys, vals
-    order = np.argsort(rng.random((b, k)), axis=1)
-    q0 = length + 1 - 2 * k
-    toks[:, q0::2] = np.take_along_axis(keys, order, 1)
-    toks[:, q0 + 1::2] = np.take_along_axis(vals, order, 1)
-    mask = np.zeros((b, length), bool)
-    mask[:, q0::2] = True  # target index i predicts token i + 1: the values
-    return toks.astype(np.int32), mask
-
-
-def recall(cfg: ModelConfig, a) -> dict:
-    apply = make_apply(cfg, "bfloat16")
-    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(
-        optax.warmup_cosine_decay_schedule(0.0, a.recall_lr, min(50, a.recall_steps // 4), a.recall_steps,
-                                          a.recall_lr * 0.1),
-        weight_decay=0.0))
-
-    def loss_fn(p, toks, mask):
-        logits = apply(p, toks[:, :-1])
-        nats = optax.softmax_cross_entropy_with_integer_labels(logits, toks[:, 1:])
-        return (nats * mask).sum() / mask.sum()
-
-    @jax.jit
-    def step(p, s, toks, mask):
-        loss, g = jax.value_and_grad(loss_fn)(p, toks, mask)
-        u, s = tx.update(g, s, p)
-        return optax.apply_updates(p, u), s, loss
-
-    @jax.jit
-    def correct(p, toks, mask):
-        hit = apply(p, toks[:, :-1]).argmax(-1) == toks[:, 1:]
-        return (hit & mask).sum()
-
-    rng = np.random.default_rng(0)
-    params = init_params(cfg, 1)
-    state = tx.init(params)
-    t0, done = time.perf_counter(), 0
-    while done < a.recall_steps and time.perf_counter() - t0 < a.recall_seconds:
-        toks, mask = recall_batch(rng, a.recall_batch, a.recall_len, a.recall_pairs, a.recall_values)
-        params, state, loss = step(params, state, toks, mask)
-        done += 1
-    test = np.random.default_rng(12345)
-    hits = total = 0
-    for _ in range(8):
-        toks, mask = recall_batch(test, 64, a.recall_len, a.recall_pairs, a.recall_values)
-        hits += int(correct(params, toks, mask))
-        total += int(mask.sum())
-    return {"steps": done, "final_train_loss": float(loss), "accuracy": hits / total,
-            "chance": 1 / a.recall_values, "seconds": time.perf_counter() - t0}
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import recall  # noqa: E402  (benchmarks/recall.py, beside this file)
 
 
 def lm(cfg: ModelConfig, name: str, data, tc: TrainConfig, a, w: int) -> dict:
@@ -142,44 +72,50 @@ def plot(results: dict, window: int, path: Path) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tokenizer", required=True)
+    p.add_argument("--tokenizer", help="the LM part's tokenizer (the shipped model's); not for --recall-only")
     p.add_argument("--data", action="append", default=None)
     p.add_argument("--out", required=True)
     p.add_argument("--work", default="/tmp/hybrid-ablation")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--lm-seconds", type=float, default=90.0)
-    p.add_argument("--recall-steps", type=int, default=400)
-    p.add_argument("--recall-batch", type=int, default=32)
-    p.add_argument("--recall-len", type=int, default=768)
-    p.add_argument("--recall-pairs", type=int, default=8)
-    p.add_argument("--recall-values", type=int, default=64)
-    p.add_argument("--recall-lr", type=float, default=1e-3)
-    p.add_argument("--recall-seconds", type=float, default=60.0)
-    a = p.parse_args()
+    p.add_argument("--recall-only", action="store_true", help="only the synthetic recall comparison")
+    p.add_argument("--no-recall", action="store_true", help="only the language-modelling comparison")
+    p.add_argument("--smoke", action="store_true", help="recall at CPU toy size (with --recall-only)")
+    a, recall_args = p.parse_known_args()
+    recall_args = ["--out", a.out, *(["--smoke"] if a.smoke else []), *recall_args]
+    if a.recall_only:
+        recall.main(recall_args)
+        return
+    if a.tokenizer is None:
+        p.error("--tokenizer is required for the language-modelling part (or give --recall-only)")
+    if a.smoke:
+        p.error("--smoke applies to the recall part: give --recall-only")
+    language_modelling(a)
+    if not a.no_recall:
+        recall.main(recall_args)
+
+
+def language_modelling(a: argparse.Namespace) -> None:
     tc = TrainConfig(steps=a.steps, batch_size=a.batch_size, seq_len=512, lr=2e-3,
                      warmup_steps=min(50, a.steps // 4), eval_every=a.steps, eval_rows=256,
                      ckpt_every=a.steps, log_every=max(1, a.steps // 10))
     data = prepare(resolve_data(a.data or ["stdlib"]), tc, Path(a.work) / "data", tokenizer=a.tokenizer)
     base = _with_tokenizer(load_preset("native-py-5m"), data.tokenizer.vocab_size)
-    if base.vocab_size < 4000:
-        raise ValueError(f"the recall task uses ids up to 4000; the tokenizer has {base.vocab_size}")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     window = base.layers[0].window
     results = {}
-    for name, cfg in variants(base).items():  # results written after each model
+    for name, cfg in recall.variants(base).items():  # results written after each model
         n = param_count(jax.eval_shape(lambda cfg=cfg: init_params(cfg, 0)))
         results[name] = {"params": n, "mlp": cfg.mlp.intermediate_size,
-                         "lm": lm(cfg, name, data, tc, a, window), "recall": recall(cfg, a)}
+                         "lm": lm(cfg, name, data, tc, a, window)}
         r = results[name]
         print(json.dumps({name: {"params": n, "held_out_loss": r["lm"]["held_out_loss"],
-                                 "bands": r["lm"]["loss_by_band"], "recall": r["recall"]}}), flush=True)
+                                 "bands": r["lm"]["loss_by_band"]}}), flush=True)
         (out / "ablation.json").write_text(json.dumps({
-            "train": tc.to_dict(),
-            "recall_settings": {k: getattr(a, k) for k in vars(a) if k.startswith("recall")},
-            "window": window, "stack_receptive_field": base.num_layers * (window - 1),
-            "results": results}, indent=1))
+            "train": tc.to_dict(), "window": window,
+            "stack_receptive_field": base.num_layers * (window - 1), "results": results}, indent=1))
     plot(results, window, out / "ablation_loss_by_position.png")
 
 

@@ -234,7 +234,7 @@ def binned(r: dict, bins: int) -> tuple[np.ndarray, np.ndarray]:
     edges = np.linspace(1, len(count), bins + 1).astype(int)
     c = np.add.reduceat(correct, edges[:-1])
     n = np.add.reduceat(count, edges[:-1])
-    keep = n > 0
+    keep = n >= 32  # a bin with few answers is noise (the shortest distances need gap 0)
     return ((edges[:-1] + edges[1:]) / 2)[keep], c[keep] / n[keep]
 
 
@@ -294,7 +294,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     p.add_argument("--eval-batches", type=int, default=16, help="test batches (random gaps)")
     p.add_argument("--eval-batch", type=int, default=128)
-    p.add_argument("--max-seconds", type=float, default=50.0, help="per model, training only (a guard)")
+    p.add_argument("--max-seconds", type=float, default=30.0, help="per model, training only (a guard)")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
     if a.smoke:

@@ -3,6 +3,7 @@
 #
 #   OUT=/tmp/out bash benchmarks/train_default_model.sh            # model + logs in $OUT
 #   ABLATION=1 OUT=/tmp/out bash benchmarks/train_default_model.sh # + benchmarks/hybrid_ablation.py
+#     (its language-modelling part; the recall part: benchmarks/recall.py, docs/training.md)
 #
 # Corpus: this Python's standard library plus the .py files of a fixed list of installed
 # packages (those present); corpus.json records every file name and the sha256 of the
@@ -35,5 +36,5 @@ tar cf "$OUT/model.tar" -C "$RUN" model
 cp "$RUN/train_log.jsonl" "$RUN/corpus.json" "$OUT/"
 if [ "${ABLATION:-0}" = 1 ]; then
   $PY benchmarks/hybrid_ablation.py "${DATA[@]}" --tokenizer "$RUN/tokenizer.json" --out "$OUT" \
-      --steps 200 --batch-size 128 --lm-seconds 60 --recall-steps 800 --recall-seconds 60
+      --steps 200 --batch-size 128 --lm-seconds 60 --no-recall
 fi
