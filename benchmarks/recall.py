@@ -274,7 +274,7 @@ SMOKE = dict(d=64, layers=2, window=16, length=96, pairs=4, keys=32, values=8, f
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True)
-    p.add_argument("--smoke", action="store_true", help="CPU toy size (overrides the shape settings)")
+    p.add_argument("--smoke", action="store_true", help="CPU toy size (changes the defaults; see SMOKE)")
     p.add_argument("--models", default="hybrid,swa,ssm")
     p.add_argument("--d", type=int, default=128)
     p.add_argument("--layers", type=int, default=2)
@@ -297,9 +297,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-seconds", type=float, default=30.0, help="per model, training only (a guard)")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
-    if a.smoke:
-        for k, v in SMOKE.items():
-            setattr(a, k, v)
+    if a.smoke:  # toy defaults; flags given explicitly still win
+        p.set_defaults(**SMOKE)
+        a = p.parse_args(argv)
     if a.steps % a.chunk:
         raise SystemExit(f"error: steps={a.steps} must be a multiple of chunk={a.chunk}")
     return a
