@@ -159,7 +159,10 @@ def distance_bands(task: RecallTask, window: int, layers: int) -> dict[str, tupl
 
 
 def train_recall(cfg: ModelConfig, task: RecallTask, a) -> dict:
-    """Train on the curriculum; return the loss curve and accuracy by gap."""
+    """Train on the curriculum; return the loss curve and answers (correct, all) by distance.
+
+    compile_seconds includes the first chunk of steps (the call that compiles).
+    """
     tc = TrainConfig(steps=a.steps, batch_size=a.batch, seq_len=task.length, lr=a.lr,
                      warmup_steps=a.warmup, weight_decay=0.0, compute_dtype=a.dtype)
     apply = make_apply(cfg, a.dtype)
