@@ -104,8 +104,9 @@ def measure_decode(engine: LLMEngine, batch: int, context: int, steps: int) -> t
         engine.abort(rid)
     while engine.has_unfinished():
         engine.step()
-    if ok != len(full):
-        raise RuntimeError(f"only {ok} of {len(full)} measured steps decoded the whole batch of {batch}")
+    if ok != steps or len(full) != steps:
+        raise RuntimeError(f"{ok} of {steps} measured steps decoded the whole batch of {batch} "
+                           f"(max_num_seqs={engine.scheduler.config.max_num_seqs} after the memory plan)")
     return statistics.median(times), batch
 
 
