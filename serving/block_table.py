@@ -22,6 +22,10 @@ SWA groups and ceil(L / s) for global groups, with L = max_model_len and C the
 largest chunk. Capping at ceil(L / s) is safe because no sequence ever has more
 logical pages than that, so the ring never wraps onto a live page.
 
+Pages go through the group's `PageCache` (serving/pools.py): reference counts
+(a prefix-cache hit shares pages between sequences) and idle cached pages that count
+as free. With prefix caching off no page is ever keyed and it is the bare pool.
+
 This module knows pages and token positions only: nothing of tokens, slots,
 scheduling policy or devices.
 """
@@ -32,7 +36,7 @@ from collections import deque
 
 import numpy as np
 
-from serving.pools import DUMMY_INDEX, PagePool
+from serving.pools import DUMMY_INDEX, PageCache, PagePool
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -105,6 +109,7 @@ class KVGroup:
         self.window = window
         self.page_size = page_size
         self.pool = PagePool(num_pages, page_size, name=f"pages[{name}]")
+        self.cache = PageCache(self.pool)
         self.width = ring_width(window, page_size, max_chunk, max_model_len)
         self.decode_bound = decode_page_bound(window, page_size, max_model_len)
 
@@ -132,7 +137,7 @@ class KVGroup:
 
     def max_chunk(self, ring: PageRing, n: int) -> int:
         """The most tokens a step from n can compute with the pages free now (may be <= 0)."""
-        return (self._start(ring, n) + self.pool.num_free) * self.page_size - n
+        return (self._start(ring, n) + self.cache.num_free) * self.page_size - n
 
     def allocate(self, ring: PageRing, n: int, c: int) -> None:
         """Take the pages for computing [n, n + c). Raises PoolError if they are not free."""
@@ -140,17 +145,26 @@ class KVGroup:
         if not ring.pages:
             ring.first = self.first_needed(n)
         end = ring.end
-        for i, page in enumerate(self.pool.allocate_many(count), start=end):
+        for i, page in enumerate(self.cache.take(count), start=end):
             ring.pages.append(page)
             ring.row[i % self.width] = page
         assert ring.num_held <= self.width, (ring.num_held, self.width)
+
+    def attach(self, ring: PageRing, first: int, pages: tuple[int, ...]) -> None:
+        """Give an empty ring the cached logical pages [first, first + len(pages)) (shared)."""
+        assert not ring.pages and len(pages) <= self.width, (ring.num_held, len(pages))
+        ring.first = first
+        for i, page in enumerate(pages, start=first):
+            self.cache.share(page)
+            ring.pages.append(page)
+            ring.row[i % self.width] = page
 
     def release(self, ring: PageRing, n: int) -> int:
         """Free every held page entirely before lo(n), n = tokens now cached. Returns the count."""
         lo = self.first_needed(n)
         freed = 0
         while ring.pages and ring.first < lo:
-            self.pool.free(ring.pages.popleft())
+            self.cache.put(ring.pages.popleft())
             ring.row[ring.first % self.width] = DUMMY_INDEX
             ring.first += 1
             freed += 1
@@ -159,9 +173,9 @@ class KVGroup:
         return freed
 
     def free(self, ring: PageRing) -> None:
-        """Give every held page back (finish, abort, preemption)."""
+        """Give every held page back (finish, abort, preemption); cached pages stay idle."""
         while ring.pages:
-            self.pool.free(ring.pages.pop())
+            self.cache.put(ring.pages.pop())
         ring.first = 0
         ring.row[:] = DUMMY_INDEX
 

@@ -89,7 +89,8 @@ class LLMEngine:
                                          sc.max_model_len) for g in sc.groups),
             max_num_seqs=sc.max_num_seqs, max_num_batched_tokens=sc.max_num_batched_tokens,
             seq_sizes=self.config.seq_buckets, token_sizes=self.config.token_buckets,
-            state_dtype=DTYPES[self.config.ssm_state_dtype])
+            state_dtype=DTYPES[self.config.ssm_state_dtype], num_checkpoints=sc.num_checkpoints,
+            ckpt_ops=sc.max_checkpoint_ops if sc.prefix_caching else 0)
         self.runner.compile_all(_progress if show_progress else None)
         self.requests: dict[str, _Request] = {}
         self._inflight: deque[_Launched] = deque()  # dispatched steps not yet resolved
@@ -171,13 +172,23 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     def stats(self) -> dict[str, object]:
-        """Memory and pool usage: KV and state bytes reserved, pages and slots in use."""
+        """Memory and pool usage: KV and state bytes reserved, pages and slots in use.
+
+        `pages_in_use` counts pages held by sequences; with prefix caching,
+        `pages_cached` counts idle cached pages (free to evict) and the `prefix_*` keys
+        report hits (`prefix_cache_hit_tokens`: prompt tokens not recomputed,
+        cumulative), the hit rate in tokens, checkpoint pool usage and evictions.
+        """
         s = self.scheduler.stats()
-        return {"kv_bytes": self.plan.kv_bytes, "state_bytes": self.plan.state_bytes,
-                "pages_in_use": s.pages_in_use, "pages_total": s.pages_total,
-                "slots_in_use": s.slots_in_use, "slots_total": s.slots_total,
-                "num_running": s.num_running, "num_waiting": s.num_waiting,
-                "num_preemptions": s.num_preemptions}
+        out = {"kv_bytes": self.plan.kv_bytes, "state_bytes": self.plan.state_bytes,
+               "pages_in_use": s.pages_in_use, "pages_total": s.pages_total,
+               "slots_in_use": s.slots_in_use, "slots_total": s.slots_total,
+               "num_running": s.num_running, "num_waiting": s.num_waiting,
+               "num_preemptions": s.num_preemptions}
+        if self.config.enable_prefix_caching:
+            out |= {"pages_cached": s.pages_cached, **s.prefix,
+                    "prefix_state_checkpoint_bytes": self.plan.checkpoint_pool_bytes}
+        return out
 
     # -- one step ----------------------------------------------------------------
 

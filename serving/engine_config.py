@@ -50,6 +50,15 @@ class EngineConfig:
     # Overlap host and device: dispatch step N+1 before step N's tokens reach the host
     # (fed on device), and do step N's bookkeeping while N+1 runs. Outputs are identical.
     async_scheduling: bool = True
+    # Prefix caching (docs/engine.md): KV pages are content-addressed and recurrent layers
+    # resume from state checkpoints taken every `prefix_state_stride` tokens (a multiple of
+    # page_size) and at the end of every prompt. `prefix_state_checkpoints` is the size of
+    # the checkpoint pool (each holds every recurrent state of one position: the bytes of
+    # one state slot); None: 2 * max_num_seqs, at least 16. The pool comes out of the
+    # memory budget before the pages and slots.
+    enable_prefix_caching: bool = False
+    prefix_state_stride: int = 256
+    prefix_state_checkpoints: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_prefill_chunk", "page_size"):
@@ -61,6 +70,11 @@ class EngineConfig:
             raise ValueError(f"max_model_len={self.max_model_len} must be >= 2")
         if self.ssm_state_dtype not in ("float32", "bfloat16"):
             raise ValueError(f"ssm_state_dtype={self.ssm_state_dtype!r} must be 'float32' or 'bfloat16'")
+        if self.prefix_state_stride < self.page_size or self.prefix_state_stride % self.page_size:
+            raise ValueError(f"prefix_state_stride={self.prefix_state_stride} must be a positive "
+                             f"multiple of page_size={self.page_size}")
+        if self.prefix_state_checkpoints is not None and self.prefix_state_checkpoints < 1:
+            raise ValueError(f"prefix_state_checkpoints={self.prefix_state_checkpoints} must be >= 1")
         for name in ("seq_buckets", "token_buckets"):
             sizes = getattr(self, name)
             if sizes is not None and (not sizes or min(sizes) < 1):
@@ -72,6 +86,12 @@ class PoolPlan:
     scheduler: SchedulerConfig
     page_bytes: tuple[int, ...]  # one page across its group's layers
     slot_bytes: int
+    num_checkpoints: int = 0  # prefix-cache state checkpoints, incl. the dummy (0: none)
+    checkpoint_bytes: int = 0  # one checkpoint: every recurrent state of one position
+
+    @property
+    def checkpoint_pool_bytes(self) -> int:
+        return self.num_checkpoints * self.checkpoint_bytes
 
     @property
     def kv_bytes(self) -> int:
@@ -88,6 +108,9 @@ def plan_pools(model: ModelConfig, cfg: EngineConfig, *, free_bytes: int | None,
     max_len = cfg.max_model_len or min(model.max_position_embeddings, 8192)
     page_bytes, slot_bytes = cache_bytes(model, page_size=cfg.page_size, dtype=dtype,
                                          state_dtype=jnp.dtype(cfg.ssm_state_dtype))
+    ckpts, ckpt_bytes = 0, slot_bytes
+    if cfg.enable_prefix_caching and slot_bytes:  # a model without recurrent state needs none
+        ckpts = (cfg.prefix_state_checkpoints or max(16, 2 * cfg.max_num_seqs)) + 1
     slot_bytes += sum(x.size * x.dtype.itemsize  # penalty statistics of one slot
                       for x in jax.eval_shape(lambda: init_token_stats(1, model.vocab_size)))
     # Pages one sequence may hold at once (the chunk in flight included), and between
@@ -107,6 +130,12 @@ def plan_pools(model: ModelConfig, cfg: EngineConfig, *, free_bytes: int | None,
         pages = [cfg.num_pages] * len(need)
     else:
         budget = cfg.memory_fraction * ((free_bytes or CPU_MEMORY_BYTES) - weight_bytes)
+        budget -= ckpts * ckpt_bytes
+        if budget < one_seq and ckpts:
+            raise ValueError(
+                f"prefix_state_checkpoints={ckpts - 1} take {ckpts * ckpt_bytes / 2**20:.1f} MiB and "
+                f"leave too little for one sequence ({one_seq / 2**20:.1f} MiB): lower "
+                "prefix_state_checkpoints or raise memory_fraction")
         if budget < one_seq:
             raise ValueError(
                 f"one sequence of max_model_len={max_len} needs {one_seq / 2**20:.1f} MiB of KV "
@@ -131,5 +160,7 @@ def plan_pools(model: ModelConfig, cfg: EngineConfig, *, free_bytes: int | None,
     sched = SchedulerConfig(
         max_num_seqs=max_seqs, max_num_batched_tokens=max(cfg.max_num_batched_tokens, max_seqs),
         max_prefill_chunk=min(cfg.max_prefill_chunk, cfg.max_num_batched_tokens),
-        max_model_len=max_len, page_size=cfg.page_size, num_slots=slots, groups=groups)
-    return PoolPlan(sched, page_bytes, slot_bytes)
+        max_model_len=max_len, page_size=cfg.page_size, num_slots=slots, groups=groups,
+        prefix_caching=cfg.enable_prefix_caching, prefix_state_stride=cfg.prefix_state_stride,
+        num_checkpoints=ckpts, max_checkpoint_ops=min(8, max_seqs))
+    return PoolPlan(sched, page_bytes, slot_bytes, ckpts, ckpt_bytes if ckpts else 0)

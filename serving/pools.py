@@ -10,9 +10,15 @@ Index 0 of every pool is the dummy that padded rows read and write; it is never
 handed out, so `capacity == size - 1`. JAX clamps out-of-range indices
 silently, so misuse (double free, foreign index, allocating from an empty pool)
 raises `PoolError` here on the host instead of corrupting another sequence.
+
+`PageCache` puts reference counts and keys over a page pool for prefix caching: a
+keyed page may be held by several sequences (read-only: it is full), and an idle keyed
+page stays cached until an allocation evicts it (serving/prefix_cache.py).
 """
 
 from __future__ import annotations
+
+from collections import OrderedDict
 
 DUMMY_INDEX = 0
 
@@ -108,3 +114,72 @@ class SlotPool(IndexPool):
     @property
     def num_slots(self) -> int:
         return self.size
+
+
+class PageCache:
+    """Reference counts, keys and the idle LRU over one group's `PagePool`.
+
+    With nothing keyed it behaves exactly as the bare pool (prefix caching off).
+    """
+
+    def __init__(self, pool: PagePool) -> None:
+        self.pool = pool
+        self.page_of: dict[bytes, int] = {}
+        self.key_of: dict[int, bytes] = {}
+        self.refs: dict[int, int] = {}  # pages held by sequences -> holders
+        self.idle: OrderedDict[int, None] = OrderedDict()  # keyed, unreferenced; LRU first
+        self.evictions = 0
+
+    @property
+    def num_free(self) -> int:
+        """Pages that an allocation can have: free ones plus idle cached ones."""
+        return self.pool.num_free + len(self.idle)
+
+    @property
+    def num_held(self) -> int:
+        """Pages referenced by at least one sequence."""
+        return len(self.refs)
+
+    def take(self, count: int) -> list[int]:
+        """`count` pages, each with one reference; evicts idle cached pages when needed."""
+        if count < 0 or count > self.num_free:
+            raise PoolError(f"{self.pool.name}: cannot allocate {count}, {self.num_free} free")
+        out = []
+        for _ in range(count):
+            if self.pool.num_free:
+                page = self.pool.allocate()
+            else:
+                page, _ = self.idle.popitem(last=False)
+                del self.page_of[self.key_of.pop(page)]
+                self.evictions += 1
+            self.refs[page] = 1
+            out.append(page)
+        return out
+
+    def share(self, page: int) -> None:
+        """Take a reference on a keyed page (a prefix hit)."""
+        if page in self.idle:
+            del self.idle[page]
+            self.refs[page] = 1
+        else:
+            self.refs[page] += 1
+
+    def put(self, page: int) -> None:
+        """Drop a reference; an unreferenced page becomes idle if keyed, else free."""
+        n = self.refs[page] - 1
+        if n:
+            self.refs[page] = n
+            return
+        del self.refs[page]
+        if page in self.key_of:
+            self.idle[page] = None
+        else:
+            self.pool.free(page)
+
+    def register(self, key: bytes, page: int) -> None:
+        """Key a held, fully computed page. A key already cached keeps its page."""
+        if key in self.page_of or page in self.key_of:
+            return
+        assert page in self.refs, (page, "only held pages are registered")
+        self.page_of[key] = page
+        self.key_of[page] = key

@@ -5,7 +5,10 @@ argument, never baked into the HLO), run the ragged forward, sample on device - 
 compiled ahead of time for every shape bucket (tokens x sequences, plus one
 decode-only bucket per sequence count) at start-up. Serving calls those compiled
 executables only, so it cannot recompile: a shape outside the buckets is an error.
-KV pages and recurrent states are donated and updated in place. Arrays are placed
+KV pages and recurrent states are donated and updated in place. With prefix caching,
+the mixed (prefill) executables also take the state checkpoint pool (donated) and a
+fixed number of copy operations: checkpoints into slots before the forward (cache
+hits), slots into checkpoints after it (the state at the end of a chunk). Arrays are placed
 with shardings over a `jax.sharding.Mesh` (one device by default; tensor parallelism
 is a mesh change). The runner knows nothing of requests or scheduling policy.
 """
@@ -26,7 +29,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from hybrid_jax.cache import RaggedBatch, init_caches
+from hybrid_jax.cache import LayerCache, RaggedBatch, init_caches
 from hybrid_jax.model import CausalLM
 from hybrid_jax.ragged import forward_ragged
 from serving.packing import PackLayout, pack, unpack
@@ -102,12 +105,38 @@ def compile_options() -> dict[str, object]:
     return {k: v for k, v in opts.items() if v is not None}
 
 
-def _forward_fn(graphdef: nnx.GraphDef, layout: PackLayout, decode: bool) -> Callable:
+class CkptOps(NamedTuple):
+    """Checkpoint copies of one step, each [K] int32 (unused rows: 0, the dummies)."""
+
+    restore_ckpt: jax.Array  # checkpoint -> ...
+    restore_slot: jax.Array  # ... slot, before the forward; the slot's statistics restart
+    save_slot: jax.Array  # slot (after the forward) -> ...
+    save_ckpt: jax.Array  # ... checkpoint
+
+
+def _states(caches) -> tuple[LayerCache, ...]:
+    """The recurrent part of the caches (every per-slot state), K/V pages left out."""
+    return tuple(c._replace(kv=None) for c in caches)
+
+
+def _restore(caches, ckpts, stats: TokenStats, ops: CkptOps):
+    st = jax.tree.map(lambda x, p: x.at[ops.restore_slot].set(p[ops.restore_ckpt]), _states(caches), ckpts)
+    caches = tuple(s._replace(kv=c.kv) for s, c in zip(st, caches, strict=True))
+    stats = TokenStats(stats.counts.at[ops.restore_slot].set(0), stats.seen.at[ops.restore_slot].set(False))
+    return caches, stats
+
+
+def _save(ckpts, caches, ops: CkptOps):
+    return jax.tree.map(lambda p, x: p.at[ops.save_ckpt].set(x[ops.save_slot]), ckpts, _states(caches))
+
+
+def _forward_fn(graphdef: nnx.GraphDef, layout: PackLayout, decode: bool, ckpt_ops: bool = False) -> Callable:
     """The model part of a step: feed the last step's samples, forward, penalty statistics.
 
     `feed[i] >= 0` takes token i from `last_tokens[feed[i]]` (the previous step's samples,
     still on the device: the overlapped loop never waits for them). Statistics are
     updated unconditionally (cheap; a lax.cond would read its predicate on the host).
+    With `ckpt_ops` the step also restores and saves state checkpoints (`CkptOps`).
     """
 
     def forward(params, caches, stats: TokenStats, batch: RaggedBatch, feed, last_tokens, prompt_len):
@@ -119,7 +148,15 @@ def _forward_fn(graphdef: nnx.GraphDef, layout: PackLayout, decode: bool) -> Cal
                                    batch.has_initial, prompt_len)
         return caches, stats, logits
 
-    return jax.jit(forward, donate_argnums=(1, 2))
+    if not ckpt_ops:
+        return jax.jit(forward, donate_argnums=(1, 2))
+
+    def forward_ckpt(params, caches, stats, batch, feed, last_tokens, prompt_len, ckpts, ops: CkptOps):
+        caches, stats = _restore(caches, ckpts, stats, ops)
+        caches, stats, logits = forward(params, caches, stats, batch, feed, last_tokens, prompt_len)
+        return caches, stats, logits, _save(ckpts, caches, ops)
+
+    return jax.jit(forward_ckpt, donate_argnums=(1, 2, 7))
 
 
 def _sampler_fn(full: bool, max_seqs: int) -> Callable:
@@ -168,7 +205,8 @@ class ModelRunner:
                  max_num_batched_tokens: int, mesh: Mesh | None = None,
                  seq_sizes: tuple[int, ...] | None = None,
                  token_sizes: tuple[int, ...] | None = None,
-                 state_dtype: jnp.dtype = jnp.float32):
+                 state_dtype: jnp.dtype = jnp.float32, num_checkpoints: int = 0,
+                 ckpt_ops: int = 0):
         self.cfg = model.cfg
         self.mesh = mesh or Mesh(np.asarray(jax.devices()[:1]), ("tp",))
         self.replicated = NamedSharding(self.mesh, PartitionSpec())
@@ -178,6 +216,16 @@ class ModelRunner:
         caches = init_caches(self.cfg, num_pages=num_pages, page_size=page_size,
                              num_slots=num_slots, dtype=model.dtype, state_dtype=state_dtype)
         self.caches = jax.device_put(caches, self.replicated)
+        # Prefix caching: `ckpt_ops` copies per mixed step into / out of a pool of
+        # `num_checkpoints` state checkpoints (0 for a model without recurrent state).
+        self.ckpt_ops, self.num_checkpoints = ckpt_ops, num_checkpoints
+        self.ckpts = None
+        if ckpt_ops:
+            shapes = jax.eval_shape(lambda: _states(init_caches(
+                self.cfg, num_pages=(1,) * len(num_pages), page_size=page_size,
+                num_slots=max(num_checkpoints, 1), dtype=model.dtype, state_dtype=state_dtype)))
+            self.ckpts = jax.device_put(jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes),
+                                        self.replicated)
         self.stats = jax.device_put(init_token_stats(num_slots, self.cfg.vocab_size), self.replicated)
         self.ring_widths = ring_widths
         self.page_size = page_size
@@ -195,15 +243,17 @@ class ModelRunner:
 
         Lowering is serial (Python); XLA compiles on a thread pool, in parallel.
         """
-        fwd = {d: _forward_fn(self.graphdef, self.layout, d) for d in (True, False)}
+        fwd = {d: _forward_fn(self.graphdef, self.layout, d, bool(self.ckpt_ops) and not d)
+               for d in (True, False)}
         opts = (compile_options() if jax.default_backend() == "gpu" else {}) or None
         jobs: list[tuple[object, object]] = []
         for bucket in self.buckets:
             batch, sampling = self._dummy(bucket)
             t, b = bucket.tokens, bucket.seqs
+            extra = () if bucket.decode or not self.ckpt_ops else (self.ckpts, self._ops(None))
             jobs.append((bucket, fwd[bucket.decode].lower(
                 self.params, self.caches, self.stats, batch, np.full(t, -1, np.int32), self.last_tokens,
-                np.zeros(b, np.int32))))
+                np.zeros(b, np.int32), *extra)))
         for b in sorted({bk.seqs for bk in self.buckets}):
             logits = jax.ShapeDtypeStruct((b, self.cfg.vocab_size), jnp.float32)
             sampling = SamplingArrays.from_rows([{}] * b)
@@ -244,8 +294,14 @@ class ModelRunner:
         feed = np.full(t, -1, np.int32) if feed is None else _pad_rows(feed.astype(np.int32), t, -1)
         samp = jax.device_put(SamplingArrays(*(_pad_rows(np.asarray(x), bs) for x in sampling)),
                               self.replicated)
-        self.caches, self.stats, logits = self.compiled[bucket](
-            self.params, self.caches, self.stats, batch, feed, self.last_tokens, samp.prompt_len)
+        args = (self.params, self.caches, self.stats, batch, feed, self.last_tokens, samp.prompt_len)
+        if bucket.decode or not self.ckpt_ops:
+            if arrays.restore_slot.size or arrays.save_slot.size:
+                raise ValueError("checkpoint copies in a step without them (decode or caching off)")
+            self.caches, self.stats, logits = self.compiled[bucket](*args)
+        else:
+            ops = jax.device_put(self._ops(arrays), self.replicated)
+            self.caches, self.stats, logits, self.ckpts = self.compiled[bucket](*args, self.ckpts, ops)
         out = self.samplers[(bs, full)](logits, self.stats, samp, batch.slot_ids)
         self.last_tokens = out[0]
         for x in out if full else out[:2]:
@@ -267,7 +323,7 @@ class ModelRunner:
     def state_lost(self) -> bool:
         """Whether the donated device state (caches, statistics) is gone, e.g. a step died mid-call."""
         try:
-            return any(x.is_deleted() for x in jax.tree.leaves((self.caches, self.stats)))
+            return any(x.is_deleted() for x in jax.tree.leaves((self.caches, self.stats, self.ckpts)))
         except Exception:  # the device itself is unusable
             return True
 
@@ -282,6 +338,18 @@ class ModelRunner:
         for g, n in enumerate(self.num_pages):
             within(f"page_tables[{g}]", a.page_tables[g], n)
             within(f"slot_mappings[{g}]", a.slot_mappings[g], n * self.page_size)
+
+    def _ops(self, a: StepArrays | None) -> CkptOps:
+        """A step's checkpoint copies padded to `ckpt_ops` rows (dummy slot and checkpoint 0)."""
+        k = self.ckpt_ops
+        if a is None:
+            return CkptOps(*(np.zeros(k, np.int32) for _ in range(4)))
+        rows = (a.restore_ckpt, a.restore_slot, a.save_slot, a.save_ckpt)
+        hi = (max(self.num_checkpoints, 1), self.num_slots, self.num_slots, max(self.num_checkpoints, 1))
+        for name, x, h in zip(CkptOps._fields, rows, hi, strict=True):
+            if x.size and not (x.min() >= 0 and x.max() < h):
+                raise AssertionError(f"{name} outside [0, {h}): {x.min()}..{x.max()}")
+        return CkptOps(*(_pad_rows(x.astype(np.int32), k) for x in rows))
 
     def _pad(self, a: StepArrays, bucket: Bucket) -> RaggedBatch:
         self._check_indices(a)

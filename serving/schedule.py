@@ -13,7 +13,7 @@ size, T a group's ring width.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -46,6 +46,12 @@ class ScheduledSeq:
     slot_mappings: tuple[tuple[int, ...], ...]
     samples: bool
     out_index: int = 0  # when sampling: how many output tokens precede the one sampled here
+    # Prefix caching. restore >= 0: a cache hit, resumed at `start` from checkpoint
+    # `restore` (0 when the model has no recurrent state), copied into `slot` before the
+    # forward; the slot's penalty statistics restart. save > 0: after the forward the
+    # slot's state (position start + c) is copied into checkpoint `save`.
+    restore: int = -1
+    save: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -118,6 +124,12 @@ class StepArrays:
     sample_mask: np.ndarray
     logits_indices: np.ndarray
     num_decodes: int
+    # Checkpoint copies (prefix caching): restore_ckpt[i] -> slot restore_slot[i] before
+    # the forward, slot save_slot[i] -> save_ckpt[i] after it.
+    restore_ckpt: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    restore_slot: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    save_slot: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    save_ckpt: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
 
 
 def flatten(schedule: Schedule) -> StepArrays:
@@ -156,4 +168,8 @@ def flatten(schedule: Schedule) -> StepArrays:
         sample_mask=np.fromiter((e.samples for e in entries), dtype=bool, count=len(entries)),
         logits_indices=(cu_seqlens[1:] - 1).astype(i32),
         num_decodes=schedule.num_decodes,
+        restore_ckpt=np.array([e.restore for e in entries if e.restore >= 0], dtype=i32),
+        restore_slot=np.array([e.slot for e in entries if e.restore >= 0], dtype=i32),
+        save_slot=np.array([e.slot for e in entries if e.save], dtype=i32),
+        save_ckpt=np.array([e.save for e in entries if e.save], dtype=i32),
     )

@@ -29,6 +29,14 @@ whose pending tokens reach max_tokens are not scheduled again; a stop (EOS, stop
 id, stop string) seen one step late discards the extra step's sample. Freed pages
 and slots are only reused by steps dispatched later, which the device runs after
 the in-flight ones, so an early free never corrupts a running step.
+
+Prefix caching (`config.prefix_caching`, serving/prefix_cache.py): a sequence admitted
+with nothing computed starts at the longest cached prefix where every layer group can
+resume (shared pages, a state checkpoint restored into its slot in its first step);
+prefill chunks of models with recurrent state end at checkpoint positions (multiples
+of the stride, the last page boundary of the known tokens), whose state the step copies
+into the checkpoint pool. Pages and checkpoints are keyed when the step that computed
+them is resolved in `update`, never earlier, so nothing in flight is matched.
 """
 
 from __future__ import annotations
@@ -43,6 +51,7 @@ from typing import NamedTuple
 
 from serving.block_table import KVGroup
 from serving.pools import DUMMY_INDEX, SlotPool
+from serving.prefix_cache import Hit, PrefixCache
 from serving.schedule import PENDING, Schedule, ScheduledSeq
 from serving.scheduler_config import SchedulerConfig
 from serving.sequence import FinishReason, Sequence, SequenceStatus, check_stop
@@ -69,6 +78,8 @@ class SchedulerStats:
     pages_in_use: dict[str, int]
     pages_total: dict[str, int]
     num_preemptions: int
+    pages_cached: dict[str, int] = field(default_factory=dict)  # idle, keyed (prefix caching)
+    prefix: dict[str, object] = field(default_factory=dict)  # PrefixCache.stats(), if on
 
 
 @dataclass
@@ -80,6 +91,8 @@ class _Step:
     prefills: list[ScheduledSeq] = field(default_factory=list)
     scheduled: set[str] = field(default_factory=set)
     preempted: list[Sequence] = field(default_factory=list)
+    restores: int = 0  # checkpoint copies into slots (prefix-cache hits)
+    saves: int = 0  # checkpoint copies out of slots
 
     def add(self, entry: ScheduledSeq, *, decode: bool) -> None:
         (self.decodes if decode else self.prefills).append(entry)
@@ -99,6 +112,8 @@ class Scheduler:
             for g in config.groups
         )  # fmt: skip
         self.slots = SlotPool(config.num_slots)
+        self.prefix = (PrefixCache(self.groups, config.page_size, config.prefix_state_stride,
+                                   config.num_checkpoints) if config.prefix_caching else None)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # sorted by arrival: the last is the newest
         self.num_preemptions = 0
@@ -199,6 +214,8 @@ class Scheduler:
         outputs: list[StepOutput] = []
         for entry, token in zip(schedule.entries, sampled_token_ids, strict=True):
             seq = entry.seq
+            if self.prefix is not None:  # the step ran: its pages and checkpoint are real
+                self.prefix.commit(entry)
             if seq.is_finished:
                 continue  # aborted or stopped since: a late step's sample is dropped
             if seq.status is RUNNING:
@@ -230,6 +247,8 @@ class Scheduler:
         requeued = []
         for entry in schedule.entries:
             seq = entry.seq
+            if self.prefix is not None:
+                self.prefix.rollback(entry)
             if entry.samples and not seq.is_finished:
                 seq.num_pending -= 1
             if seq.status is RUNNING:
@@ -243,9 +262,11 @@ class Scheduler:
             num_running=len(self.running),
             slots_in_use=self.slots.num_used,
             slots_total=self.slots.capacity,
-            pages_in_use={g.name: g.pool.num_used for g in self.groups},
+            pages_in_use={g.name: g.cache.num_held for g in self.groups},
             pages_total={g.name: g.pool.capacity for g in self.groups},
             num_preemptions=self.num_preemptions,
+            pages_cached={g.name: len(g.cache.idle) for g in self.groups},
+            prefix=self.prefix.stats() if self.prefix is not None else {},
         )
 
     # -- internals ------------------------------------------------------------
@@ -266,7 +287,7 @@ class Scheduler:
             if seq.status is not RUNNING or seq.request_id in step.scheduled or seq.is_exhausted:
                 continue
             if self._make_room(seq, step, may_preempt_self=False):
-                step.add(self._commit(seq, self._chunk(seq, step.budget)), decode=False)
+                step.add(self._commit(seq, self._chunk(seq, step), step), decode=False)
 
     def _admit_waiting(self, step: _Step) -> None:
         """Admit waiting sequences in order until one does not fit (strict FCFS).
@@ -279,15 +300,46 @@ class Scheduler:
             if seq.request_id in self.held or seq.num_pending:  # pending: its recompute needs the value
                 i += 1
                 continue
-            c = self._chunk(seq, step.budget)
+            hit = self._match(seq)
+            if hit is not None and step.restores >= self.config.max_checkpoint_ops:
+                return  # this step's checkpoint copies are spent: admit it next step
+            if hit is not None:
+                self.prefix.attach(seq, hit)
+            c = self._chunk(seq, step)
             if c < 1:
+                if hit is not None:
+                    self.prefix.detach(seq)
                 return
             del self.waiting[i]
             self._admit(seq)
-            step.add(self._commit(seq, c), decode=False)
+            restore = -1
+            if self.prefix is not None:
+                self.prefix.query_tokens += seq.num_tokens
+            if hit is not None:
+                self.prefix.hit_tokens += hit.tokens
+                step.restores += 1
+                restore = hit.checkpoint
+            step.add(self._commit(seq, c, step, restore=restore), decode=False)
 
-    def _chunk(self, seq: Sequence, budget: int) -> int:
-        want = min(seq.num_uncomputed_tokens, self.config.max_prefill_chunk, budget)
+    def _match(self, seq: Sequence) -> Hit | None:
+        """The prefix-cache hit of a sequence about to be admitted, if any.
+
+        Requests with penalties take no hit (their statistics need every prompt token).
+        """
+        if self.prefix is None or seq.num_computed_tokens:
+            return None
+        p = seq.params
+        if p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0:
+            return None
+        return self.prefix.match(seq)
+
+    def _chunk(self, seq: Sequence, step: _Step) -> int:
+        want = min(seq.num_uncomputed_tokens, self.config.max_prefill_chunk, step.budget)
+        if self.prefix is not None and step.saves < self.config.max_checkpoint_ops:
+            # End the chunk where a state checkpoint is wanted: the state after the step is it.
+            b = self.prefix.boundary(seq, seq.num_computed_tokens)
+            if b is not None:
+                want = min(want, b - seq.num_computed_tokens)
         return self._fit(seq, want)
 
     def _can_admit(self) -> bool:
@@ -315,8 +367,13 @@ class Scheduler:
                 return False
         return True
 
-    def _commit(self, seq: Sequence, c: int) -> ScheduledSeq:
-        """Allocate the pages for tokens [n, n + c) of `seq` and describe the work."""
+    def _commit(self, seq: Sequence, c: int, step: _Step | None = None, *,
+                restore: int = -1) -> ScheduledSeq:
+        """Allocate the pages for tokens [n, n + c) of `seq` and describe the work.
+
+        With `step` (a prefill chunk) a checkpoint is saved when the chunk ends where one
+        is wanted and the step has a copy left.
+        """
         assert c >= 1 and seq.status is RUNNING, (c, seq)
         n = seq.num_computed_tokens
         pairs = tuple(zip(self.groups, seq.rings, strict=True))
@@ -324,6 +381,11 @@ class Scheduler:
             group.allocate(ring, n, c)
         known = seq.token_ids[n : n + c]
         samples = n + c == seq.num_tokens + seq.num_pending
+        save = 0
+        if (step is not None and self.prefix is not None and step.saves < self.config.max_checkpoint_ops
+                and self.prefix.boundary(seq, n) == n + c):
+            save = self.prefix.ckpts.reserve() or 0
+            step.saves += save > 0
         entry = ScheduledSeq(
             seq=seq,
             token_ids=(*known, *([PENDING] * (c - len(known)))),
@@ -333,6 +395,8 @@ class Scheduler:
             slot_mappings=tuple(tuple(g.slot_mapping(r, n, c)) for g, r in pairs),
             samples=samples,
             out_index=seq.num_output_tokens + seq.num_pending,
+            restore=restore,
+            save=save,
         )
         seq.num_computed_tokens += c  # committed now: the next schedule builds on it
         if samples:

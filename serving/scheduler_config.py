@@ -44,6 +44,11 @@ class SchedulerConfig:
     num_slots: recurrent-state slots including the dummy slot 0.
     groups: attention groups; empty for a pure-SSM model. Plain 3-tuples
       (name, window, num_pages) are accepted.
+    prefix_caching: content-addressed pages and state checkpoints (serving/prefix_cache.py).
+    prefix_state_stride: tokens between state checkpoints, a multiple of page_size.
+    num_checkpoints: size of the state checkpoint pool including the dummy index 0;
+      0 when the model has no recurrent state (attention groups alone resume a hit).
+    max_checkpoint_ops: checkpoint restores (and, separately, saves) per step at most.
     """
 
     max_num_seqs: int
@@ -53,6 +58,10 @@ class SchedulerConfig:
     page_size: int
     num_slots: int
     groups: tuple[AttentionGroup, ...] = ()
+    prefix_caching: bool = False
+    prefix_state_stride: int = 256
+    num_checkpoints: int = 0
+    max_checkpoint_ops: int = 8
 
     def __post_init__(self) -> None:
         _check_int("max_num_seqs", self.max_num_seqs, 1)
@@ -67,6 +76,14 @@ class SchedulerConfig:
         max_prefill_chunk = self.max_prefill_chunk
         if max_prefill_chunk > max_num_batched_tokens:
             raise ValueError(f"{max_prefill_chunk=} must be <= {max_num_batched_tokens=}")
+        if self.prefix_caching:
+            _check_int("max_checkpoint_ops", self.max_checkpoint_ops, 1)
+            if self.num_checkpoints != 0:
+                _check_int("num_checkpoints", self.num_checkpoints, 2)
+            stride, page_size = self.prefix_state_stride, self.page_size
+            _check_int("prefix_state_stride", stride, page_size)
+            if stride % page_size:
+                raise ValueError(f"prefix_state_stride={stride} must be a multiple of {page_size=}")
         groups = tuple(self._check_group(g) for g in self.groups)
         names = [g.name for g in groups]
         if len(set(names)) != len(names):

@@ -67,6 +67,8 @@ class Sequence:
         # Tokens sampled by a dispatched step whose values have not reached the host yet
         # (the overlapped loop): they follow `token_ids` and count as known for scheduling.
         self.num_pending = 0
+        # Prefix caching: chain hashes of the full pages of `token_ids` computed so far.
+        self.page_keys: list[bytes] = []
 
     def __repr__(self) -> str:
         return (
