@@ -88,7 +88,7 @@ GENERATE_DEFAULTS = {"max_tokens": 64, "temperature": 0.6, "top_p": 0.9, "top_k"
 # EngineConfig's defaults, written out so that `--help` needs no JAX import
 # (tests/serving/test_server_cli.py checks that they match).
 ENGINE_DEFAULTS = {"max_num_seqs": 32, "max_num_batched_tokens": 512, "max_prefill_chunk": 256,
-                   "page_size": 16, "memory_fraction": 0.5}
+                   "page_size": 16, "memory_fraction": 0.5, "prefix_state_stride": 256}
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
@@ -110,6 +110,15 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="recurrent state dtype (bfloat16 halves state traffic; default float32)")
     g.add_argument("--no-async-scheduling", action="store_true",
                    help="do not overlap host bookkeeping with the next device step (debugging)")
+    pc = p.add_argument_group("prefix caching (docs/engine.md)")
+    pc.add_argument("--enable-prefix-caching", action="store_true",
+                    help="reuse the KV pages and recurrent states of prompt prefixes seen before")
+    pc.add_argument("--prefix-state-stride", type=int, default=d["prefix_state_stride"],
+                    help="tokens between recurrent-state checkpoints, a multiple of --page-size "
+                         f"(default {d['prefix_state_stride']})")
+    pc.add_argument("--prefix-state-checkpoints", type=int, default=None,
+                    help="state checkpoints kept on the device, each the size of one sequence's "
+                         "recurrent state (default: 2 x max-num-seqs, at least 16)")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -248,7 +257,10 @@ def _serve_model(args: argparse.Namespace, model: str, tls, limits) -> int:
     cfg = EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                        max_prefill_chunk=args.max_prefill_chunk, max_model_len=args.max_model_len,
                        page_size=args.page_size, memory_fraction=args.memory_fraction, dtype=args.dtype,
-                       ssm_state_dtype=args.ssm_state_dtype, async_scheduling=not args.no_async_scheduling)
+                       ssm_state_dtype=args.ssm_state_dtype, async_scheduling=not args.no_async_scheduling,
+                       enable_prefix_caching=args.enable_prefix_caching,
+                       prefix_state_stride=args.prefix_state_stride,
+                       prefix_state_checkpoints=args.prefix_state_checkpoints)
     engine = LLMEngine(load_model(model, dtype=args.dtype, seed=args.weights_seed), cfg)
     server = GenerationServer(engine, model_name=args.model, host=args.host, port=args.port,
                               metrics_port=None if args.metrics_port < 0 else args.metrics_port,

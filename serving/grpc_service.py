@@ -268,6 +268,16 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             info.ssm_head_dim = cfg.mamba2.head_dim
         if cfg.rglru is not None:
             info.rglru_width = cfg.rglru.width
+        if sc.prefix_caching:
+            stats = self.core.stats()
+            info.prefix_caching, info.prefix_state_stride = True, sc.prefix_state_stride
+            info.prefix_state_checkpoints = stats["prefix_state_checkpoints_total"]
+            info.prefix_state_checkpoint_bytes = stats["prefix_state_checkpoint_bytes"]
+            info.prefix_state_checkpoints_in_use = stats["prefix_state_checkpoints_in_use"]
+            info.prefix_cache_hit_tokens = stats["prefix_cache_hit_tokens"]
+            info.prefix_cache_query_tokens = stats["prefix_cache_query_tokens"]
+            info.prefix_state_checkpoint_evictions = stats["prefix_state_checkpoint_evictions"]
+            info.prefix_cache_page_evictions = sum(stats["prefix_cache_page_evictions"].values())
         return info
 
 

@@ -14,6 +14,13 @@
   engine_step_seconds                histogram: one engine step (fed by EngineCore.on_step)
   num_requests_running / _waiting    gauges, read from the engine when scraped
   pages_in_use{group} / pages_total{group}, slots_in_use / slots_total   gauges, ditto
+  with prefix caching on (read from stats() too):
+  prefix_cache_hit_tokens_total      counter: prompt tokens not recomputed (cache hits)
+  prefix_cache_query_tokens_total    counter: prompt tokens of admissions that looked up the cache
+  prefix_cache_hit_rate              gauge: hit / query tokens since start-up
+  pages_cached{group}                gauge: idle cached pages (evictable)
+  prefix_cache_page_evictions_total{group}, prefix_state_checkpoint_evictions_total   counters
+  prefix_state_checkpoints_in_use / _total, prefix_state_checkpoint_bytes   gauges
 
 Pool gauges are computed at scrape time (a custom collector over `stats()`), so they
 are never stale, e.g. right after a cancelled request freed its pages. This module
@@ -26,7 +33,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -59,7 +66,7 @@ class _PoolCollector(Collector):
     def __init__(self, stats: Callable[[], dict[str, object]]):
         self.stats = stats
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         s = self.stats()
         yield GaugeMetricFamily("hybrid_jax_num_requests_running", "Requests holding a slot",
                                 value=s["num_running"])
@@ -73,6 +80,33 @@ class _PoolCollector(Collector):
             for group, value in s[key].items():
                 g.add_metric([group], value)
             yield g
+        if "prefix_cache_hit_tokens" in s:
+            yield from _prefix_metrics(s)
+
+
+def _prefix_metrics(s: dict[str, object]) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    """Prefix-cache series from the engine's stats() (present when caching is on)."""
+    yield CounterMetricFamily("hybrid_jax_prefix_cache_hit_tokens", "Prompt tokens not recomputed",
+                              value=s["prefix_cache_hit_tokens"])
+    yield CounterMetricFamily("hybrid_jax_prefix_cache_query_tokens",
+                              "Prompt tokens of admissions that looked up the prefix cache",
+                              value=s["prefix_cache_query_tokens"])
+    yield GaugeMetricFamily("hybrid_jax_prefix_cache_hit_rate", "Hit tokens / query tokens",
+                            value=s["prefix_cache_hit_rate"])
+    for name, key, doc, family in (
+            ("hybrid_jax_pages_cached", "pages_cached", "Idle cached KV pages", GaugeMetricFamily),
+            ("hybrid_jax_prefix_cache_page_evictions", "prefix_cache_page_evictions",
+             "Cached KV pages evicted", CounterMetricFamily)):
+        m = family(name, f"{doc}, per attention window group", labels=["group"])
+        for group, value in s[key].items():
+            m.add_metric([group], value)
+        yield m
+    yield CounterMetricFamily("hybrid_jax_prefix_state_checkpoint_evictions", "State checkpoints evicted",
+                              value=s["prefix_state_checkpoint_evictions"])
+    for key, doc in (("prefix_state_checkpoints_in_use", "State checkpoints cached or being written"),
+                     ("prefix_state_checkpoints_total", "State checkpoints in the pool"),
+                     ("prefix_state_checkpoint_bytes", "Bytes of the state checkpoint pool")):
+        yield GaugeMetricFamily(f"hybrid_jax_{key}", doc, value=s[key])
 
 
 class ServerMetrics:
