@@ -86,7 +86,9 @@ def run(a: argparse.Namespace, lm, caching: bool) -> dict[str, object]:
     t_start = time.perf_counter()
     for c in range(b):
         submit(c)
+    steps = 0
     while engine.has_unfinished():
+        steps += 1
         for d in engine.step():
             c, t_sub = live[d.request_id]
             if d.token_ids and not answers[d.request_id]:
@@ -102,7 +104,7 @@ def run(a: argparse.Namespace, lm, caching: bool) -> dict[str, object]:
     wall = time.perf_counter() - t_start
     s = engine.stats()
     out = {"mode": "on" if caching else "off", "startup_s": round(startup, 2), "wall_s": round(wall, 3),
-           "requests": len(ttft), "prompt_tokens": prompt_tokens, "output_tokens": outputs,
+           "requests": len(ttft), "steps": steps, "prompt_tokens": prompt_tokens, "output_tokens": outputs,
            "output_tok_per_s": round(outputs / wall, 1),
            "total_tok_per_s": round((prompt_tokens + outputs) / wall, 1),
            "ttft_mean_ms": round(1e3 * statistics.mean(ttft), 2),
@@ -132,7 +134,7 @@ def main() -> None:
               f"p50 {r['ttft_p50_ms']:8.1f} p90 {r['ttft_p90_ms']:8.1f}  out {r['output_tok_per_s']:7.1f} tok/s  "
               f"hit {r['prefix_cache_hit_tokens']}/{r['prompt_tokens']} ({100 * r['prefix_cache_hit_rate']:.1f}%)  "
               f"ckpt pool {r['checkpoint_pool_bytes'] / 2**20:.0f} MiB ({r['checkpoints_cached']} cached)  "
-              f"start-up {r['startup_s']:.0f} s")
+              f"{r['steps']} steps  start-up {r['startup_s']:.0f} s")
     summary = {"args": vars(a), "results": [{k: v for k, v in r.items() if k != "transcripts"} for r in results]}
     if len(results) == 2:
         off, on = results

@@ -178,6 +178,11 @@ class Scheduler:
         if len(self._inflight) >= 2:
             raise RuntimeError("schedule() called with two Schedules still awaiting update()")
         step = _Step(budget=self.config.max_num_batched_tokens)
+        # Pages that left every window since the last update: a sequence admitted in the
+        # step still in flight has had no update yet, and its next chunk must fit its ring.
+        for seq in self.running:
+            for group, ring in zip(self.groups, seq.rings, strict=True):
+                group.release(ring, seq.num_computed_tokens)
         self._schedule_decodes(step)
         self._schedule_partial_prefills(step)
         if not step.preempted:  # pages are short: let the preempted go first next step

@@ -32,6 +32,7 @@ from serving.proto.hybrid_jax.v1 import generation_pb2_grpc as pb_grpc  # noqa: 
 from serving.sampling_params import SamplingParams  # noqa: E402
 from serving.server import GenerationServer  # noqa: E402
 from tests.model.hf_models import build  # noqa: E402
+from tests.serving.conftest import SERVER_CFG  # noqa: E402
 from tests.serving.test_engine_parity import loaded, native_hybrid  # noqa: E402
 
 pytestmark = pytest.mark.slow  # engines for five architectures: minutes on a 2-core CPU
@@ -113,23 +114,58 @@ def test_preemption_and_eviction_under_tiny_pools_equal_a_miss(models):
     assert s["pages_in_use"] == {"w16": 0} and s["slots_in_use"] == 0
 
 
-def test_batched_equals_solo_with_caching_on(models):
-    lm = models["native"]
-    base, prompts = workload(lm.config.vocab_size)
-    on = LLM.from_engine(LLMEngine(lm, dataclasses.replace(CFG, enable_prefix_caching=True),
-                                   show_progress=False))
+@pytest.fixture(scope="module")
+def native_on(models) -> LLMEngine:
+    return LLMEngine(models["native"], dataclasses.replace(CFG, enable_prefix_caching=True),
+                     show_progress=False)
+
+
+def test_batched_equals_solo_with_caching_on(models, native_on):
+    base, prompts = workload(models["native"].config.vocab_size)
+    on = LLM.from_engine(native_on)
+    before = native_on.stats()["prefix_cache_hit_tokens"]
     batched = on.generate(prompt_token_ids=[base, *prompts], sampling_params=GREEDY)
     solo = [on.generate(prompt_token_ids=[p], sampling_params=GREEDY)[0] for p in [base, *prompts]]
     assert_same(batched, solo)
-    assert on.engine.stats()["prefix_cache_hit_tokens"] > sum(EXPECTED_HITS)
+    assert native_on.stats()["prefix_cache_hit_tokens"] - before > sum(EXPECTED_HITS)
+
+
+def test_soak_with_random_aborts_leaks_nothing(native_on):
+    """Random requests over shared prefixes, some penalised, aborted at random steps
+    (while their steps are in flight): afterwards every page and checkpoint is free or
+    cached and unreferenced."""
+    eng = native_on
+    rng = np.random.default_rng(11)
+    shared = [rng.integers(0, 128, 40).tolist() for _ in range(3)]
+    live: list[str] = []
+    for i in range(60):
+        if i < 40:
+            prefix = shared[int(rng.integers(3))][:int(rng.integers(1, 41))]
+            params = SamplingParams(temperature=float(rng.choice([0.0, 0.8])), seed=i, ignore_eos=True,
+                                    max_tokens=int(rng.integers(1, 12)),
+                                    repetition_penalty=float(rng.choice([1.0, 1.3])))
+            live.append(eng.add_request(prompt_token_ids=prefix + rng.integers(0, 128, 3).tolist(),
+                                        params=params))
+        eng.step()
+        if live and rng.random() < 0.3:
+            eng.abort(live.pop(int(rng.integers(len(live)))))
+    while eng.has_unfinished():
+        eng.step()
+    s = eng.stats()
+    assert s["prefix_cache_hit_tokens"] > 0 and s["slots_in_use"] == 0 and s["num_running"] == 0
+    assert s["pages_in_use"] == {"w16": 0}
+    assert s["prefix_state_checkpoints_in_use"] == s["prefix_state_checkpoints_cached"]
+    for g in eng.scheduler.groups:
+        assert not g.cache.refs and g.pool.num_used == len(g.cache.idle)
 
 
 def test_llm_entry_point_and_preset(server_engine):
     """LLM(..., enable_prefix_caching=True) on the native preset; the reference is the
-    shared caching-off engine (same model, different buckets)."""
-    llm = LLM("native-tiny", enable_prefix_caching=True, prefix_state_stride=32, max_num_seqs=4,
-              max_num_batched_tokens=32, max_prefill_chunk=16, max_model_len=128, page_size=8,
-              seq_buckets=(4,), token_buckets=(32,), show_progress=False)
+    shared caching-off engine (same model and settings)."""
+    c = SERVER_CFG  # the same settings (and so the same buckets) as the reference's
+    llm = LLM("native-tiny", enable_prefix_caching=True, prefix_state_stride=32, max_num_seqs=c.max_num_seqs,
+              max_num_batched_tokens=c.max_num_batched_tokens, max_prefill_chunk=c.max_prefill_chunk,
+              max_model_len=c.max_model_len, page_size=c.page_size, show_progress=False)
     rng = np.random.default_rng(0)
     system = rng.integers(3, 250, 70).tolist()  # longer than the window (64)
     prompts = [system + rng.integers(3, 250, int(n)).tolist() for n in (3, 11, 30)]

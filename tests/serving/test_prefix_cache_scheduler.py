@@ -173,6 +173,21 @@ def test_in_flight_pages_and_checkpoints_are_not_matched():
     assert_no_leak(s)
 
 
+@pytest.mark.parametrize("caching", [False, True])
+def test_second_chunk_in_flight_fits_the_ring_when_the_chunk_exceeds_the_window(caching):
+    """Overlap: a new sequence's second chunk (32 > window 16) is scheduled before its
+    first is updated; pages out of the window must go first or the ring overflows."""
+    cfg = dict(max_num_seqs=4, max_num_batched_tokens=32, max_prefill_chunk=32, max_model_len=128,
+               page_size=S, num_slots=5, groups=(("w16", 16, 40),))
+    s = Scheduler(SchedulerConfig(**cfg, prefix_caching=caching, num_checkpoints=0))
+    s.add(seq("a", range(3, 100)))
+    first, second = s.schedule(), s.schedule()
+    assert [e.num_tokens for e in first.entries + second.entries] == [32, 32]
+    s.update(first, [1])
+    s.update(second, [1])
+    drain(s)
+
+
 def test_rollback_gives_back_the_checkpoint_and_uncounts_the_hit():
     s = make(chunk=32)
     base = list(range(3, 40))
