@@ -137,7 +137,12 @@ class PrefixCache:
 
         Recurrent layers need a checkpoint at the position, each sliding-window group
         the pages in its window before it, each global group all pages before it.
+        Requests with penalties take no hit (their statistics need every prompt token).
         """
+        p = seq.params
+        if seq.num_computed_tokens or p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 \
+                or p.frequency_penalty != 0.0:
+            return None
         s = self.page_size
         keys = self.keys(seq, (seq.num_tokens - 1) // s)
         for k in range(len(keys), 0, -1):
@@ -166,6 +171,11 @@ class PrefixCache:
         if self.ckpts is not None:
             self.ckpts.touch(hit.checkpoint)
         seq.num_computed_tokens = hit.tokens
+
+    def count(self, seq, hit: Hit | None) -> None:
+        """An admission looked up the cache (and resumed at `hit`, if any)."""
+        self.query_tokens += seq.num_tokens
+        self.hit_tokens += hit.tokens if hit is not None else 0
 
     def detach(self, seq) -> None:
         """Undo `attach` (the sequence could not be admitted after all)."""

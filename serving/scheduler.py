@@ -51,7 +51,7 @@ from typing import NamedTuple
 
 from serving.block_table import KVGroup
 from serving.pools import DUMMY_INDEX, SlotPool
-from serving.prefix_cache import Hit, PrefixCache
+from serving.prefix_cache import PrefixCache
 from serving.schedule import PENDING, Schedule, ScheduledSeq
 from serving.scheduler_config import SchedulerConfig
 from serving.sequence import FinishReason, Sequence, SequenceStatus, check_stop
@@ -305,7 +305,7 @@ class Scheduler:
             if seq.request_id in self.held or seq.num_pending:  # pending: its recompute needs the value
                 i += 1
                 continue
-            hit = self._match(seq)
+            hit = self.prefix.match(seq) if self.prefix is not None else None
             if hit is not None and step.restores >= self.config.max_checkpoint_ops:
                 return  # this step's checkpoint copies are spent: admit it next step
             if hit is not None:
@@ -317,26 +317,11 @@ class Scheduler:
                 return
             del self.waiting[i]
             self._admit(seq)
-            restore = -1
             if self.prefix is not None:
-                self.prefix.query_tokens += seq.num_tokens
-            if hit is not None:
-                self.prefix.hit_tokens += hit.tokens
-                step.restores += 1
-                restore = hit.checkpoint
+                self.prefix.count(seq, hit)
+                step.restores += hit is not None
+            restore = hit.checkpoint if hit is not None else -1
             step.add(self._commit(seq, c, step, restore=restore), decode=False)
-
-    def _match(self, seq: Sequence) -> Hit | None:
-        """The prefix-cache hit of a sequence about to be admitted, if any.
-
-        Requests with penalties take no hit (their statistics need every prompt token).
-        """
-        if self.prefix is None or seq.num_computed_tokens:
-            return None
-        p = seq.params
-        if p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0:
-            return None
-        return self.prefix.match(seq)
 
     def _chunk(self, seq: Sequence, step: _Step) -> int:
         want = min(seq.num_uncomputed_tokens, self.config.max_prefill_chunk, step.budget)

@@ -180,7 +180,8 @@ def test_llm_entry_point_and_preset(server_engine):
     text = generate_latest(ServerMetrics(llm.engine.stats).registry).decode()
     assert "hybrid_jax_prefix_cache_hit_tokens_total 128.0" in text
     assert f"hybrid_jax_prefix_cache_query_tokens_total {sum(map(len, prompts))}.0" in text
-    assert 'hybrid_jax_pages_cached{group="w64"}' in text and "hybrid_jax_prefix_state_checkpoints_total 16.0" in text
+    assert 'hybrid_jax_pages_cached{group="w64"}' in text
+    assert "hybrid_jax_prefix_state_checkpoints_total 16.0" in text
     server = GenerationServer(llm.engine, model_name="native-tiny", host="127.0.0.1", port=0).start()
     try:
         with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:

@@ -220,7 +220,7 @@ def test_soak_with_overlap_random_aborts_preemptions_and_rollbacks_leaks_nothing
     systems = [rng.integers(0, 50, 30).tolist() for _ in range(3)]
     inflight: list = []
     n = 0
-    for step in range(600):
+    for _ in range(600):
         if rng.random() < 0.4 and n < 200:
             sysp = systems[int(rng.integers(3))]
             cut = int(rng.integers(1, 31))
