@@ -119,10 +119,27 @@ def hlo_stats(text: str) -> dict[str, object]:
             "command_buffers": len(bufs), "command_buffer_sizes": sizes}
 
 
+def timed(obj, name: str, acc: dict[str, float]) -> None:
+    """Replace obj.name by a wrapper adding its wall time (s) to acc[name]."""
+    fn = getattr(obj, name)
+
+    def wrapper(*args, **kwargs):
+        t = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            acc[name] = acc.get(name, 0.0) + time.perf_counter() - t
+
+    wrapper.__wrapped__ = fn
+    setattr(obj, name, wrapper)
+
+
 def run(a: argparse.Namespace) -> dict:
     lm = load_model(a.model, dtype=a.dtype)
+    # Early sequences decode while later ones prefill: enough tokens that none finishes first.
+    extra = 264 + 2 * -(-a.batch * a.prompt_len // max(a.chunk, a.batch))
     cfg = EngineConfig(max_num_seqs=a.batch, max_num_batched_tokens=max(a.chunk, a.batch),
-                       max_prefill_chunk=a.chunk, max_model_len=a.prompt_len + a.steps + 264,
+                       max_prefill_chunk=a.chunk, max_model_len=a.prompt_len + a.steps + extra,
                        page_size=16, dtype=a.dtype, memory_fraction=0.85,
                        seq_buckets=(a.batch,), token_buckets=(max(a.chunk, a.batch),),
                        async_scheduling=not a.sync,
@@ -131,7 +148,7 @@ def run(a: argparse.Namespace) -> dict:
     engine = LLMEngine(lm, cfg, show_progress=False)
     startup = time.perf_counter() - t0
     rng = np.random.default_rng(0)
-    params = SamplingParams(temperature=0.0, max_tokens=a.steps + 232, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=a.steps + extra - 32, ignore_eos=True)
     for _ in range(a.batch):
         engine.add_request(prompt_token_ids=rng.integers(3, lm.config.vocab_size, a.prompt_len).tolist(),
                            params=params)
@@ -153,10 +170,37 @@ def run(a: argparse.Namespace) -> dict:
         if ran[-1]:
             break
     ran.clear()
+    # Host time per measured step by part: schedule (scheduler), _dispatch (flatten, sampling
+    # rows, padding, transfers, enqueue; includes dispatch = the runner's part), fetch
+    # (waiting for the previous step's tokens), update (scheduler), _delta (detokenize, stops).
+    host: dict[str, float] = {}
+    undo = [(engine.scheduler, "schedule"), (engine.scheduler, "update"), (engine, "_dispatch"),
+            (engine, "_delta"), (engine.runner, "fetch"), (engine.runner, "dispatch")]
+    for obj, name in undo:
+        timed(obj, name, host)
+    # Inside the runner's dispatch: host-to-device transfers, and enqueueing the forward
+    # and the sampler executables.
+    timed(jax, "device_put", host)
+    executables = (engine.runner.compiled, engine.runner.samplers)
+    saved = [dict(d) for d in executables]
+    for d, kind in zip(executables, ("enqueue_forward", "enqueue_sampler"), strict=True):
+        for key, fn in list(d.items()):
+            def wrapped(*args, _fn=fn, _kind=kind):
+                t = time.perf_counter()
+                try:
+                    return _fn(*args)
+                finally:
+                    host[_kind] = host.get(_kind, 0.0) + time.perf_counter() - t
+            d[key] = wrapped
     for _ in range(a.steps):
         t = time.perf_counter()
         engine.step()
         step_s.append(time.perf_counter() - t)
+    for obj, name in undo:
+        obj.__dict__.pop(name, None)
+    jax.device_put = jax.device_put.__wrapped__
+    for d, orig_d in zip(executables, saved, strict=True):
+        d.update(orig_d)
     engine.runner.dispatch = orig
     assert all(ran), f"a measured step was not a full-batch decode: {ran} {engine.stats()}"
     # The compiled decode executable alone, every input on the device.
@@ -167,16 +211,17 @@ def run(a: argparse.Namespace) -> dict:
     from serving.runner import _pad_rows
     from serving.sampling import SamplingArrays
 
-    batch = jax.device_put(r._pad(arrays, bucket))
-    samp = jax.device_put(SamplingArrays(*(_pad_rows(np.asarray(x), bucket.seqs) for x in sampling)))
-    feed = jax.device_put(np.full(bucket.tokens, -1, np.int32))
+    samp = SamplingArrays(*(_pad_rows(np.asarray(x), bucket.seqs) for x in sampling))
+    feed = np.full(bucket.tokens, -1, np.int32)
+    tree = r._host_tree(bucket, r._pad(arrays, bucket), samp, feed, None)
+    buf = jax.device_put(r.host_layouts[bucket].pack(tree))
     sampler = r.samplers[(bucket.seqs, False)]
     state = {"caches": r.caches, "stats": r.stats, "last": r.last_tokens}
 
     def call():
-        state["caches"], state["stats"], logits = exe(r.params, state["caches"], state["stats"], batch,
-                                                      feed, state["last"], samp.prompt_len)
-        out = sampler(logits, state["stats"], samp, batch.slot_ids)
+        state["caches"], state["stats"], logits = exe(r.params, state["caches"], state["stats"], buf,
+                                                      state["last"])
+        out = sampler(logits, state["stats"], buf)
         state["last"] = out[0]
         return out
 
@@ -214,6 +259,7 @@ def run(a: argparse.Namespace) -> dict:
         "kernel_ms": kernel_ms, "kernels_per_step": kernels, "copy_TBps": bw / 1e12,
         "floor_bytes": fb, "floor_ms": 1e3 * fb["total"] / bw, "top_kernels": top,
         "xla_flags": os.environ.get("XLA_FLAGS", ""), "hlo": hlo,
+        "host_ms_per_step": {k: 1e3 * v / a.steps for k, v in host.items()},
     }
     res["engine_over_floor"] = res["engine_ms"] / res["floor_ms"]
     return res
@@ -237,6 +283,7 @@ def main() -> None:
             "kernel_ms", "kernels_per_step", "floor_ms", "engine_over_floor", "startup_s"]
     print(" | ".join(cols))
     print(" | ".join(f"{res[c]:.2f}" if isinstance(res[c], float) else str(res[c]) for c in cols))
+    print("host ms per step:", " ".join(f"{k}={v:.2f}" for k, v in res["host_ms_per_step"].items()))
     for name, ms, n in res["top_kernels"][:25]:
         print(f"  {ms:8.3f} ms  x{n:<4d} {name}")
     if a.out:

@@ -32,6 +32,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from hybrid_jax.cache import LayerCache, RaggedBatch, init_caches
 from hybrid_jax.model import CausalLM
 from hybrid_jax.ragged import forward_ragged
+from serving.host_pack import HostLayout, host_layout
 from serving.packing import PackLayout, pack, unpack
 from serving.penalties import TokenStats, apply_penalties, init_token_stats, update_token_stats
 from serving.sampling import SamplingArrays, sample
@@ -130,16 +131,19 @@ def _save(ckpts, caches, ops: CkptOps):
     return jax.tree.map(lambda p, x: p.at[ops.save_ckpt].set(x[ops.save_slot]), ckpts, _states(caches))
 
 
-def _forward_fn(graphdef: nnx.GraphDef, layout: PackLayout, decode: bool, ckpt_ops: bool = False) -> Callable:
+def _forward_fn(graphdef: nnx.GraphDef, layout: PackLayout, decode: bool, host: HostLayout,
+                ckpt_ops: bool = False) -> Callable:
     """The model part of a step: feed the last step's samples, forward, penalty statistics.
 
+    The step's host inputs arrive as one int32 buffer (`host`: sampling arrays, sampler
+    slot ids, the ragged batch, feed rows and, with `ckpt_ops`, the checkpoint copies).
     `feed[i] >= 0` takes token i from `last_tokens[feed[i]]` (the previous step's samples,
     still on the device: the overlapped loop never waits for them). Statistics are
     updated unconditionally (cheap; a lax.cond would read its predicate on the host).
     With `ckpt_ops` the step also restores and saves state checkpoints (`CkptOps`).
     """
 
-    def forward(params, caches, stats: TokenStats, batch: RaggedBatch, feed, last_tokens, prompt_len):
+    def model_step(params, caches, stats: TokenStats, batch: RaggedBatch, feed, last_tokens, prompt_len):
         tokens = jnp.where(feed >= 0, last_tokens[jnp.maximum(feed, 0)], batch.tokens)
         batch = batch._replace(tokens=tokens)
         model = nnx.merge(graphdef, unpack(layout, params))
@@ -149,26 +153,34 @@ def _forward_fn(graphdef: nnx.GraphDef, layout: PackLayout, decode: bool, ckpt_o
         return caches, stats, logits
 
     if not ckpt_ops:
+        def forward(params, caches, stats, buf, last_tokens):
+            sampling, _, batch, feed = host.unpack(buf)
+            return model_step(params, caches, stats, batch, feed, last_tokens, sampling.prompt_len)
+
         return jax.jit(forward, donate_argnums=(1, 2))
 
-    def forward_ckpt(params, caches, stats, batch, feed, last_tokens, prompt_len, ckpts, ops: CkptOps):
+    def forward_ckpt(params, caches, stats, buf, last_tokens, ckpts):
+        sampling, _, batch, feed, ops = host.unpack(buf)
         caches, stats = _restore(caches, ckpts, stats, ops)
-        caches, stats, logits = forward(params, caches, stats, batch, feed, last_tokens, prompt_len)
+        caches, stats, logits = model_step(params, caches, stats, batch, feed, last_tokens,
+                                           sampling.prompt_len)
         return caches, stats, logits, _save(ckpts, caches, ops)
 
-    return jax.jit(forward_ckpt, donate_argnums=(1, 2, 7))
+    return jax.jit(forward_ckpt, donate_argnums=(1, 2, 5))
 
 
-def _sampler_fn(full: bool, max_seqs: int) -> Callable:
+def _sampler_fn(full: bool, max_seqs: int, host: HostLayout) -> Callable:
     """Sampling from a step's logits. full=False: no penalties, filters or top-n logprobs.
 
     A row without those features samples the same token either way; the host picks the
     plain sampler when no row of the step needs them. Tokens come back padded to
     `max_seqs` rows: the buffer the next step feeds from. Logprobs (of the sampled token
     and the top-n) are the model's raw distribution, before penalties and filters.
+    The sampling arrays and slot ids are the leading fields of the step's host buffer.
     """
 
-    def sampler(logits, stats: TokenStats, sampling: SamplingArrays, slot_ids):
+    def sampler(logits, stats: TokenStats, buf):
+        sampling, slot_ids = host.unpack(buf)
         b = logits.shape[0]
         shaped = logits
         if full:
@@ -236,6 +248,29 @@ class ModelRunner:
         self.last_tokens = jax.device_put(np.zeros(self.max_seqs, np.int32), self.replicated)
         self.compiled: dict[Bucket, Callable] = {}
         self.samplers: dict[tuple[int, bool], Callable] = {}
+        self._host_layouts()
+
+    def _host_tree(self, bucket: Bucket, batch: RaggedBatch, sampling: SamplingArrays,
+                   feed: np.ndarray, ops: CkptOps | None) -> tuple:
+        """A step's host inputs, in buffer order: the sampler's fields first."""
+        tree = (sampling, batch.slot_ids, batch, feed)
+        return tree + (ops,) if bool(self.ckpt_ops) and not bucket.decode else tree
+
+    def _host_layouts(self) -> None:
+        """One host-buffer layout per bucket, padded to one size per sequence count."""
+        layouts: dict[Bucket, HostLayout] = {}
+        for bucket in self.buckets:
+            batch, sampling = self._dummy(bucket)
+            feed = np.full(bucket.tokens, -1, np.int32)
+            layouts[bucket] = host_layout(self._host_tree(bucket, batch, sampling, feed, self._ops(None)))
+        size: dict[int, int] = {}
+        for bk, lay in layouts.items():
+            size[bk.seqs] = max(size.get(bk.seqs, 0), lay.size)
+        self.host_layouts = {bk: lay.padded(size[bk.seqs]) for bk, lay in layouts.items()}
+        self.sampler_layouts: dict[int, HostLayout] = {}
+        for b in size:
+            sampling = SamplingArrays.from_rows([{}] * b)
+            self.sampler_layouts[b] = host_layout((sampling, np.zeros(b, np.int32))).padded(size[b])
 
     def compile_all(self, progress: Callable[[int, int, Bucket], None] | None = None,
                     workers: int | None = None) -> None:
@@ -243,23 +278,23 @@ class ModelRunner:
 
         Lowering is serial (Python); XLA compiles on a thread pool, in parallel.
         """
-        fwd = {d: _forward_fn(self.graphdef, self.layout, d, bool(self.ckpt_ops) and not d)
-               for d in (True, False)}
         opts = (compile_options() if jax.default_backend() == "gpu" else {}) or None
         jobs: list[tuple[object, object]] = []
         for bucket in self.buckets:
-            batch, sampling = self._dummy(bucket)
-            t, b = bucket.tokens, bucket.seqs
-            extra = () if bucket.decode or not self.ckpt_ops else (self.ckpts, self._ops(None))
-            jobs.append((bucket, fwd[bucket.decode].lower(
-                self.params, self.caches, self.stats, batch, np.full(t, -1, np.int32), self.last_tokens,
-                np.zeros(b, np.int32), *extra)))
+            host = self.host_layouts[bucket]
+            ckpt = bool(self.ckpt_ops) and not bucket.decode
+            fwd = _forward_fn(self.graphdef, self.layout, bucket.decode, host, ckpt)
+            extra = (self.ckpts,) if ckpt else ()
+            buf = jax.ShapeDtypeStruct((host.size,), jnp.int32)
+            low = fwd.lower(self.params, self.caches, self.stats, buf, self.last_tokens, *extra)
+            jobs.append((bucket, low))
         for b in sorted({bk.seqs for bk in self.buckets}):
             logits = jax.ShapeDtypeStruct((b, self.cfg.vocab_size), jnp.float32)
-            sampling = SamplingArrays.from_rows([{}] * b)
+            host = self.sampler_layouts[b]
+            buf = jax.ShapeDtypeStruct((host.size,), jnp.int32)
             for full in (False, True):
-                jobs.append(((b, full), _sampler_fn(full, self.max_seqs).lower(
-                    logits, self.stats, sampling, np.zeros(b, np.int32))))
+                low = _sampler_fn(full, self.max_seqs, host).lower(logits, self.stats, buf)
+                jobs.append(((b, full), low))
         n = len(jobs)
         workers = workers or min(n, max(1, (os.cpu_count() or 2)))
         with ThreadPoolExecutor(workers) as pool:
@@ -290,19 +325,21 @@ class ModelRunner:
         """
         bucket = self.pick(arrays)
         t, bs = bucket.tokens, bucket.seqs
-        batch = jax.device_put(self._pad(arrays, bucket), self.replicated)
+        batch = self._pad(arrays, bucket)
         feed = np.full(t, -1, np.int32) if feed is None else _pad_rows(feed.astype(np.int32), t, -1)
-        samp = jax.device_put(SamplingArrays(*(_pad_rows(np.asarray(x), bs) for x in sampling)),
-                              self.replicated)
-        args = (self.params, self.caches, self.stats, batch, feed, self.last_tokens, samp.prompt_len)
-        if bucket.decode or not self.ckpt_ops:
-            if arrays.restore_slot.size or arrays.save_slot.size:
-                raise ValueError("checkpoint copies in a step without them (decode or caching off)")
-            self.caches, self.stats, logits = self.compiled[bucket](*args)
+        samp = SamplingArrays(*(_pad_rows(np.asarray(x), bs) for x in sampling))
+        ckpt = bool(self.ckpt_ops) and not bucket.decode
+        if not ckpt and (arrays.restore_slot.size or arrays.save_slot.size):
+            raise ValueError("checkpoint copies in a step without them (decode or caching off)")
+        tree = self._host_tree(bucket, batch, samp, feed, self._ops(arrays) if ckpt else None)
+        # One transfer for every host input of the step (serving/host_pack.py).
+        buf = jax.device_put(self.host_layouts[bucket].pack(tree), self.replicated)
+        args = (self.params, self.caches, self.stats, buf, self.last_tokens)
+        if ckpt:
+            self.caches, self.stats, logits, self.ckpts = self.compiled[bucket](*args, self.ckpts)
         else:
-            ops = jax.device_put(self._ops(arrays), self.replicated)
-            self.caches, self.stats, logits, self.ckpts = self.compiled[bucket](*args, self.ckpts, ops)
-        out = self.samplers[(bs, full)](logits, self.stats, samp, batch.slot_ids)
+            self.caches, self.stats, logits = self.compiled[bucket](*args)
+        out = self.samplers[(bs, full)](logits, self.stats, buf)
         self.last_tokens = out[0]
         for x in out if full else out[:2]:
             x.copy_to_host_async()
