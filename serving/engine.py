@@ -43,6 +43,12 @@ class _Request:
     seed: int
     ban: list[int]  # EOS and stop ids, suppressed while fewer than min_tokens were generated
     full: bool  # needs the full sampler: penalties, top-k/p/min-p, or top-n logprobs
+    row: tuple  # the constant sampling fields, in `_ROW` order
+
+
+# Sampling fields that stay constant over a request's life (SamplingArrays names).
+_ROW = ("temperature", "top_k", "top_p", "min_p", "seed", "repetition", "presence", "frequency",
+        "prompt_len", "want_top")
 
 
 class _Launched(NamedTuple):
@@ -120,8 +126,11 @@ class LLMEngine:
         # Any int is a valid seed: the sampling seed is seed mod 2**32 (documented on SamplingParams).
         seed = params.seed % 2**32 if params.seed is not None else int(self._seeds.integers(2**32))
         eos = () if params.ignore_eos else self.model_config.eos_token_ids
-        self.requests[rid] = _Request(seq, detok, seed, list(dict.fromkeys((*eos, *params.stop_token_ids))),
-                                      _needs_full(params))
+        ban = list(dict.fromkeys((*eos, *params.stop_token_ids)))
+        p = params
+        row = (p.temperature, max(p.top_k, 0), p.top_p, p.min_p, seed, p.repetition_penalty,
+               p.presence_penalty, p.frequency_penalty, seq.num_prompt_tokens, bool(p.logprobs))
+        self.requests[rid] = _Request(seq, detok, seed, ban, _needs_full(params), row)
         return rid
 
     def _prompt_ids(self, prompt: str | None, ids: list[int] | None) -> list[int]:
@@ -247,19 +256,30 @@ class LLMEngine:
                 for out in outputs]
 
     def _sampling(self, schedule: Schedule) -> tuple[SamplingArrays, bool]:
-        """Per-row sampling arrays, and whether any row needs the full sampler."""
-        rows, full = [], False
-        for e in schedule.entries:
-            req = self.requests[e.seq.request_id]
-            p, n_out = e.seq.params, e.out_index
-            rows.append({"temperature": p.temperature, "top_k": max(p.top_k, 0),
-                         "top_p": p.top_p, "min_p": p.min_p, "seed": req.seed, "step": n_out,
-                         "suppress": req.ban if n_out < p.min_tokens else [],
-                         "repetition": p.repetition_penalty, "presence": p.presence_penalty,
-                         "frequency": p.frequency_penalty, "prompt_len": e.seq.num_prompt_tokens,
-                         "want_top": bool(p.logprobs)})
-            full = full or req.full
-        return SamplingArrays.from_rows(rows), full
+        """Per-row sampling arrays, and whether any row needs the full sampler.
+
+        A request's constant fields are one tuple made at admission (`_Request.row`):
+        the arrays are built column-wise, not from a dict per row (host time per step).
+        """
+        reqs = [self.requests[e.seq.request_id] for e in schedule.entries]
+        b = len(reqs)
+        if not b:
+            return SamplingArrays.from_rows([]), False
+        const = np.array([r.row for r in reqs], np.float64).reshape(b, len(_ROW))
+        col = dict(zip(_ROW, const.T, strict=True))
+        step = np.fromiter((e.out_index for e in schedule.entries), np.int32, count=b)
+        suppress = np.full((b, SUPPRESS_WIDTH), -1, np.int32)
+        for i, (e, r) in enumerate(zip(schedule.entries, reqs, strict=True)):
+            if r.ban and e.out_index < e.seq.params.min_tokens:
+                suppress[i, :len(r.ban)] = r.ban
+        arrays = SamplingArrays(
+            temperature=col["temperature"].astype(np.float32), top_k=col["top_k"].astype(np.int32),
+            top_p=col["top_p"].astype(np.float32), min_p=col["min_p"].astype(np.float32),
+            seed=col["seed"].astype(np.uint32), step=step, suppress=suppress,
+            repetition=col["repetition"].astype(np.float32), presence=col["presence"].astype(np.float32),
+            frequency=col["frequency"].astype(np.float32), prompt_len=col["prompt_len"].astype(np.int32),
+            want_top=col["want_top"] != 0)
+        return arrays, any(r.full for r in reqs)
 
     def _delta(self, seq: Sequence, tokens: list[int], result: StepResult, row: int) -> RequestDelta:
         req = self.requests[seq.request_id]

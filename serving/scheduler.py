@@ -281,8 +281,41 @@ class Scheduler:
         for seq in list(self.running):
             if seq.status is not RUNNING or seq.num_uncomputed_tokens != 1 or seq.is_exhausted:
                 continue
-            if self._make_room(seq, step, may_preempt_self=True):
+            entry = self._commit_held(seq)
+            if entry is not None:
+                step.add(entry, decode=True)
+            elif self._make_room(seq, step, may_preempt_self=True):
                 step.add(self._commit(seq, 1), decode=True)
+
+    def _commit_held(self, seq: Sequence) -> ScheduledSeq | None:
+        """`_commit(seq, 1)` for a decode whose page every group already holds, else None.
+
+        The common decode (15 of 16 tokens with 16-token pages): nothing to allocate or
+        preempt, so the host's per-sequence work per step stays a few microseconds.
+        """
+        n, s = seq.num_computed_tokens, self.config.page_size
+        page, offset = divmod(n, s)
+        maps = []
+        for ring in seq.rings:
+            i = page - ring.first
+            if not 0 <= i < len(ring.pages):
+                return None
+            maps.append((ring.pages[i] * s + offset,))
+        samples = n + 1 == seq.num_tokens + seq.num_pending
+        entry = ScheduledSeq(
+            seq=seq,
+            token_ids=(seq.token_ids[n],) if n < seq.num_tokens else (PENDING,),
+            start=n,
+            slot=seq.slot,
+            ring_rows=tuple(ring.row.copy() for ring in seq.rings),
+            slot_mappings=tuple(maps),
+            samples=samples,
+            out_index=seq.num_output_tokens + seq.num_pending,
+        )
+        seq.num_computed_tokens = n + 1
+        if samples:
+            seq.num_pending += 1
+        return entry
 
     def _schedule_partial_prefills(self, step: _Step) -> None:
         """Next chunks of running sequences still in their prefill, oldest first."""
