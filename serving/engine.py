@@ -131,11 +131,12 @@ class LLMEngine:
                         self._spec_eligible, self._propose)
 
     def _spec_eligible(self, seq: Sequence) -> bool:
-        """Verification samples with temperature only: no penalties, filters, logprobs,
-        and no EOS suppression (min_tokens) pending."""
-        req = self.requests.get(seq.request_id)
-        return (req is not None and not req.full and seq.params.logprobs is None
-                and seq.num_output_tokens >= seq.params.min_tokens)
+        """Verification samples with temperature, top-k, top-p and min-p: no penalties, no
+        logprobs, no EOS suppression (min_tokens) pending."""
+        req, p = self.requests.get(seq.request_id), seq.params
+        penalties = p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+        return (req is not None and not penalties and p.logprobs is None
+                and seq.num_output_tokens >= p.min_tokens)
 
     def _propose(self, seq: Sequence, n: int) -> list[int]:
         t0 = time.perf_counter()

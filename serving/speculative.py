@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from serving.sampling import SamplingArrays
+from serving.sampling import SamplingArrays, filter_logits
 
 METHODS = (None, "ngram", "draft")
 MAX_SPECULATIVE_TOKENS = 8
@@ -60,12 +60,14 @@ class NgramDrafter:
 
 
 def accept(logits: jax.Array, tokens: jax.Array, num_drafts: jax.Array,
-           sampling: SamplingArrays) -> tuple[jax.Array, jax.Array]:
+           sampling: SamplingArrays, *, filters: bool = True) -> tuple[jax.Array, jax.Array]:
     """Decide acceptance on the device.
 
     logits [b, q, v] f32 (position j predicts the token after tokens[:, j]);
     tokens [b, q] (tokens[:, 0] the last sampled token, tokens[:, 1:] the drafts);
-    num_drafts [b] (drafts beyond it are padding, never accepted).
+    num_drafts [b] (drafts beyond it are padding, never accepted). Temperature, top-k,
+    top-p and min-p shape the target distribution as in `serving.sampling.sample`;
+    penalties, suppression and logprobs are not supported here (such rows are not verified).
     Returns (out [b, q] int32: the accepted drafts then the next token at index
     `accepted`, the rest unspecified; accepted [b] int32 in 0..num_drafts).
     """
@@ -74,7 +76,12 @@ def accept(logits: jax.Array, tokens: jax.Array, num_drafts: jax.Array,
     real = jnp.arange(q)[None, :] < num_drafts[:, None]
     greedy = (sampling.temperature <= 0.0)[:, None]
     temp = jnp.where(greedy, 1.0, sampling.temperature[:, None])[..., None]
-    logp = jax.nn.log_softmax(logits / temp, axis=-1)
+    if filters:  # the target is the filtered distribution (top-k / top-p / min-p), per position
+        rows = jax.tree.map(lambda x: jnp.repeat(x, q, axis=0), sampling)
+        filtered = filter_logits(logits.reshape(b * q, v), rows).reshape(b, q, v)
+    else:
+        filtered = logits
+    logp = jax.nn.log_softmax(filtered / temp, axis=-1)
     top = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     # Keys per (row, position): fold (seed, output index of the token at that position).
     index = sampling.step[:, None] + jnp.arange(q)[None, :]

@@ -174,28 +174,36 @@ def test_ngram_drafter_and_stops(native, native_engine):
     assert NgramDrafter(3, 2, 3).propose([5, 2, 3, 4, 1, 2], 3) == []
 
 
-def test_acceptance_preserves_the_target_distribution():
+@pytest.mark.parametrize("top_k", [0, 4])
+def test_acceptance_preserves_the_target_distribution(top_k):
     """Chi-square on a vocabulary of 6: tokens emitted by `accept` with a point-mass draft
-    follow the target distribution (first position, and the next one given acceptance)."""
+    follow the target distribution (first position, and the next one given acceptance),
+    with and without top-k."""
     from scipy.stats import chisquare
 
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng(top_k)
     v, n = 6, 40000
     logits = rng.normal(size=(3, v)) * 1.5  # positions 0..2 of the verified row
     temp = 0.8
-    drafts = (2, 4)
     p = np.exp(logits / temp - np.max(logits / temp, axis=1, keepdims=True))
+    if top_k:  # float64 reference of the filter: the top_k most likely tokens only
+        p *= logits >= np.sort(logits, axis=1)[:, -top_k][:, None]
     p /= p.sum(axis=1, keepdims=True)  # float64 target
-    rows = SamplingArrays.from_rows([{"temperature": temp, "seed": 1000 + i, "step": 3} for i in range(n)])
+    drafts = (int(np.argsort(p[0])[-2]), int(np.argmax(p[1])))  # likely, not certain
+    rows = SamplingArrays.from_rows([{"temperature": temp, "top_k": top_k, "seed": 1000 + i, "step": 3}
+                                     for i in range(n)])
     tokens = jnp.tile(jnp.array([[0, *drafts]], jnp.int32), (n, 1))
     out, acc = jax.jit(accept)(jnp.tile(jnp.asarray(logits, jnp.float32)[None], (n, 1, 1)), tokens,
                                jnp.full((n,), 2, jnp.int32), rows)
     out, acc = np.asarray(out), np.asarray(acc)
+    keep = p[0] > 0, p[1] > 0  # chi-square over the support; nothing outside it
     first = np.bincount(out[:, 0], minlength=v)
-    assert chisquare(first, p[0] * n).pvalue > 1e-3
-    second = out[acc >= 1, 1]  # given the first draft was accepted: drawn from p[1]
-    assert chisquare(np.bincount(second, minlength=v), p[1] * len(second)).pvalue > 1e-3
-    assert abs((acc >= 1).mean() - p[0, drafts[0]]) < 4 * np.sqrt(p[0, 2] / n) + 0.01
+    assert first[~keep[0]].sum() == 0
+    assert chisquare(first[keep[0]], p[0][keep[0]] * n).pvalue > 1e-3
+    second = np.bincount(out[acc >= 1, 1], minlength=v)  # given the first draft was accepted: p[1]
+    assert second[~keep[1]].sum() == 0
+    assert chisquare(second[keep[1]], p[1][keep[1]] * second.sum()).pvalue > 1e-3
+    assert abs((acc >= 1).mean() - p[0, drafts[0]]) < 0.01
     # Greedy rows accept exactly the argmax prefix.
     g = SamplingArrays.from_rows([{}])
     best = np.argmax(logits, axis=1)
