@@ -138,9 +138,12 @@ class LLMEngine:
         return (req is not None and not penalties and p.logprobs is None
                 and seq.num_output_tokens >= p.min_tokens)
 
-    def _propose(self, seq: Sequence, n: int) -> list[int]:
+    def _propose(self, work: list[tuple[Sequence, int]]) -> list[list[int]]:
         t0 = time.perf_counter()
-        out = self.drafter.propose(seq.token_ids, n)
+        if hasattr(self.drafter, "propose_batch"):  # a draft model: one batch for all
+            out = self.drafter.propose_batch([(s.request_id, s.token_ids, n) for s, n in work])
+        else:
+            out = [self.drafter.propose(s.token_ids, n) if n > 0 else [] for s, n in work]
         self.spec_counters.draft_time_s += time.perf_counter() - t0
         return out
 

@@ -115,7 +115,8 @@ class SpecPlan(NamedTuple):
     q: int  # tokens per sequence: 1 + k
     max_seqs: int  # speculate only while at most this many sequences run
     eligible: Callable[[Sequence], bool]  # the sequence may be verified (its sampling allows it)
-    propose: Callable[[Sequence, int], list[int]]  # up to n drafts following seq.token_ids
+    # (sequence, n) pairs -> up to n drafts following each sequence's token_ids
+    propose: Callable[[list[tuple[Sequence, int]]], list[list[int]]]
 
 
 class Scheduler:
@@ -207,10 +208,10 @@ class Scheduler:
         q = 0
         if spec is not None and self._can_verify(spec):
             q = spec.q
-            for seq in list(self.running):
-                n_max = min(q - 1, seq.params.max_tokens - seq.num_output_tokens - 1)
-                drafts = spec.propose(seq, n_max)[:n_max] if n_max > 0 else []
-                step.add(self._commit_verify(seq, q, drafts), decode=True)
+            work = [(seq, max(0, min(q - 1, seq.params.max_tokens - seq.num_output_tokens - 1)))
+                    for seq in self.running]
+            for (seq, n_max), drafts in zip(work, spec.propose(work), strict=True):
+                step.add(self._commit_verify(seq, q, drafts[:n_max]), decode=True)
         else:
             self._schedule_decodes(step)
             self._schedule_partial_prefills(step)
