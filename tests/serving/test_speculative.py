@@ -12,6 +12,8 @@ rejected, partial and full acceptance all occur; tests assert that they did.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -267,3 +269,48 @@ def test_random_accept_lengths_never_leak_a_rejected_token():
 def test_bad_settings_are_refused_by_name(kwargs, field):
     with pytest.raises(ValueError, match=field):
         EngineConfig(**kwargs)
+
+
+def perturbed(lm, scale: float = 0.08, seed: int = 1):
+    """The same architecture with every weight nudged: a draft that agrees often, not always."""
+    from flax import nnx
+
+    from hybrid_jax.loading import LoadedModel
+
+    graphdef, state = nnx.split(lm.model)
+    keys = iter(jax.random.split(jax.random.key(seed), len(jax.tree.leaves(state))))
+    state = jax.tree.map(lambda x: x + scale * jnp.std(x) * jax.random.normal(next(keys), x.shape, x.dtype),
+                         state)
+    return LoadedModel(nnx.merge(graphdef, state), lm.config, None, "draft")
+
+
+@pytest.mark.slow
+def test_draft_model_greedy_equals_plain(native, monkeypatch):
+    """A perturbed copy of the native hybrid drafts (k=3): tokens equal the reference,
+    some drafts are rejected, and every proposal equals the draft model's own greedy
+    continuation (its state is re-synced correctly after rejections)."""
+    import serving.draft_model as dm
+
+    draft = perturbed(native)
+    monkeypatch.setattr(dm, "load_model", lambda name, dtype: draft)
+    prompts = prompts_for(128, seed=21)
+    refs = [greedy_generate(native.model, p, NEW) for p in prompts]
+    eng = spec_engine(native, 3, speculative_method="draft", speculative_model="perturbed")
+    seen: list[tuple[list[int], list[int]]] = []
+    propose = eng.drafter.propose_batch
+
+    def record(work):
+        out = propose(work)
+        seen.extend((list(toks), d) for (_, toks, _), d in zip(work, out, strict=True) if d)
+        return out
+
+    eng.drafter.propose_batch = record
+    assert staggered(eng, prompts) == refs
+    assert_exercised(eng)
+    for toks, d in seen[3::7][:3]:
+        assert d == greedy_generate(draft.model, toks, len(d))
+    with pytest.raises(ValueError, match="speculative_model"):
+        bad = perturbed(native)
+        monkeypatch.setattr(dm, "load_model", lambda name, dtype: dataclasses.replace(
+            bad, config=dataclasses.replace(bad.config, vocab_size=64)))
+        spec_engine(native, 3, speculative_method="draft", speculative_model="small-vocab")
