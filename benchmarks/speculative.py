@@ -56,7 +56,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--out", default=None, help="also append the JSON lines to this file")
     a = p.parse_args()
     if a.smoke:
-        a.model, a.draft_model, a.batches, a.prompt_len, a.output_len = "native-tiny", "native-tiny", "1,4", 48, 12
+        a.model, a.draft_model, a.batches = "native-tiny", "native-tiny", "1,4"
+        a.prompt_len, a.output_len = 48, 12
     return a
 
 

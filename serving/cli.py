@@ -130,7 +130,8 @@ def _spec_args(p: argparse.ArgumentParser) -> None:
     sd.add_argument("--speculative-method", choices=["ngram", "draft"], default=None,
                     help="draft tokens by prompt lookup (ngram) or a draft model, verify them in one step")
     sd.add_argument("--num-speculative-tokens", type=int, default=d["num_speculative_tokens"],
-                    help=f"drafted tokens per sequence and step, 1..8 (default {d['num_speculative_tokens']})")
+                    help=f"drafted tokens per sequence and step, 1..8 "
+                         f"(default {d['num_speculative_tokens']})")
     sd.add_argument("--speculative-model", default=None,
                     help="the draft model (path or preset) for --speculative-method draft")
     sd.add_argument("--prompt-lookup-min", type=int, default=d["prompt_lookup_min"],

@@ -32,8 +32,8 @@ from serving.sampling import SUPPRESS_WIDTH, SamplingArrays
 from serving.sampling_params import SamplingParams
 from serving.schedule import PENDING, Schedule, flatten
 from serving.scheduler import Scheduler, SpecPlan
-from serving.speculative import NgramDrafter, SpecCounters
 from serving.sequence import FinishReason, Sequence
+from serving.speculative import NgramDrafter, SpecCounters
 
 log = logging.getLogger(__name__)
 

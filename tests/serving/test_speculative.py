@@ -314,3 +314,15 @@ def test_draft_model_greedy_equals_plain(native, monkeypatch):
         monkeypatch.setattr(dm, "load_model", lambda name, dtype: dataclasses.replace(
             bad, config=dataclasses.replace(bad.config, vocab_size=64)))
         spec_engine(native, 3, speculative_method="draft", speculative_model="small-vocab")
+
+
+def test_cli_flags_reach_the_engine_config():
+    from serving.cli import _parser, _spec_kwargs
+
+    for cmd in (["generate", "hi"], ["serve"]):
+        args = _parser().parse_args([*cmd, "--speculative-method", "draft", "--num-speculative-tokens", "2",
+                                     "--speculative-model", "native-tiny",
+                                     "--speculative-disable-by-batch-size", "0"])
+        cfg = EngineConfig(**_spec_kwargs(args))
+        assert (cfg.speculative_method, cfg.num_speculative_tokens, cfg.speculative_model,
+                cfg.speculative_disable_by_batch_size) == ("draft", 2, "native-tiny", None)
