@@ -289,7 +289,9 @@ class LLMEngine:
             arrays = flatten(schedule)
             sampling, _ = self._sampling(schedule)
             drafts = np.array([e.num_drafts for e in schedule.entries], np.int32)
-            out, accepted = self.runner.verify(arrays, sampling, drafts)
+            filters = any(p.temperature > 0 and (p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0)
+                          for p in (e.seq.params for e in schedule.entries))
+            out, accepted = self.runner.verify(arrays, sampling, drafts, filters=filters)
         except Exception as err:
             return self._faults.failed(schedule, err)
         self._faults.succeeded(schedule)

@@ -172,6 +172,8 @@ def test_ngram_drafter_and_stops(native, native_engine):
     assert run(eng, [prompt], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)) == [ref[:5]]
     seeded = SamplingParams(temperature=1.0, seed=5, max_tokens=12, ignore_eos=True)
     assert run(eng, [prompt], seeded) == run(eng, [prompt], seeded)
+    seeded = SamplingParams(temperature=1.0, top_k=5, seed=5, max_tokens=12, ignore_eos=True)
+    assert run(eng, [prompt], seeded) == run(eng, [prompt], seeded)
     assert NgramDrafter(3, 1, 3).propose([1, 2, 3, 4, 1, 2], 3) == [3, 4, 1]
     assert NgramDrafter(3, 2, 3).propose([5, 2, 3, 4, 1, 2], 3) == []
 
