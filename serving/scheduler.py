@@ -33,7 +33,8 @@ the in-flight ones, so an early free never corrupts a running step.
 Speculative decoding (`schedule(spec)`, serving/speculative.py): when every running
 sequence decodes, is eligible, nothing waiting can be admitted, at most `spec.max_seqs`
 run and the pages for q = k + 1 tokens of each are free, the step is a verification
-step: each sequence computes its last token plus up to k drafts (`num_drafts`), and
+step (unless nothing at all was proposed: then the plain decode step runs): each
+sequence computes its last token plus up to k drafts (`num_drafts`), and
 `update` takes the accepted drafts and the next token (a list per entry), rewinding
 `num_computed_tokens` to the last accepted position. K/V written for rejected drafts
 stay in held pages and are overwritten later. Otherwise the step is planned as usual.
@@ -207,12 +208,14 @@ class Scheduler:
                 group.release(ring, seq.num_computed_tokens)
         q = 0
         if spec is not None and self._can_verify(spec):
-            q = spec.q
-            work = [(seq, max(0, min(q - 1, seq.params.max_tokens - seq.num_output_tokens - 1)))
+            work = [(seq, max(0, min(spec.q - 1, seq.params.max_tokens - seq.num_output_tokens - 1)))
                     for seq in self.running]
-            for (seq, n_max), drafts in zip(work, spec.propose(work), strict=True):
-                step.add(self._commit_verify(seq, q, drafts[:n_max]), decode=True)
-        else:
+            drafts = [d[:n] for (_, n), d in zip(work, spec.propose(work), strict=True)]
+            if any(drafts):  # else the plain decode step: nothing to verify
+                q = spec.q
+                for (seq, _), d in zip(work, drafts, strict=True):
+                    step.add(self._commit_verify(seq, q, d), decode=True)
+        if not q:
             self._schedule_decodes(step)
             self._schedule_partial_prefills(step)
             if not step.preempted:  # pages are short: let the preempted go first next step

@@ -174,6 +174,14 @@ def test_ngram_drafter_and_stops(native, native_engine):
     assert run(eng, [prompt], seeded) == run(eng, [prompt], seeded)
     seeded = SamplingParams(temperature=1.0, top_k=5, seed=5, max_tokens=12, ignore_eos=True)
     assert run(eng, [prompt], seeded) == run(eng, [prompt], seeded)
+    class Silent:
+        def propose(self, tokens, n):
+            return []
+
+    eng.drafter = Silent()  # nothing proposed: plain decode steps, no verification
+    steps = eng.stats()["spec_verify_steps"]
+    assert run(eng, [prompt], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)) == [ref[:6]]
+    assert eng.stats()["spec_verify_steps"] == steps
     assert NgramDrafter(3, 1, 3).propose([1, 2, 3, 4, 1, 2], 3) == [3, 4, 1]
     assert NgramDrafter(3, 2, 3).propose([5, 2, 3, 4, 1, 2], 3) == []
 
