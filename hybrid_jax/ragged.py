@@ -6,9 +6,19 @@ the conv and scans read each sequence's state from its slot (zero when `has_init
 is False) and write the final state back. `decode=True` is the one-token-per-sequence
 specialisation (t == b). Kernels come from `pallas_kernels` under its one impl switch.
 Cached decoding through this path reproduces the full forward token for token.
+
+`forward_verify` is the speculative-decoding variant: every sequence has the same q
+tokens (the last sampled token and q - 1 drafts). Attention takes the q-token queries
+through the paged prefill kernel; recurrent layers (conv, SSM, RG-LRU, short conv) run
+the one-token decode kernels q times on the sequences' gathered states and keep the
+state after EACH position (`Candidates`, [q, b, ...]) instead of writing it back: once
+the acceptance is known, `choose` writes the state after the last accepted position
+into the slots. A rejected token's effect never reaches a slot.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -61,11 +71,44 @@ def _attention(layer: Attention | DepthAttention, x: jax.Array, batch: RaggedBat
     return layer.output(o[..., :e].astype(x.dtype)), KVCache(k_pages, v_pages)
 
 
+def _positions(q: int, step: Callable, xs: tuple[jax.Array, ...], states: tuple[jax.Array, ...],
+               slot_ids: jax.Array):
+    """Run a one-token decode `step` over q positions per sequence (verification).
+
+    xs: per-token inputs [t = b * q, ...] (sequence-major); states: full slot arrays.
+    `step(x_j..., local_states, rows)` is a decode kernel call on the b gathered states.
+    Returns (outputs [t, ...] per output of step, candidates: tuple of [q, b, ...], the
+    state after each position). The slot arrays are not written.
+    """
+    b = slot_ids.shape[0]
+    local = tuple(s[slot_ids] for s in states)
+    rows = jnp.arange(b, dtype=jnp.int32)
+    outs, cands = [], []
+    for j in range(q):
+        y, local = step(*(x.reshape(b, q, *x.shape[1:])[:, j] for x in xs), local, rows)
+        outs.append(y)
+        cands.append(local)
+    out = jax.tree.map(lambda *ys: jnp.stack(ys, 1).reshape(b * q, *ys[0].shape[1:]), *outs)
+    return out, tuple(jnp.stack(c) for c in zip(*cands, strict=True))
+
+
 def _mamba(layer: Mamba2Mixer, x: jax.Array, batch: RaggedBatch, st: Mamba2State,
-           decode: bool) -> tuple[jax.Array, Mamba2State]:
+           decode: bool, q: int = 0) -> tuple[jax.Array, Mamba2State]:
     cfg = layer.cfg
     z, xbc, dt = layer.project(x)
     w, bias = layer.conv_weight[...], layer.conv_bias_value()
+    if q:
+        A, D, dt_bias = layer.A(), layer.D[...], layer.dt_bias[...]
+
+        def step(xbc_j, dt_j, local, rows):
+            conv, ssm = local
+            u, conv = conv1d_decode(xbc_j, w, bias, conv, rows, activation="silu")
+            xs, B, C = layer.split_xbc(u)
+            y, ssm = ssm_decode(xs, dt_j, A, B, C, D, dt_bias, ssm, rows, dt_limit=cfg.dt_limit)
+            return y, (conv, ssm)
+
+        y, cands = _positions(q, step, (xbc, dt), (st.conv, st.ssm), batch.slot_ids)
+        return layer.output(y, z, x.dtype), Mamba2State(*cands)
     if decode:
         xbc, conv = conv1d_decode(xbc, w, bias, st.conv, batch.slot_ids, activation="silu")
     else:
@@ -82,9 +125,19 @@ def _mamba(layer: Mamba2Mixer, x: jax.Array, batch: RaggedBatch, st: Mamba2State
 
 
 def _recurrent(layer: RecurrentBlock, x: jax.Array, batch: RaggedBatch, st: RGLRUState,
-               decode: bool) -> tuple[jax.Array, RGLRUState]:
+               decode: bool, q: int = 0) -> tuple[jax.Array, RGLRUState]:
     y, u = layer.branches(x)
     w, bias = layer.conv_weight[...], layer.conv_bias[...]
+    if q:
+        def step(u_j, pos_j, local, rows):
+            conv, hs = local
+            v, conv = conv1d_decode(u_j, w, bias, conv, rows, activation=None)
+            a, xt = layer.gates(v, pos_j)
+            h, hs = linear_scan_decode(a, xt, hs, rows)
+            return h, (conv, hs)
+
+        h, cands = _positions(q, step, (u, batch.positions), (st.conv, st.h), batch.slot_ids)
+        return layer.output(h, y), RGLRUState(*cands)
     if decode:
         u, conv = conv1d_decode(u, w, bias, st.conv, batch.slot_ids, activation=None)
     else:
@@ -100,9 +153,17 @@ def _recurrent(layer: RecurrentBlock, x: jax.Array, batch: RaggedBatch, st: RGLR
 
 
 def _short_conv(layer: ShortConv, x: jax.Array, batch: RaggedBatch, st: ShortConvState,
-                decode: bool) -> tuple[jax.Array, ShortConvState]:
+                decode: bool, q: int = 0) -> tuple[jax.Array, ShortConvState]:
     bx, C = layer.gates(x)
     w, bias = layer.conv_weight[...], layer.conv_bias_value()
+    if q:
+        def step(bx_j, local, rows):
+            (conv,) = local
+            y, conv = conv1d_decode(bx_j, w, bias, conv, rows, activation=None)
+            return y, (conv,)
+
+        y, cands = _positions(q, step, (bx,), (st.conv,), batch.slot_ids)
+        return layer.output(y, C), ShortConvState(*cands)
     if decode:
         y, conv = conv1d_decode(bx, w, bias, st.conv, batch.slot_ids, activation=None)
     else:
@@ -122,8 +183,12 @@ def _shared_block(shared: SharedBlock, block: Block, h: jax.Array, e: jax.Array,
 
 def block_ragged(block: Block, h: jax.Array, batch: RaggedBatch, cache: LayerCache,
                  group: int | None, decode: bool,
-                 shared: jax.Array | None = None) -> tuple[jax.Array, LayerCache]:
-    """One residual layer over the ragged tokens h [t, d]; mirrors `Block.__call__`."""
+                 shared: jax.Array | None = None, q: int = 0) -> tuple[jax.Array, LayerCache]:
+    """One residual layer over the ragged tokens h [t, d]; mirrors `Block.__call__`.
+
+    q > 0: verification (every sequence has q tokens); the recurrent fields of the
+    returned cache are candidates [q, b, ...] (see `forward_verify`), not slot arrays.
+    """
     cfg = block.cfg
     if block.temporal_norm is None:  # MLP-kind layer: no temporal mixer, no cache
         return block.mix(h, None), cache
@@ -135,13 +200,13 @@ def block_ragged(block: Block, h: jax.Array, batch: RaggedBatch, cache: LayerCac
                            group, decode)
         out = out + a * cfg.attention_out_multiplier
     if block.mamba is not None:
-        m, mamba = _mamba(block.mamba, _scale(u, cfg.ssm_in_multiplier), batch, mamba, decode)
+        m, mamba = _mamba(block.mamba, _scale(u, cfg.ssm_in_multiplier), batch, mamba, decode, q)
         out = out + m * cfg.ssm_out_multiplier
     if block.recurrent is not None:
-        r, rglru = _recurrent(block.recurrent, u, batch, rglru, decode)
+        r, rglru = _recurrent(block.recurrent, u, batch, rglru, decode, q)
         out = out + r
     if block.conv is not None:
-        c, short_conv = _short_conv(block.conv, u, batch, short_conv, decode)
+        c, short_conv = _short_conv(block.conv, u, batch, short_conv, decode, q)
         out = out + c
     return block.mix(h, out), LayerCache(kv, mamba, rglru, short_conv)
 
@@ -160,3 +225,40 @@ def forward_ragged(model: CausalLM, batch: RaggedBatch, caches: tuple[LayerCache
         h, cache = block_ragged(block, h, batch, cache, group, decode, shared)
         new.append(cache)
     return model.logits(jnp.take(h, batch.last_token, axis=0)), tuple(new)
+
+
+def forward_verify(model: CausalLM, batch: RaggedBatch, caches: tuple[LayerCache, ...], q: int
+                   ) -> tuple[jax.Array, tuple[LayerCache, ...]]:
+    """Verification forward: every sequence has q tokens (t = b * q, sequence-major).
+
+    Returns (logits [t, v] f32 at EVERY token, caches whose K/V pages are written for
+    all t tokens and whose recurrent fields are candidates [q, b, ...]: the state after
+    each of the q positions; the slot arrays are untouched, see `choose`).
+    """
+    h = e = model.embed_tokens(batch.tokens)
+    new = []
+    for block, cache, group in zip(model.layers, caches, layer_groups(model.cfg), strict=True):
+        shared = None
+        if block.depth is not None:
+            sb = model.shared_blocks[block.depth.block]
+            shared, kv = _shared_block(sb, block, h, e, batch, cache.kv, group, False)
+            cache = cache._replace(kv=kv)
+        h, cache = block_ragged(block, h, batch, cache, group, False, shared, q)
+        new.append(cache)
+    return model.logits(h), tuple(new)
+
+
+def choose(caches: tuple[LayerCache, ...], candidates: tuple[LayerCache, ...], slot_ids: jax.Array,
+           index: jax.Array) -> tuple[LayerCache, ...]:
+    """Write candidate state `index[i]` (0..q-1) of sequence i into slot `slot_ids[i]`.
+
+    caches: the slot arrays before verification; candidates: `forward_verify`'s caches.
+    K/V pages come from the candidates (already written).
+    """
+    rows = jnp.arange(slot_ids.shape[0])
+    out = []
+    for old, cand in zip(caches, candidates, strict=True):
+        states = jax.tree.map(lambda s, c: s.at[slot_ids].set(c[index, rows].astype(s.dtype)),
+                              old._replace(kv=None), cand._replace(kv=None))
+        out.append(states._replace(kv=cand.kv))
+    return tuple(out)

@@ -88,7 +88,9 @@ GENERATE_DEFAULTS = {"max_tokens": 64, "temperature": 0.6, "top_p": 0.9, "top_k"
 # EngineConfig's defaults, written out so that `--help` needs no JAX import
 # (tests/serving/test_server_cli.py checks that they match).
 ENGINE_DEFAULTS = {"max_num_seqs": 32, "max_num_batched_tokens": 512, "max_prefill_chunk": 256,
-                   "page_size": 16, "memory_fraction": 0.5, "prefix_state_stride": 256}
+                   "page_size": 16, "memory_fraction": 0.5, "prefix_state_stride": 256,
+                   "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+                   "speculative_disable_by_batch_size": 16}
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
@@ -119,6 +121,37 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     pc.add_argument("--prefix-state-checkpoints", type=int, default=None,
                     help="state checkpoints kept on the device, each the size of one sequence's "
                          "recurrent state (default: 2 x max-num-seqs, at least 16)")
+    _spec_args(p)
+
+
+def _spec_args(p: argparse.ArgumentParser) -> None:
+    d = ENGINE_DEFAULTS
+    sd = p.add_argument_group("speculative decoding (docs/engine.md)")
+    sd.add_argument("--speculative-method", choices=["ngram", "draft"], default=None,
+                    help="draft tokens by prompt lookup (ngram) or a draft model, verify them in one step")
+    sd.add_argument("--num-speculative-tokens", type=int, default=d["num_speculative_tokens"],
+                    help=f"drafted tokens per sequence and step, 1..8 "
+                         f"(default {d['num_speculative_tokens']})")
+    sd.add_argument("--speculative-model", default=None,
+                    help="the draft model (path or preset) for --speculative-method draft")
+    sd.add_argument("--prompt-lookup-min", type=int, default=d["prompt_lookup_min"],
+                    help=f"shortest n-gram matched by ngram (default {d['prompt_lookup_min']})")
+    sd.add_argument("--prompt-lookup-max", type=int, default=d["prompt_lookup_max"],
+                    help=f"longest n-gram matched by ngram (default {d['prompt_lookup_max']})")
+    sd.add_argument("--speculative-disable-by-batch-size", type=int,
+                    default=d["speculative_disable_by_batch_size"],
+                    help="no speculation in a step with more running sequences than this "
+                         f"(default {d['speculative_disable_by_batch_size']}; 0 = never off)")
+
+
+def _spec_kwargs(args: argparse.Namespace) -> dict[str, object]:
+    """EngineConfig's speculative-decoding settings from the CLI flags."""
+    limit = args.speculative_disable_by_batch_size
+    return dict(speculative_method=args.speculative_method,
+                num_speculative_tokens=args.num_speculative_tokens,
+                speculative_model=args.speculative_model, prompt_lookup_min=args.prompt_lookup_min,
+                prompt_lookup_max=args.prompt_lookup_max,
+                speculative_disable_by_batch_size=None if limit == 0 else limit)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -139,6 +172,7 @@ def _parser() -> argparse.ArgumentParser:
                      help=f"keep the k most likely tokens, -1 = off (default {GENERATE_DEFAULTS['top_k']})")
     gen.add_argument("--seed", type=int, default=GENERATE_DEFAULTS["seed"],
                      help=f"sampling seed, for reproducible output (default {GENERATE_DEFAULTS['seed']})")
+    _spec_args(gen)
 
     serve = _sub(sub, "serve", "serve a model over gRPC, with Prometheus metrics", SERVE_EPILOG)
     _model_args(serve)
@@ -200,7 +234,8 @@ def _generate(args: argparse.Namespace) -> int:
     # One sequence: few buckets to compile, and room for exactly this prompt + output.
     chunk = min(64, max(16, len(prompt)))
     cfg = EngineConfig(max_num_seqs=1, max_num_batched_tokens=chunk, max_prefill_chunk=chunk,
-                       max_model_len=len(prompt) + args.max_tokens, dtype=args.dtype)
+                       max_model_len=len(prompt) + args.max_tokens, dtype=args.dtype,
+                       **_spec_kwargs(args))
     llm = LLM.from_engine(LLMEngine(lm, cfg))
     print(text, end="", flush=True)
     for delta in llm.stream(prompt_token_ids=prompt, sampling_params=sampling):
@@ -260,7 +295,7 @@ def _serve_model(args: argparse.Namespace, model: str, tls, limits) -> int:
                        ssm_state_dtype=args.ssm_state_dtype, async_scheduling=not args.no_async_scheduling,
                        enable_prefix_caching=args.enable_prefix_caching,
                        prefix_state_stride=args.prefix_state_stride,
-                       prefix_state_checkpoints=args.prefix_state_checkpoints)
+                       prefix_state_checkpoints=args.prefix_state_checkpoints, **_spec_kwargs(args))
     engine = LLMEngine(load_model(model, dtype=args.dtype, seed=args.weights_seed), cfg)
     server = GenerationServer(engine, model_name=args.model, host=args.host, port=args.port,
                               metrics_port=None if args.metrics_port < 0 else args.metrics_port,

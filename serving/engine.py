@@ -12,6 +12,7 @@ import itertools
 import logging
 import os
 import sys
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -30,8 +31,9 @@ from serving.runner import ModelRunner, Pending, StepResult
 from serving.sampling import SUPPRESS_WIDTH, SamplingArrays
 from serving.sampling_params import SamplingParams
 from serving.schedule import PENDING, Schedule, flatten
-from serving.scheduler import Scheduler
+from serving.scheduler import Scheduler, SpecPlan
 from serving.sequence import FinishReason, Sequence
+from serving.speculative import NgramDrafter, SpecCounters
 
 log = logging.getLogger(__name__)
 
@@ -96,8 +98,12 @@ class LLMEngine:
             max_num_seqs=sc.max_num_seqs, max_num_batched_tokens=sc.max_num_batched_tokens,
             seq_sizes=self.config.seq_buckets, token_sizes=self.config.token_buckets,
             state_dtype=DTYPES[self.config.ssm_state_dtype], num_checkpoints=sc.num_checkpoints,
-            ckpt_ops=sc.max_checkpoint_ops if sc.prefix_caching else 0)
+            ckpt_ops=sc.max_checkpoint_ops if sc.prefix_caching else 0,
+            spec_q=self.config.spec_q, spec_max_seqs=min(self.config.spec_max_seqs, sc.max_num_seqs))
+        self._spec = self._spec_plan(lm)
         self.runner.compile_all(_progress if show_progress else None)
+        if self.drafter is not None and hasattr(self.drafter, "compile_all"):
+            self.drafter.compile_all()
         self.requests: dict[str, _Request] = {}
         self._inflight: deque[_Launched] = deque()  # dispatched steps not yet resolved
         self._faults = FaultIsolator(self)
@@ -106,6 +112,40 @@ class LLMEngine:
         log.info("engine ready: %d slots, pages %s, KV %.1f MiB, state %.1f MiB",
                  sc.num_slots - 1, [g.num_pages - 1 for g in sc.groups],
                  self.plan.kv_bytes / 2**20, self.plan.state_bytes / 2**20)
+
+    def _spec_plan(self, lm: LoadedModel) -> SpecPlan | None:
+        """The drafter and the scheduler's speculation offer (None: speculation off)."""
+        cfg = self.config
+        self.drafter = None
+        self.spec_counters = SpecCounters(cfg.num_speculative_tokens) if cfg.speculative_method else None
+        if cfg.speculative_method is None:
+            return None
+        if cfg.speculative_method == "ngram":
+            self.drafter = NgramDrafter(cfg.num_speculative_tokens, cfg.prompt_lookup_min,
+                                        cfg.prompt_lookup_max)
+        else:
+            from serving.draft_model import DraftModelDrafter
+
+            self.drafter = DraftModelDrafter(cfg, lm, self.plan)
+        return SpecPlan(cfg.spec_q, min(cfg.spec_max_seqs, self.plan.scheduler.max_num_seqs),
+                        self._spec_eligible, self._propose)
+
+    def _spec_eligible(self, seq: Sequence) -> bool:
+        """Verification samples with temperature, top-k, top-p and min-p: no penalties, no
+        logprobs, no EOS suppression (min_tokens) pending."""
+        req, p = self.requests.get(seq.request_id), seq.params
+        penalties = p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+        return (req is not None and not penalties and p.logprobs is None
+                and seq.num_output_tokens >= p.min_tokens)
+
+    def _propose(self, work: list[tuple[Sequence, int]]) -> list[list[int]]:
+        t0 = time.perf_counter()
+        if hasattr(self.drafter, "propose_batch"):  # a draft model: one batch for all
+            out = self.drafter.propose_batch([(s.request_id, s.token_ids, n) for s, n in work])
+        else:
+            out = [self.drafter.propose(s.token_ids, n) if n > 0 else [] for s, n in work]
+        self.spec_counters.draft_time_s += time.perf_counter() - t0
+        return out
 
     # -- requests ----------------------------------------------------------------
 
@@ -197,6 +237,8 @@ class LLMEngine:
         if self.config.enable_prefix_caching:
             out |= {"pages_cached": s.pages_cached, **s.prefix,
                     "prefix_state_checkpoint_bytes": self.plan.checkpoint_pool_bytes}
+        if self.spec_counters is not None:
+            out |= self.spec_counters.stats()
         return out
 
     # -- one step ----------------------------------------------------------------
@@ -208,6 +250,8 @@ class LLMEngine:
         call turns the previous step's tokens into deltas (its result is returned by the
         next call); without it, the step is resolved before returning. Same outputs.
         """
+        if self._spec is not None:
+            return self._spec_step()
         schedule = self.scheduler.schedule()
         deltas: list[RequestDelta] = []
         launched = None
@@ -223,6 +267,42 @@ class LLMEngine:
         while len(self._inflight) > keep:
             deltas += self._resolve(self._inflight.popleft())
         return deltas
+
+    def _spec_step(self) -> list[RequestDelta]:
+        """A step with speculation on: synchronous (the drafts need the last token on the
+        host); a verification step when the scheduler allows it, else a plain one."""
+        if self.drafter is not None and hasattr(self.drafter, "sync"):
+            self.drafter.sync(self.scheduler)
+        schedule = self.scheduler.schedule(self._spec)
+        if schedule.is_empty:
+            return []
+        if not schedule.is_verify:
+            self.spec_counters.plain_steps += 1
+            try:
+                launched = self._dispatch(schedule)
+            except Exception as err:
+                return self._faults.failed(schedule, err)
+            self._faults.succeeded(schedule)
+            return self._resolve(launched)
+        t0 = time.perf_counter()
+        try:
+            arrays = flatten(schedule)
+            sampling, _ = self._sampling(schedule)
+            drafts = np.array([e.num_drafts for e in schedule.entries], np.int32)
+            filters = any(p.temperature > 0 and (p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0)
+                          for p in (e.seq.params for e in schedule.entries))
+            out, accepted = self.runner.verify(arrays, sampling, drafts, filters=filters)
+        except Exception as err:
+            return self._faults.failed(schedule, err)
+        self._faults.succeeded(schedule)
+        c = self.spec_counters
+        c.verify_time_s += time.perf_counter() - t0
+        c.verify_steps += 1
+        tokens = [out[i, :a + 1].tolist() for i, a in enumerate(accepted.tolist())]
+        for e, a in zip(schedule.entries, accepted.tolist(), strict=True):
+            c.record(e.num_drafts, a)
+        outputs = self.scheduler.update(schedule, tokens)
+        return [self._delta(o.seq, o.new_token_ids, None, 0) for o in outputs]
 
     def _dispatch(self, schedule: Schedule) -> _Launched:
         arrays = flatten(schedule)
@@ -281,7 +361,7 @@ class LLMEngine:
             want_top=col["want_top"] != 0)
         return arrays, any(r.full for r in reqs)
 
-    def _delta(self, seq: Sequence, tokens: list[int], result: StepResult, row: int) -> RequestDelta:
+    def _delta(self, seq: Sequence, tokens: list[int], result: StepResult | None, row: int) -> RequestDelta:
         req = self.requests[seq.request_id]
         text = ""
         if req.detok is not None:

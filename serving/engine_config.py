@@ -59,6 +59,19 @@ class EngineConfig:
     enable_prefix_caching: bool = False
     prefix_state_stride: int = 256
     prefix_state_checkpoints: int | None = None
+    # Speculative decoding (docs/engine.md): None, "ngram" (prompt lookup: the tokens that
+    # followed the latest earlier occurrence of the last prompt_lookup_max..min tokens) or
+    # "draft" (a smaller model with the same vocabulary, `speculative_model`: a path or a
+    # preset). Each decoding sequence verifies num_speculative_tokens (k, 1..8) drafts per
+    # step. Speculation is off for a step when more than speculative_disable_by_batch_size
+    # sequences run (None: never off): verification costs k + 1 tokens of compute per
+    # sequence, a loss once the step is compute-bound. It runs the synchronous loop.
+    speculative_method: str | None = None
+    num_speculative_tokens: int = 4
+    speculative_model: str | None = None
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 3
+    speculative_disable_by_batch_size: int | None = 16
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_prefill_chunk", "page_size"):
@@ -75,10 +88,53 @@ class EngineConfig:
                              f"multiple of page_size={self.page_size}")
         if self.prefix_state_checkpoints is not None and self.prefix_state_checkpoints < 1:
             raise ValueError(f"prefix_state_checkpoints={self.prefix_state_checkpoints} must be >= 1")
+        self._check_speculative()
         for name in ("seq_buckets", "token_buckets"):
             sizes = getattr(self, name)
             if sizes is not None and (not sizes or min(sizes) < 1):
                 raise ValueError(f"{name}={sizes} must be a non-empty tuple of sizes >= 1")
+
+
+    def _check_speculative(self) -> None:
+        from serving.speculative import MAX_SPECULATIVE_TOKENS, METHODS
+
+        method = self.speculative_method
+        if method not in METHODS:
+            raise ValueError(f"speculative_method={method!r} must be one of {METHODS}")
+        if method is None:
+            if self.speculative_model is not None:
+                raise ValueError(f"speculative_model={self.speculative_model!r} needs "
+                                 "speculative_method='draft'")
+            return
+        k = self.num_speculative_tokens
+        if not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"num_speculative_tokens={k} must be in 1..{MAX_SPECULATIVE_TOKENS}")
+        if k + 1 > self.max_prefill_chunk:
+            raise ValueError(f"num_speculative_tokens={k}: a verification computes k + 1 tokens per "
+                             f"sequence, more than max_prefill_chunk={self.max_prefill_chunk}")
+        if method == "draft" and not self.speculative_model:
+            raise ValueError("speculative_model: speculative_method='draft' needs a draft model "
+                             "(a path or a preset name)")
+        if method == "ngram" and self.speculative_model is not None:
+            raise ValueError(f"speculative_model={self.speculative_model!r} is only used with "
+                             "speculative_method='draft'")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(f"prompt_lookup_min={self.prompt_lookup_min}, prompt_lookup_max="
+                             f"{self.prompt_lookup_max}: need 1 <= min <= max")
+        limit = self.speculative_disable_by_batch_size
+        if limit is not None and limit < 1:
+            raise ValueError(f"speculative_disable_by_batch_size={limit} must be >= 1 (or None)")
+
+    @property
+    def spec_q(self) -> int:
+        """Tokens per sequence in a verification step (k + 1), 0 when speculation is off."""
+        return self.num_speculative_tokens + 1 if self.speculative_method else 0
+
+    @property
+    def spec_max_seqs(self) -> int:
+        """The most running sequences a verification step takes."""
+        limit = self.speculative_disable_by_batch_size
+        return self.max_num_seqs if limit is None else min(limit, self.max_num_seqs)
 
 
 @dataclass(frozen=True)
@@ -120,6 +176,8 @@ def plan_pools(model: ModelConfig, cfg: EngineConfig, *, free_bytes: int | None,
     chunk = min(cfg.max_prefill_chunk, cfg.max_num_batched_tokens)
     need = [ring_width(w, cfg.page_size, chunk, max_len) for w in model.windows]
     held = [decode_page_bound(w, cfg.page_size, max_len) for w in model.windows]
+    if cfg.spec_q:  # a verification step holds the pages of q tokens per sequence
+        held = [ring_width(w, cfg.page_size, cfg.spec_q, max_len) for w in model.windows]
     chunks_per_step = -(-cfg.max_num_batched_tokens // chunk)
     extra = [(n - h) * chunks_per_step for n, h in zip(need, held, strict=True)]
     one_seq = sum(n * b for n, b in zip(need, page_bytes, strict=True)) + slot_bytes
@@ -131,6 +189,16 @@ def plan_pools(model: ModelConfig, cfg: EngineConfig, *, free_bytes: int | None,
     else:
         budget = cfg.memory_fraction * ((free_bytes or CPU_MEMORY_BYTES) - weight_bytes)
         budget -= ckpts * ckpt_bytes
+        # Speculative verification keeps the state after each of q positions for every
+        # verified sequence until the acceptance is known (candidates, inside the step).
+        spec_bytes = cfg.spec_q * cfg.spec_max_seqs * ckpt_bytes
+        if spec_bytes and budget - spec_bytes < one_seq:
+            raise ValueError(
+                f"num_speculative_tokens={cfg.num_speculative_tokens}: verifying "
+                f"{cfg.spec_max_seqs} sequences keeps {cfg.spec_q} recurrent states each "
+                f"({spec_bytes / 2**20:.1f} MiB) and leaves too little for one sequence: lower "
+                "num_speculative_tokens or speculative_disable_by_batch_size, or raise memory_fraction")
+        budget -= spec_bytes
         if budget < one_seq and ckpts:
             raise ValueError(
                 f"prefix_state_checkpoints={ckpts - 1} take {ckpts * ckpt_bytes / 2**20:.1f} MiB and "

@@ -21,6 +21,10 @@
   pages_cached{group}                gauge: idle cached pages (evictable)
   prefix_cache_page_evictions_total{group}, prefix_state_checkpoint_evictions_total   counters
   prefix_state_checkpoints_in_use / _total, prefix_state_checkpoint_bytes   gauges
+  with speculative decoding on (stats() too):
+  spec_proposed_tokens_total, spec_accepted_tokens_total, spec_verify_steps_total,
+  spec_draft_time_seconds_total, spec_verify_time_seconds_total   counters
+  spec_acceptance_rate, spec_mean_accepted_length, spec_acceptance_per_position{position}   gauges
 
 Pool gauges are computed at scrape time (a custom collector over `stats()`), so they
 are never stale, e.g. right after a cancelled request freed its pages. This module
@@ -82,6 +86,29 @@ class _PoolCollector(Collector):
             yield g
         if "prefix_cache_hit_tokens" in s:
             yield from _prefix_metrics(s)
+        if "spec_proposed_tokens" in s:
+            yield from _spec_metrics(s)
+
+
+def _spec_metrics(s: dict[str, object]) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    """Speculative-decoding series from the engine's stats() (present when it is on)."""
+    for name, key, doc in (("spec_proposed_tokens", "spec_proposed_tokens", "Drafted tokens verified"),
+                           ("spec_accepted_tokens", "spec_accepted_tokens", "Drafted tokens accepted"),
+                           ("spec_verify_steps", "spec_verify_steps", "Verification steps"),
+                           ("spec_draft_time_seconds", "spec_draft_time_s", "Seconds spent drafting"),
+                           ("spec_verify_time_seconds", "spec_verify_time_s",
+                            "Seconds spent in verification steps")):
+        yield CounterMetricFamily(f"hybrid_jax_{name}", doc, value=s[key])
+    yield GaugeMetricFamily("hybrid_jax_spec_acceptance_rate", "Accepted / proposed drafted tokens",
+                            value=s["spec_acceptance_rate"])
+    yield GaugeMetricFamily("hybrid_jax_spec_mean_accepted_length",
+                            "Tokens emitted per verified sequence (accepted drafts + 1)",
+                            value=s["spec_mean_accepted_length"])
+    g = GaugeMetricFamily("hybrid_jax_spec_acceptance_per_position",
+                          "Acceptance rate of the j-th drafted token", labels=["position"])
+    for j, rate in enumerate(s["spec_acceptance_per_position"]):
+        g.add_metric([str(j)], rate)
+    yield g
 
 
 def _prefix_metrics(s: dict[str, object]) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:

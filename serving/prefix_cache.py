@@ -203,10 +203,14 @@ class PrefixCache:
                 return b
         return None
 
-    def commit(self, entry) -> None:
-        """A step was resolved: key its checkpoint and the full pages it computed."""
+    def commit(self, entry, end: int | None = None) -> None:
+        """A step was resolved: key its checkpoint and the full pages it computed.
+
+        `end`: one past the last position whose K/V and state are real (a verification
+        step computed rejected drafts beyond it); default the entry's end.
+        """
         seq, s = entry.seq, self.page_size
-        end = entry.start + entry.num_tokens
+        end = entry.start + entry.num_tokens if end is None else end
         if entry.save:
             self.ckpts.commit(entry.save, self.keys(seq, end // s)[end // s - 1])
         if seq.status is not SequenceStatus.RUNNING or end < s:

@@ -31,12 +31,13 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from hybrid_jax.cache import LayerCache, RaggedBatch, init_caches
 from hybrid_jax.model import CausalLM
-from hybrid_jax.ragged import forward_ragged
+from hybrid_jax.ragged import choose, forward_ragged, forward_verify
 from serving.host_pack import HostLayout, host_layout
 from serving.packing import PackLayout, pack, unpack
 from serving.penalties import TokenStats, apply_penalties, init_token_stats, update_token_stats
 from serving.sampling import SamplingArrays, sample
 from serving.schedule import PENDING, StepArrays
+from serving.speculative import accept
 
 log = logging.getLogger(__name__)
 TOP_LOGPROBS = 20  # top-n logprobs computed every step (n <= 20 per request)
@@ -54,6 +55,7 @@ class Bucket:
     tokens: int
     seqs: int
     decode: bool
+    verify: bool = False  # speculative verification: seqs sequences of tokens // seqs each
 
 
 def _geometric(lo: int, hi: int, factor: int) -> list[int]:
@@ -169,6 +171,29 @@ def _forward_fn(graphdef: nnx.GraphDef, layout: PackLayout, decode: bool, host: 
     return jax.jit(forward_ckpt, donate_argnums=(1, 2, 5))
 
 
+def _verify_fn(graphdef: nnx.GraphDef, layout: PackLayout, q: int, host: HostLayout,
+               filters: bool) -> Callable:
+    """A verification step: forward over q tokens per sequence, acceptance, state choice.
+
+    One executable: the forward keeps every recurrent state after each of the q
+    positions (candidates), `accept` decides on the device how many drafts each row
+    keeps, and `choose` writes the state after the last accepted position into the
+    slots. Penalty statistics are not updated (rows with penalties are never verified).
+    `filters`: top-k / top-p / min-p (a vocabulary sort per token; off when no row asks).
+    """
+
+    def verify(params, caches, buf):
+        batch, num_drafts, sampling = host.unpack(buf)
+        model = nnx.merge(graphdef, unpack(layout, params))
+        logits, candidates = forward_verify(model, batch, caches, q)
+        b = batch.slot_ids.shape[0]
+        out, accepted = accept(logits.reshape(b, q, -1), batch.tokens.reshape(b, q), num_drafts, sampling,
+                               filters=filters)
+        return choose(caches, candidates, batch.slot_ids, accepted), out, accepted
+
+    return jax.jit(verify, donate_argnums=(1,))
+
+
 def _sampler_fn(full: bool, max_seqs: int, host: HostLayout) -> Callable:
     """Sampling from a step's logits. full=False: no penalties, filters or top-n logprobs.
 
@@ -218,7 +243,7 @@ class ModelRunner:
                  seq_sizes: tuple[int, ...] | None = None,
                  token_sizes: tuple[int, ...] | None = None,
                  state_dtype: jnp.dtype = jnp.float32, num_checkpoints: int = 0,
-                 ckpt_ops: int = 0):
+                 ckpt_ops: int = 0, spec_q: int = 0, spec_max_seqs: int = 0):
         self.cfg = model.cfg
         self.mesh = mesh or Mesh(np.asarray(jax.devices()[:1]), ("tp",))
         self.replicated = NamedSharding(self.mesh, PartitionSpec())
@@ -249,6 +274,20 @@ class ModelRunner:
         self.compiled: dict[Bucket, Callable] = {}
         self.samplers: dict[tuple[int, bool], Callable] = {}
         self._host_layouts()
+        # Speculative decoding: verification buckets of b sequences x spec_q tokens, for
+        # the decode ladder's sizes up to spec_max_seqs (speculation is off above it),
+        # each compiled with and without the sampling filters.
+        self.spec_q = spec_q
+        self.verify_buckets: list[Bucket] = []
+        self.verify_layouts: dict[Bucket, HostLayout] = {}
+        self.verifiers: dict[tuple[Bucket, bool], Callable] = {}
+        if spec_q:
+            limit = min(spec_max_seqs, self.max_seqs)
+            sizes = sorted({*(b.seqs for b in self.buckets if b.decode and b.seqs < limit), limit})
+            self.verify_buckets = [Bucket(b * spec_q, b, False, True) for b in sizes]
+            for bk in self.verify_buckets:
+                batch, sampling = self._dummy(bk)
+                self.verify_layouts[bk] = host_layout((batch, np.zeros(bk.seqs, np.int32), sampling))
 
     def _host_tree(self, bucket: Bucket, batch: RaggedBatch, sampling: SamplingArrays,
                    feed: np.ndarray, ops: CkptOps | None) -> tuple:
@@ -288,6 +327,13 @@ class ModelRunner:
             buf = jax.ShapeDtypeStruct((host.size,), jnp.int32)
             low = fwd.lower(self.params, self.caches, self.stats, buf, self.last_tokens, *extra)
             jobs.append((bucket, low))
+        for bucket in self.verify_buckets:
+            host = self.verify_layouts[bucket]
+            buf = jax.ShapeDtypeStruct((host.size,), jnp.int32)
+            for filters in (False, True):
+                low = _verify_fn(self.graphdef, self.layout, self.spec_q, host, filters).lower(
+                    self.params, self.caches, buf)
+                jobs.append(((bucket, filters), low))
         for b in sorted({bk.seqs for bk in self.buckets}):
             logits = jax.ShapeDtypeStruct((b, self.cfg.vocab_size), jnp.float32)
             host = self.sampler_layouts[b]
@@ -303,6 +349,8 @@ class ModelRunner:
                 key = futures[fut]
                 if isinstance(key, Bucket):
                     self.compiled[key] = fut.result()
+                elif isinstance(key[0], Bucket):
+                    self.verifiers[key] = fut.result()
                 else:
                     self.samplers[key] = fut.result()
                 if progress is not None:
@@ -344,6 +392,28 @@ class ModelRunner:
         for x in out if full else out[:2]:
             x.copy_to_host_async()
         return Pending(len(arrays.slot_ids), *out)
+
+    def verify(self, arrays: StepArrays, sampling: SamplingArrays, num_drafts: np.ndarray, *,
+               filters: bool = True) -> tuple[np.ndarray, np.ndarray]:
+        """Run a verification step and wait: (tokens [b, q], accepted drafts [b]).
+
+        Every sequence of `arrays` has spec_q tokens (its last token, then drafts).
+        Padded rows have zero length for attention (the ragged convention) and run the
+        recurrent path on their padded tokens in the dummy slot 0.
+        """
+        b = len(arrays.slot_ids)
+        bucket = next((bk for bk in self.verify_buckets if bk.seqs >= b), None)
+        if bucket is None:
+            raise ValueError(f"no verification bucket holds {b} sequences")
+        if not np.all(arrays.query_lens == self.spec_q):
+            raise ValueError(f"a verification step needs {self.spec_q} tokens per sequence")
+        bs = bucket.seqs
+        samp = SamplingArrays(*(_pad_rows(np.asarray(x), bs) for x in sampling))
+        tree = (self._pad(arrays, bucket), _pad_rows(num_drafts.astype(np.int32), bs), samp)
+        buf = jax.device_put(self.verify_layouts[bucket].pack(tree), self.replicated)
+        self.caches, out, accepted = self.verifiers[(bucket, filters)](self.params, self.caches, buf)
+        out, accepted = jax.device_get((out, accepted))
+        return out[:b], accepted[:b]
 
     @staticmethod
     def fetch(p: Pending) -> StepResult:

@@ -52,6 +52,9 @@ class ScheduledSeq:
     # slot's state (position start + c) is copied into checkpoint `save`.
     restore: int = -1
     save: int = 0
+    # Speculative decoding: >= 0 for a verification entry, whose token_ids are the last
+    # sampled token then `num_drafts` drafted tokens, padded to the step's q tokens.
+    num_drafts: int = -1
 
     @property
     def num_tokens(self) -> int:
@@ -78,6 +81,11 @@ class Schedule:
     ring_widths: tuple[int, ...]
     page_size: int
     preempted: tuple[Sequence, ...] = ()
+    spec_q: int = 0  # > 0: a verification step, every entry a decode of spec_q tokens
+
+    @property
+    def is_verify(self) -> bool:
+        return self.spec_q > 0
 
     @property
     def num_seqs(self) -> int:

@@ -30,6 +30,16 @@ id, stop string) seen one step late discards the extra step's sample. Freed page
 and slots are only reused by steps dispatched later, which the device runs after
 the in-flight ones, so an early free never corrupts a running step.
 
+Speculative decoding (`schedule(spec)`, serving/speculative.py): when every running
+sequence decodes, is eligible, nothing waiting can be admitted, at most `spec.max_seqs`
+run and the pages for q = k + 1 tokens of each are free, the step is a verification
+step (unless nothing at all was proposed: then the plain decode step runs): each
+sequence computes its last token plus up to k drafts (`num_drafts`), and
+`update` takes the accepted drafts and the next token (a list per entry), rewinding
+`num_computed_tokens` to the last accepted position. K/V written for rejected drafts
+stay in held pages and are overwritten later. Otherwise the step is planned as usual.
+Verification needs the synchronous loop (no schedule in flight).
+
 Prefix caching (`config.prefix_caching`, serving/prefix_cache.py): a sequence admitted
 with nothing computed starts at the longest cached prefix where every layer group can
 resume (shared pages, a state checkpoint restored into its slot in its first step);
@@ -44,7 +54,7 @@ from __future__ import annotations
 import bisect
 import itertools
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -98,6 +108,16 @@ class _Step:
         (self.decodes if decode else self.prefills).append(entry)
         self.scheduled.add(entry.seq.request_id)
         self.budget -= entry.num_tokens
+
+
+class SpecPlan(NamedTuple):
+    """What the engine offers for a verification step (see the module docstring)."""
+
+    q: int  # tokens per sequence: 1 + k
+    max_seqs: int  # speculate only while at most this many sequences run
+    eligible: Callable[[Sequence], bool]  # the sequence may be verified (its sampling allows it)
+    # (sequence, n) pairs -> up to n drafts following each sequence's token_ids
+    propose: Callable[[list[tuple[Sequence, int]]], list[list[int]]]
 
 
 class Scheduler:
@@ -173,8 +193,11 @@ class Scheduler:
 
     # -- one step -------------------------------------------------------------
 
-    def schedule(self) -> Schedule:
-        """Choose the next step's work and allocate its pages (see the module docstring)."""
+    def schedule(self, spec: SpecPlan | None = None) -> Schedule:
+        """Choose the next step's work and allocate its pages (see the module docstring).
+
+        With `spec`, the step is a verification step when the conditions hold.
+        """
         if len(self._inflight) >= 2:
             raise RuntimeError("schedule() called with two Schedules still awaiting update()")
         step = _Step(budget=self.config.max_num_batched_tokens)
@@ -183,10 +206,20 @@ class Scheduler:
         for seq in self.running:
             for group, ring in zip(self.groups, seq.rings, strict=True):
                 group.release(ring, seq.num_computed_tokens)
-        self._schedule_decodes(step)
-        self._schedule_partial_prefills(step)
-        if not step.preempted:  # pages are short: let the preempted go first next step
-            self._admit_waiting(step)
+        q = 0
+        if spec is not None and self._can_verify(spec):
+            work = [(seq, max(0, min(spec.q - 1, seq.params.max_tokens - seq.num_output_tokens - 1)))
+                    for seq in self.running]
+            drafts = [d[:n] for (_, n), d in zip(work, spec.propose(work), strict=True)]
+            if any(drafts):  # else the plain decode step: nothing to verify
+                q = spec.q
+                for (seq, _), d in zip(work, drafts, strict=True):
+                    step.add(self._commit_verify(seq, q, d), decode=True)
+        if not q:
+            self._schedule_decodes(step)
+            self._schedule_partial_prefills(step)
+            if not step.preempted:  # pages are short: let the preempted go first next step
+                self._admit_waiting(step)
         schedule = Schedule(
             entries=tuple(step.decodes + step.prefills),
             num_decodes=len(step.decodes),
@@ -194,6 +227,7 @@ class Scheduler:
             ring_widths=tuple(g.width for g in self.groups),
             page_size=self.config.page_size,
             preempted=tuple(step.preempted),
+            spec_q=q,
         )
         if not schedule.is_empty:
             self._inflight.append(schedule)
@@ -219,6 +253,11 @@ class Scheduler:
         outputs: list[StepOutput] = []
         for entry, token in zip(schedule.entries, sampled_token_ids, strict=True):
             seq = entry.seq
+            if entry.num_drafts >= 0:
+                out = self._update_verify(entry, [int(t) for t in token])
+                if out is not None:
+                    outputs.append(out)
+                continue
             if self.prefix is not None:  # the step ran: its pages and checkpoint are real
                 self.prefix.commit(entry)
             if seq.is_finished:
@@ -236,6 +275,64 @@ class Scheduler:
                 self._finish(seq, reason)
             outputs.append(StepOutput(seq, [int(token)], reason is not None))
         return outputs
+
+    def _update_verify(self, entry: ScheduledSeq, tokens: list[int]) -> StepOutput | None:
+        """A verification entry: `tokens` = accepted drafts then the next token."""
+        seq = entry.seq
+        accepted = len(tokens) - 1
+        assert 0 <= accepted <= entry.num_drafts, (accepted, entry.num_drafts)
+        if seq.is_finished:
+            return None
+        seq.num_pending -= 1
+        new: list[int] = []
+        reason = None
+        for tok in tokens:
+            seq.append_token(tok)
+            new.append(tok)
+            reason = check_stop(seq, self.eos_token_ids)
+            if reason is not None:
+                break
+        if seq.status is RUNNING:
+            seq.num_computed_tokens += accepted  # the state chosen is the last accepted position's
+            if self.prefix is not None:  # pages computed up to it are real (none hold a rejection)
+                self.prefix.commit(entry, end=entry.start + 1 + accepted)
+            for group, ring in zip(self.groups, seq.rings, strict=True):
+                group.release(ring, seq.num_computed_tokens)
+        if reason is not None:
+            self._finish(seq, reason)
+        return StepOutput(seq, new, reason is not None)
+
+    def _can_verify(self, spec: SpecPlan) -> bool:
+        """Whether this step may verify: see the module docstring."""
+        if not self.running or len(self.running) > spec.max_seqs or self._inflight:
+            return False
+        if self.waiting and self._can_admit() and any(s.request_id not in self.held and not s.num_pending
+                                                      for s in self.waiting):
+            return False
+        need = [0] * len(self.groups)
+        for seq in self.running:
+            n = seq.num_computed_tokens
+            if (seq.status is not RUNNING or seq.num_uncomputed_tokens != 1 or seq.num_pending
+                    or n + spec.q > self.config.max_model_len or not spec.eligible(seq)):
+                return False
+            for i, (g, ring) in enumerate(zip(self.groups, seq.rings, strict=True)):
+                need[i] += g.pages_needed(ring, n, spec.q)
+        return all(k <= g.cache.num_free for k, g in zip(need, self.groups, strict=True))
+
+    def _commit_verify(self, seq: Sequence, q: int, drafts: list[int]) -> ScheduledSeq:
+        """Pages for q tokens from the last one; tokens: it, the drafts, padding (id 0)."""
+        n = seq.num_computed_tokens
+        pairs = tuple(zip(self.groups, seq.rings, strict=True))
+        for group, ring in pairs:
+            group.allocate(ring, n, q)
+        entry = ScheduledSeq(
+            seq=seq, token_ids=(seq.token_ids[n], *drafts, *([0] * (q - 1 - len(drafts)))),
+            start=n, slot=seq.slot, ring_rows=tuple(g.row(r) for g, r in pairs),
+            slot_mappings=tuple(tuple(g.slot_mapping(r, n, q)) for g, r in pairs),
+            samples=True, out_index=seq.num_output_tokens, num_drafts=len(drafts))
+        seq.num_computed_tokens += 1  # the drafts count once accepted (update)
+        seq.num_pending += 1
+        return entry
 
     def rollback(self, schedule: Schedule) -> list[Sequence]:
         """Undo a step that failed: its sequences go back to waiting, to be recomputed.

@@ -1,0 +1,150 @@
+"""Speculative decoding: decode tok/s and TPOT with and without it, at batch 1, 8 and 64.
+
+Workload: prompts cut from this repository's Python source (code that quotes its own
+identifiers: where prompt lookup finds its drafts), greedy, ignore_eos. Only steps
+where the whole batch decodes are measured: the window opens when every sequence has
+its first token and closes before the step in which the first one finishes. Reported
+per batch size and mode: decode tokens/s (all sequences), TPOT (window time / tokens
+per sequence), acceptance rate and mean accepted length (tokens per verified
+sequence-step: accepted drafts + 1), and the speed-up over speculation off.
+
+  # n-gram on the shipped code model (trained on Python, docs/training.md), H100 ~2 min:
+  PYTHONPATH=. python benchmarks/speculative.py --method ngram
+  # draft model: native-1b-parallel drafted by native-1b-draft (random weights: the
+  # acceptance is ~0, so this measures the drafting + verification overhead):
+  PYTHONPATH=. python benchmarks/speculative.py --method draft --model native-1b-parallel \
+      --draft-model native-1b-draft --dtype bfloat16
+  # draft model, acceptance ~1 (the model drafts for itself: the mechanics' upper bound):
+  PYTHONPATH=. python benchmarks/speculative.py --method draft --draft-model default
+  PYTHONPATH=. python benchmarks/speculative.py --smoke   # CPU toy run
+
+Speculation is forced on at every batch size here (speculative_disable_by_batch_size
+None) so that the large-batch slowdown is measured; the engine's default (16) turns
+it off above 16 running sequences. Prints one JSON line per (batch, mode).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+
+from hybrid_jax.loading import load_model
+from serving.engine import LLMEngine
+from serving.engine_config import EngineConfig
+from serving.sampling_params import SamplingParams
+
+SOURCES = sorted(Path(__file__).resolve().parent.parent.glob("serving/*.py"))
+
+
+def parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--method", default="ngram", choices=["ngram", "draft"])
+    p.add_argument("--model", default="default")
+    p.add_argument("--draft-model", default="native-py-5m")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    p.add_argument("--batches", default="1,8,64")
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--memory-fraction", type=float, default=0.5)
+    p.add_argument("--smoke", action="store_true", help="CPU toy run (native-tiny, short)")
+    p.add_argument("--out", default=None, help="also append the JSON lines to this file")
+    a = p.parse_args()
+    if a.smoke:
+        a.model, a.draft_model, a.batches = "native-tiny", "native-tiny", "1,4"
+        a.prompt_len, a.output_len = 48, 12
+    return a
+
+
+def prompts(lm, n: int, length: int) -> list[list[int]]:
+    """n prompts of `length` tokens cut from the repository's source (bytes if no tokenizer)."""
+    text = "\n".join(p.read_text() for p in SOURCES)
+    rng = np.random.default_rng(0)
+    out = []
+    for _ in range(n):
+        start = int(rng.integers(0, len(text) - 8 * length))
+        piece = text[start:start + 8 * length]
+        ids = lm.tokenizer.encode(piece, add_bos=True) if lm.tokenizer is not None else list(piece.encode())
+        ids = [t % lm.config.vocab_size for t in ids][:length]
+        out.append(ids)
+    return out
+
+
+def measure(a: argparse.Namespace, lm, b: int, spec: bool) -> dict[str, object]:
+    max_len = a.prompt_len + a.output_len + 16
+    chunk = min(512, a.prompt_len)
+    kw = dict(speculative_method=a.method, num_speculative_tokens=a.k,
+              speculative_disable_by_batch_size=None,
+              speculative_model=a.draft_model if a.method == "draft" else None) if spec else {}
+    cfg = EngineConfig(max_num_seqs=b, max_num_batched_tokens=max(chunk, b), max_prefill_chunk=chunk,
+                       max_model_len=max_len, dtype=a.dtype, memory_fraction=a.memory_fraction,
+                       seq_buckets=(b,), token_buckets=(max(chunk, b),), **kw)
+    t0 = time.perf_counter()
+    eng = LLMEngine(lm, cfg, show_progress=False)
+    startup = time.perf_counter() - t0
+    params = SamplingParams(temperature=0.0, max_tokens=a.output_len, ignore_eos=True)
+    for p in prompts(lm, b, a.prompt_len):
+        eng.add_request(prompt_token_ids=p, params=params)
+    counts: dict[str, int] = {}
+    t_open = None
+    window_tokens, steps = 0, 0
+    before = {}
+    while eng.has_unfinished():
+        deltas = eng.step()
+        te = time.perf_counter()
+        if any(d.finished for d in deltas):
+            break  # the batch is no longer full: the window closed before this step
+        for d in deltas:
+            counts[d.request_id] = counts.get(d.request_id, 0) + len(d.token_ids)
+        if t_open is None:
+            if len(counts) == b and all(c > 0 for c in counts.values()):
+                t_open = te  # every sequence has its first token: decoding from here
+                before = eng.stats()
+            continue
+        window_tokens += sum(len(d.token_ids) for d in deltas)
+        steps += 1
+        t_close = te
+    if t_open is None or not steps:
+        raise SystemExit(f"batch {b}: no step decoded the whole batch (raise --output-len)")
+    dt = t_close - t_open
+    s = eng.stats()
+    row = {"method": a.method if spec else "off", "model": a.model, "batch": b, "k": a.k if spec else 0,
+           "decode_tok_s": window_tokens / dt, "tpot_ms": 1e3 * dt / (window_tokens / b),
+           "steps": steps, "tokens": window_tokens, "startup_s": startup}
+    if spec:
+        prop = s["spec_proposed_tokens"] - before["spec_proposed_tokens"]
+        acc = s["spec_accepted_tokens"] - before["spec_accepted_tokens"]
+        row |= {"acceptance_rate": acc / prop if prop else 0.0,
+                "mean_accepted_length": s["spec_mean_accepted_length"],
+                "acceptance_per_position": s["spec_acceptance_per_position"],
+                "verify_steps": s["spec_verify_steps"], "plain_steps": s["spec_plain_steps"],
+                "draft_time_s": s["spec_draft_time_s"], "verify_time_s": s["spec_verify_time_s"]}
+        if a.method == "draft":
+            row["draft_model"] = a.draft_model
+    del eng
+    gc.collect()
+    return row
+
+
+def main() -> None:
+    a = parse()
+    lm = load_model(a.model, dtype=a.dtype)
+    for b in (int(x) for x in a.batches.split(",")):
+        off = measure(a, lm, b, spec=False)
+        on = measure(a, lm, b, spec=True)
+        on["speedup"] = on["decode_tok_s"] / off["decode_tok_s"]
+        for row in (off, on):
+            line = json.dumps(row)
+            print(line, flush=True)
+            if a.out:
+                with open(a.out, "a") as f:
+                    f.write(line + "\n")
+
+
+if __name__ == "__main__":
+    main()
