@@ -26,13 +26,34 @@ def main() -> None:
     p.add_argument("--out", default=None)
     a = p.parse_args()
     cold = not (os.path.isdir(a.cache_dir) and os.listdir(a.cache_dir))
+    # Where start-up goes: loading the model, the engine without compiling, compiling.
+    from serving.runner import ModelRunner
+
+    phases: dict[str, float] = {}
+    compile_all = ModelRunner.compile_all
+
+    def timed_compile(self, *args, **kwargs):
+        t = time.perf_counter()
+        try:
+            return compile_all(self, *args, **kwargs)
+        finally:
+            phases["compile_s"] = phases.get("compile_s", 0.0) + time.perf_counter() - t
+
+    ModelRunner.compile_all = timed_compile
+    from hybrid_jax.loading import load_model
+
     t0 = time.perf_counter()
-    engine = LLMEngine(a.model, EngineConfig(dtype=a.dtype, compilation_cache_dir=a.cache_dir))
+    lm = load_model(a.model, dtype=a.dtype)
+    jax.block_until_ready(jax.tree.leaves(lm.model))
+    phases["load_s"] = time.perf_counter() - t0
+    engine = LLMEngine(lm, EngineConfig(dtype=a.dtype, compilation_cache_dir=a.cache_dir))
     dt = time.perf_counter() - t0
+    phases["engine_other_s"] = dt - phases["load_s"] - phases.get("compile_s", 0.0)
     res = {"model": a.model, "cache": "cold" if cold else "warm", "startup_s": round(dt, 1),
            "executables": len(engine.runner.compiled) + len(engine.runner.samplers),
            "buckets": [(b.tokens, b.seqs, b.decode) for b in engine.runner.buckets],
-           "import_s": round(t0 - t_import, 1), "device": str(jax.devices()[0])}
+           "import_s": round(t0 - t_import, 1), "device": str(jax.devices()[0]),
+           **{k: round(v, 1) for k, v in phases.items()}}
     print(json.dumps(res))
     if a.out:
         with open(a.out, "a") as f:
