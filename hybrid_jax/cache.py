@@ -111,7 +111,8 @@ def init_caches(cfg: ModelConfig, *, num_pages: tuple[int, ...], page_size: int,
                                jnp.zeros((num_slots, r.width), jnp.float32))
         if spec.kind == LayerKind.SHORT_CONV:
             k = cfg.short_conv.conv_kernel
-            short_conv = ShortConvState(jnp.zeros((num_slots, k - 1, cfg.hidden_size), dtype))
+            c = cfg.short_conv.channels or cfg.hidden_size
+            short_conv = ShortConvState(jnp.zeros((num_slots, k - 1, c), dtype))
         out.append(LayerCache(kv, mamba, rglru, short_conv))
     return tuple(out)
 

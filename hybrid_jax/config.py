@@ -185,6 +185,7 @@ class ShortConvConfig:
 
     conv_kernel: int = 3
     bias: bool = False  # in_proj, conv and out_proj biases (LFM2's conv_bias)
+    channels: int | None = None  # conv channels; None: hidden_size (a tensor-parallel shard: its share)
 
     def __post_init__(self) -> None:
         if self.conv_kernel < 2:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -54,9 +55,17 @@ def byte_tokenizer(cfg: ModelConfig) -> Tokenizer:
     return tok
 
 
-def load_model(model: str = DEFAULT_MODEL, *, dtype: str = "float32", seed: int = 0) -> LoadedModel:
+def load_model(model: str = DEFAULT_MODEL, *, dtype: str = "float32", seed: int = 0,
+               device: jax.Device | None = None) -> LoadedModel:
     """Load `model`: an HF dir (config.json), a native dir, a preset name, or "default"
-    (the shipped model trained on Python source, configs/default_model)."""
+    (the shipped model trained on Python source, configs/default_model).
+
+    `device`: where the parameters are created (default: JAX's default device). Tensor
+    parallelism loads on the host CPU, then puts each device's shard on that device only.
+    """
+    if device is not None:
+        with jax.default_device(device):
+            return load_model(model, dtype=dtype, seed=seed)
     dt = _dtype(dtype)
     model = resolve_model_name(model)
     path = Path(model)

@@ -77,6 +77,9 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--weights-seed", type=int, default=0,
                    help="seed for a preset's random weights (default 0)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                   help="split the model by heads over N local devices (default 1; "
+                        "docs/tensor_parallel.md)")
 
 
 # `generate`'s sampling defaults: sampled (greedy decoding of the small default model falls
@@ -225,7 +228,9 @@ def _generate(args: argparse.Namespace) -> int:
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                               seed=args.seed, max_tokens=args.max_tokens)
     text = _prompt_text(args.prompt)
+    host = _sharded_loading(args.tensor_parallel_size)
     lm = load_model(prepare_model(resolve_model_name(args.model), needs_tokenizer=True, announce=_to_stderr),
+                    device=host,
                     dtype=args.dtype, seed=args.weights_seed)
     if lm.tokenizer is None:
         print(f"error: {args.model} has no tokenizer.json", file=sys.stderr)
@@ -235,13 +240,22 @@ def _generate(args: argparse.Namespace) -> int:
     chunk = min(64, max(16, len(prompt)))
     cfg = EngineConfig(max_num_seqs=1, max_num_batched_tokens=chunk, max_prefill_chunk=chunk,
                        max_model_len=len(prompt) + args.max_tokens, dtype=args.dtype,
-                       **_spec_kwargs(args))
+                       tensor_parallel_size=args.tensor_parallel_size, **_spec_kwargs(args))
     llm = LLM.from_engine(LLMEngine(lm, cfg))
     print(text, end="", flush=True)
     for delta in llm.stream(prompt_token_ids=prompt, sampling_params=sampling):
         print(delta.text, end="", flush=True)
     print()
     return 0
+
+
+def _sharded_loading(n: int):
+    """With --tensor-parallel-size N > 1: refuse too few devices before loading anything,
+    and load on the host (each device then receives only its shard)."""
+    from hybrid_jax import tensor_parallel as tp
+
+    tp.make_mesh(n)
+    return tp.host_device() if n > 1 else None
 
 
 def _prompt_text(prompt: str | None) -> str:
@@ -295,8 +309,10 @@ def _serve_model(args: argparse.Namespace, model: str, tls, limits) -> int:
                        ssm_state_dtype=args.ssm_state_dtype, async_scheduling=not args.no_async_scheduling,
                        enable_prefix_caching=args.enable_prefix_caching,
                        prefix_state_stride=args.prefix_state_stride,
-                       prefix_state_checkpoints=args.prefix_state_checkpoints, **_spec_kwargs(args))
-    engine = LLMEngine(load_model(model, dtype=args.dtype, seed=args.weights_seed), cfg)
+                       prefix_state_checkpoints=args.prefix_state_checkpoints,
+                       tensor_parallel_size=args.tensor_parallel_size, **_spec_kwargs(args))
+    host = _sharded_loading(args.tensor_parallel_size)
+    engine = LLMEngine(load_model(model, dtype=args.dtype, seed=args.weights_seed, device=host), cfg)
     server = GenerationServer(engine, model_name=args.model, host=args.host, port=args.port,
                               metrics_port=None if args.metrics_port < 0 else args.metrics_port,
                               max_waiting=args.max_waiting, limits=limits, tls=tls,

@@ -20,6 +20,7 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
+from hybrid_jax import tensor_parallel as tp
 from hybrid_jax.loading import DTYPES, LoadedModel, load_model
 from serving.block_table import ring_width
 from serving.detokenizer import IncrementalDetokenizer
@@ -83,11 +84,20 @@ class LLMEngine:
                  seed: int = 0, show_progress: bool = True):
         self.config = config or EngineConfig()
         _use_compilation_cache(self.config.compilation_cache_dir)
-        lm = model if isinstance(model, LoadedModel) else load_model(model, dtype=self.config.dtype)
+        n = self.config.tensor_parallel_size
+        mesh = tp.make_mesh(n)  # refuses more devices than the host has, before loading
+        if isinstance(model, LoadedModel):
+            lm = model
+        else:  # tensor parallel: load on the host, each device then receives only its shard
+            lm = load_model(model, dtype=self.config.dtype, device=tp.host_device() if n > 1 else None)
+        tp.check_shardable(lm.config, n)
         self.model_config, self.tokenizer = lm.config, lm.tokenizer
-        weights = sum(x.nbytes for x in jax.tree.leaves(lm.model))
-        self.plan: PoolPlan = plan_pools(lm.config, self.config, free_bytes=device_free_bytes(),
-                                         weight_bytes=weights, dtype=DTYPES[self.config.dtype])
+        weights = (sum(x.nbytes for x in jax.tree.leaves(lm.model)) if n == 1 else
+                   tp.param_bytes_per_device(lm.config, n, lm.model.dtype))
+        free = [device_free_bytes(d) for d in mesh.devices.flat]
+        self.plan: PoolPlan = plan_pools(
+            lm.config, self.config, free_bytes=None if None in free else min(free),
+            weight_bytes=weights, dtype=DTYPES[self.config.dtype])
         sc = self.plan.scheduler
         self.scheduler = Scheduler(sc, eos_token_ids=lm.config.eos_token_ids)
         self.runner = ModelRunner(
@@ -99,7 +109,8 @@ class LLMEngine:
             seq_sizes=self.config.seq_buckets, token_sizes=self.config.token_buckets,
             state_dtype=DTYPES[self.config.ssm_state_dtype], num_checkpoints=sc.num_checkpoints,
             ckpt_ops=sc.max_checkpoint_ops if sc.prefix_caching else 0,
-            spec_q=self.config.spec_q, spec_max_seqs=min(self.config.spec_max_seqs, sc.max_num_seqs))
+            spec_q=self.config.spec_q, spec_max_seqs=min(self.config.spec_max_seqs, sc.max_num_seqs),
+            mesh=mesh)
         self._spec = self._spec_plan(lm)
         self.runner.compile_all(_progress if show_progress else None)
         if self.drafter is not None and hasattr(self.drafter, "compile_all"):

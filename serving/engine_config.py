@@ -18,6 +18,7 @@ import jax.numpy as jnp
 
 from hybrid_jax.cache import cache_bytes
 from hybrid_jax.config import ModelConfig
+from hybrid_jax.tensor_parallel import local_config
 from serving.block_table import decode_page_bound, ring_width
 from serving.penalties import init_token_stats
 from serving.scheduler_config import AttentionGroup, SchedulerConfig
@@ -72,11 +73,19 @@ class EngineConfig:
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 3
     speculative_disable_by_batch_size: int | None = 16
+    # Tensor parallelism (docs/tensor_parallel.md): parameters, KV pages and states split
+    # by heads over the first N local devices; pools are planned per device.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_prefill_chunk", "page_size"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_prefill_chunk", "page_size",
+                     "tensor_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.tensor_parallel_size > 1 and self.speculative_method is not None:
+            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} with speculative_method="
+                             f"{self.speculative_method!r}: speculative decoding does not run "
+                             "tensor-parallel yet; use tensor_parallel_size=1 or no speculative_method")
         if not 0.0 < self.memory_fraction <= 1.0:
             raise ValueError(f"memory_fraction={self.memory_fraction} must be in (0, 1]")
         if self.max_model_len is not None and self.max_model_len < 2:
@@ -160,9 +169,14 @@ class PoolPlan:
 
 def plan_pools(model: ModelConfig, cfg: EngineConfig, *, free_bytes: int | None,
                weight_bytes: int, dtype) -> PoolPlan:
-    """Choose page and slot counts; ValueError when one max-length sequence cannot fit."""
+    """Choose page and slot counts; ValueError when one max-length sequence cannot fit.
+
+    With tensor parallelism every byte is per device: `free_bytes` and `weight_bytes` of
+    one device, pages and states of its shard (its KV heads, its SSM heads).
+    """
     max_len = cfg.max_model_len or min(model.max_position_embeddings, 8192)
-    page_bytes, slot_bytes = cache_bytes(model, page_size=cfg.page_size, dtype=dtype,
+    shard = local_config(model, cfg.tensor_parallel_size)
+    page_bytes, slot_bytes = cache_bytes(shard, page_size=cfg.page_size, dtype=dtype,
                                          state_dtype=jnp.dtype(cfg.ssm_state_dtype))
     ckpts, ckpt_bytes = 0, slot_bytes
     if cfg.enable_prefix_caching and slot_bytes:  # a model without recurrent state needs none
@@ -207,8 +221,9 @@ def plan_pools(model: ModelConfig, cfg: EngineConfig, *, free_bytes: int | None,
         if budget < one_seq:
             raise ValueError(
                 f"one sequence of max_model_len={max_len} needs {one_seq / 2**20:.1f} MiB of KV "
-                f"pages and state, but the budget is {max(budget, 0) / 2**20:.1f} MiB: lower "
-                "max_model_len or max_prefill_chunk, or raise memory_fraction")
+                f"pages and state{per_device(cfg)}, but the budget is {max(budget, 0) / 2**20:.1f} "
+                f"MiB: lower max_model_len or max_prefill_chunk, or raise memory_fraction"
+                f"{' or tensor_parallel_size' if cfg.tensor_parallel_size > 1 else ''}")
         fit = max(1, int((budget - extra_bytes) // per_seq))
         if fit < max_seqs:
             log.warning("max_num_seqs=%d lowered to %d: that many sequences fit the memory budget",
@@ -232,3 +247,8 @@ def plan_pools(model: ModelConfig, cfg: EngineConfig, *, free_bytes: int | None,
         prefix_caching=cfg.enable_prefix_caching, prefix_state_stride=cfg.prefix_state_stride,
         num_checkpoints=ckpts, max_checkpoint_ops=min(8, max_seqs))
     return PoolPlan(sched, page_bytes, slot_bytes, ckpts, ckpt_bytes if ckpts else 0)
+
+
+def per_device(cfg: EngineConfig) -> str:
+    n = cfg.tensor_parallel_size
+    return f" per device (tensor_parallel_size={n})" if n > 1 else ""

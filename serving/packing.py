@@ -86,3 +86,13 @@ def unpack(layout: PackLayout, bufs: tuple[jax.Array, ...]) -> Any:
         size = int(np.prod(shape, dtype=np.int64))
         leaves.append(jax.lax.slice(bufs[b], (off,), (off + size,)).reshape(shape))
     return jax.tree.unflatten(layout.treedef, leaves)
+
+
+def pack_host(layout: PackLayout, leaves: list[np.ndarray]) -> list[np.ndarray]:
+    """`pack` on the host (numpy): one device's buffers, built without touching a device."""
+    bufs = [np.zeros((size,), np.dtype(jnp.dtype(name))) for name, size in zip(layout.dtypes, layout.sizes,
+                                                                               strict=True)]
+    for x, (b, off, shape) in zip(leaves, layout.leaves, strict=True):
+        assert tuple(x.shape) == shape, (x.shape, shape)
+        bufs[b][off:off + x.size] = np.ravel(x).astype(bufs[b].dtype)
+    return bufs

@@ -9,12 +9,18 @@ KV pages and recurrent states are donated and updated in place. With prefix cach
 the mixed (prefill) executables also take the state checkpoint pool (donated) and a
 fixed number of copy operations: checkpoints into slots before the forward (cache
 hits), slots into checkpoints after it (the state at the end of a chunk). Arrays are placed
-with shardings over a `jax.sharding.Mesh` (one device by default; tensor parallelism
-is a mesh change). The runner knows nothing of requests or scheduling policy.
+with shardings over a `jax.sharding.Mesh` (one device by default). With tensor
+parallelism (a mesh of N devices, hybrid_jax/tensor_parallel.py) each device holds its
+shard of the parameters (packed per device: one flat buffer per dtype, split along the
+mesh), KV pages by KV head and states by head or channel; the model part of the step
+runs the device-local model under `shard_map` (the kernels see local heads), and the
+step stays one executable with explicit in/out shardings, so nothing is resharded
+between steps. The runner knows nothing of requests or scheduling policy.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -29,11 +35,12 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from hybrid_jax import tensor_parallel as tp
 from hybrid_jax.cache import LayerCache, RaggedBatch, init_caches
 from hybrid_jax.model import CausalLM
 from hybrid_jax.ragged import choose, forward_ragged, forward_verify
 from serving.host_pack import HostLayout, host_layout
-from serving.packing import PackLayout, pack, unpack
+from serving.packing import PackLayout, pack, pack_host, plan_layout, unpack
 from serving.penalties import TokenStats, apply_penalties, init_token_stats, update_token_stats
 from serving.sampling import SamplingArrays, sample
 from serving.schedule import PENDING, StepArrays
@@ -133,8 +140,20 @@ def _save(ckpts, caches, ops: CkptOps):
     return jax.tree.map(lambda p, x: p.at[ops.save_ckpt].set(x[ops.save_slot]), ckpts, _states(caches))
 
 
+class Shardings(NamedTuple):
+    """Tensor parallelism: the mesh and the specs of what the step splits over it."""
+
+    mesh: Mesh
+    params: NamedSharding  # every packed buffer: split in N equal per-device parts
+    caches: object  # pytree of NamedSharding, like the caches
+    ckpts: object  # pytree of NamedSharding, like the checkpoint pool (None: no pool)
+
+    def specs(self, tree):
+        return jax.tree.map(lambda s: s.spec, tree)
+
+
 def _forward_fn(graphdef: nnx.GraphDef, layout: PackLayout, decode: bool, host: HostLayout,
-                ckpt_ops: bool = False) -> Callable:
+                ckpt_ops: bool = False, sh: Shardings | None = None) -> Callable:
     """The model part of a step: feed the last step's samples, forward, penalty statistics.
 
     The step's host inputs arrive as one int32 buffer (`host`: sampling arrays, sampler
@@ -143,13 +162,30 @@ def _forward_fn(graphdef: nnx.GraphDef, layout: PackLayout, decode: bool, host: 
     still on the device: the overlapped loop never waits for them). Statistics are
     updated unconditionally (cheap; a lax.cond would read its predicate on the host).
     With `ckpt_ops` the step also restores and saves state checkpoints (`CkptOps`).
+    With `sh` (tensor parallelism) the model runs per device on its shard under
+    `shard_map`; logits come out replicated, and the step's in/out shardings are fixed.
     """
+
+    def model_forward(params, caches, batch):
+        model = nnx.merge(graphdef, unpack(layout, params))
+        return forward_ragged(model, batch, caches, decode=decode)
+
+    if sh is not None:
+        cache_specs = sh.specs(sh.caches)
+        model_forward = jax.shard_map(model_forward, mesh=sh.mesh,
+                                      in_specs=(PartitionSpec(tp.AXIS), cache_specs, PartitionSpec()),
+                                      out_specs=(PartitionSpec(), cache_specs), check_vma=False)
+    jit = jax.jit
+    if sh is not None:
+        r = NamedSharding(sh.mesh, PartitionSpec())
+        ins = (sh.params, sh.caches, r, r, r) + ((sh.ckpts,) if ckpt_ops else ())
+        outs = (sh.caches, r, r) + ((sh.ckpts,) if ckpt_ops else ())
+        jit = functools.partial(jax.jit, in_shardings=ins, out_shardings=outs)
 
     def model_step(params, caches, stats: TokenStats, batch: RaggedBatch, feed, last_tokens, prompt_len):
         tokens = jnp.where(feed >= 0, last_tokens[jnp.maximum(feed, 0)], batch.tokens)
         batch = batch._replace(tokens=tokens)
-        model = nnx.merge(graphdef, unpack(layout, params))
-        logits, caches = forward_ragged(model, batch, caches, decode=decode)
+        logits, caches = model_forward(params, caches, batch)
         stats = update_token_stats(stats, tokens, batch.positions, batch.cu_seqlens, batch.slot_ids,
                                    batch.has_initial, prompt_len)
         return caches, stats, logits
@@ -159,7 +195,7 @@ def _forward_fn(graphdef: nnx.GraphDef, layout: PackLayout, decode: bool, host: 
             sampling, _, batch, feed = host.unpack(buf)
             return model_step(params, caches, stats, batch, feed, last_tokens, sampling.prompt_len)
 
-        return jax.jit(forward, donate_argnums=(1, 2))
+        return jit(forward, donate_argnums=(1, 2))
 
     def forward_ckpt(params, caches, stats, buf, last_tokens, ckpts):
         sampling, _, batch, feed, ops = host.unpack(buf)
@@ -168,7 +204,7 @@ def _forward_fn(graphdef: nnx.GraphDef, layout: PackLayout, decode: bool, host: 
                                            sampling.prompt_len)
         return caches, stats, logits, _save(ckpts, caches, ops)
 
-    return jax.jit(forward_ckpt, donate_argnums=(1, 2, 5))
+    return jit(forward_ckpt, donate_argnums=(1, 2, 5))
 
 
 def _verify_fn(graphdef: nnx.GraphDef, layout: PackLayout, q: int, host: HostLayout,
@@ -194,7 +230,8 @@ def _verify_fn(graphdef: nnx.GraphDef, layout: PackLayout, q: int, host: HostLay
     return jax.jit(verify, donate_argnums=(1,))
 
 
-def _sampler_fn(full: bool, max_seqs: int, host: HostLayout) -> Callable:
+def _sampler_fn(full: bool, max_seqs: int, host: HostLayout,
+                replicated: NamedSharding | None = None) -> Callable:
     """Sampling from a step's logits. full=False: no penalties, filters or top-n logprobs.
 
     A row without those features samples the same token either way; the host picks the
@@ -221,7 +258,9 @@ def _sampler_fn(full: bool, max_seqs: int, host: HostLayout) -> Callable:
         padded = jnp.zeros((max_seqs,), jnp.int32).at[:b].set(tokens)
         return padded, logprobs, top_ids.astype(jnp.int32), top_lp
 
-    return jax.jit(sampler)
+    if replicated is None:
+        return jax.jit(sampler)
+    return jax.jit(sampler, in_shardings=replicated, out_shardings=replicated)
 
 
 class Pending(NamedTuple):
@@ -245,24 +284,34 @@ class ModelRunner:
                  state_dtype: jnp.dtype = jnp.float32, num_checkpoints: int = 0,
                  ckpt_ops: int = 0, spec_q: int = 0, spec_max_seqs: int = 0):
         self.cfg = model.cfg
-        self.mesh = mesh or Mesh(np.asarray(jax.devices()[:1]), ("tp",))
+        self.mesh = mesh or Mesh(np.asarray(jax.devices()[:1]), (tp.AXIS,))
         self.replicated = NamedSharding(self.mesh, PartitionSpec())
-        self.graphdef, params = nnx.split(model)
-        # One flat buffer per dtype (serving/packing.py: hundreds of arguments cost ms per call).
-        self.layout, self.params = pack(jax.device_put(params, self.replicated))
-        caches = init_caches(self.cfg, num_pages=num_pages, page_size=page_size,
-                             num_slots=num_slots, dtype=model.dtype, state_dtype=state_dtype)
-        self.caches = jax.device_put(caches, self.replicated)
+        self.shardings: Shardings | None = None
+        n = self.mesh.size
         # Prefix caching: `ckpt_ops` copies per mixed step into / out of a pool of
         # `num_checkpoints` state checkpoints (0 for a model without recurrent state).
         self.ckpt_ops, self.num_checkpoints = ckpt_ops, num_checkpoints
         self.ckpts = None
-        if ckpt_ops:
-            shapes = jax.eval_shape(lambda: _states(init_caches(
-                self.cfg, num_pages=(1,) * len(num_pages), page_size=page_size,
-                num_slots=max(num_checkpoints, 1), dtype=model.dtype, state_dtype=state_dtype)))
-            self.ckpts = jax.device_put(jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes),
-                                        self.replicated)
+        local = tp.local_config(self.cfg, n)
+        cache_shapes = jax.eval_shape(lambda: init_caches(
+            local, num_pages=num_pages, page_size=page_size, num_slots=num_slots, dtype=model.dtype,
+            state_dtype=state_dtype))
+        ckpt_shapes = jax.eval_shape(lambda: _states(init_caches(
+            local, num_pages=(1,) * len(num_pages), page_size=page_size,
+            num_slots=max(num_checkpoints, 1), dtype=model.dtype, state_dtype=state_dtype))) \
+            if ckpt_ops else None
+        # HYBRID_JAX_SHARDED_RUNNER=1 runs the tensor-parallel path (packed shards, shard_map,
+        # explicit shardings) on a one-device mesh: the TP step checked on one GPU.
+        if n == 1 and os.environ.get("HYBRID_JAX_SHARDED_RUNNER", "0") != "1":
+            self.graphdef, params = nnx.split(model)
+            # One flat buffer per dtype (serving/packing.py: hundreds of arguments cost ms per call).
+            self.layout, self.params = pack(jax.device_put(params, self.replicated))
+            zeros = lambda tree: jax.device_put(
+                jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), tree), self.replicated)
+            self.caches = zeros(cache_shapes)
+            self.ckpts = zeros(ckpt_shapes) if ckpt_ops else None
+        else:
+            self._place_sharded(model, cache_shapes, ckpt_shapes)
         self.stats = jax.device_put(init_token_stats(num_slots, self.cfg.vocab_size), self.replicated)
         self.ring_widths = ring_widths
         self.page_size = page_size
@@ -311,6 +360,41 @@ class ModelRunner:
             sampling = SamplingArrays.from_rows([{}] * b)
             self.sampler_layouts[b] = host_layout((sampling, np.zeros(b, np.int32))).padded(size[b])
 
+    def _place_sharded(self, model: CausalLM, cache_shapes, ckpt_shapes) -> None:
+        """Tensor parallelism: each device's parameter shard, packed on the host and put on
+        that device only; caches and checkpoints created sharded (by head / channel)."""
+        n, mesh = self.mesh.size, self.mesh
+        local = tp.local_abstract_model(self.cfg, n, model.dtype)
+        self.graphdef, local_state = nnx.split(local)
+        self.layout = plan_layout(local_state)
+        state = nnx.state(model)
+        per_device = []
+        for d, dev in enumerate(mesh.devices.flat):
+            bufs = pack_host(self.layout, tp.shard_params(self.cfg, state, n, d, local_state))
+            per_device.append([jax.device_put(b, dev) for b in bufs])
+        split = NamedSharding(mesh, PartitionSpec(tp.AXIS))
+        self.params = tuple(
+            jax.make_array_from_single_device_arrays((n * size,), split, [bufs[i] for bufs in per_device])
+            for i, size in enumerate(self.layout.sizes))
+
+        def sharded_zeros(shapes):
+            axes = tp.cache_axes(shapes)
+            def one(x, axis):
+                shape = tuple(s * n if i == axis else s for i, s in enumerate(x.shape))
+                spec = PartitionSpec(*([None] * axis), tp.AXIS)
+                return jnp.zeros(shape, x.dtype, device=NamedSharding(mesh, spec))
+            return jax.tree.map(one, shapes, axes)
+
+        self.caches = sharded_zeros(cache_shapes)
+        self.ckpts = sharded_zeros(ckpt_shapes) if ckpt_shapes is not None else None
+        sharding = lambda tree: None if tree is None else jax.tree.map(lambda x: x.sharding, tree)
+        self.shardings = Shardings(mesh, split, sharding(self.caches), sharding(self.ckpts))
+
+    @property
+    def param_bytes_per_device(self) -> int:
+        """Bytes of parameters each device holds (its packed shard)."""
+        return sum(x.addressable_shards[0].data.nbytes for x in self.params)
+
     def compile_all(self, progress: Callable[[int, int, Bucket], None] | None = None,
                     workers: int | None = None) -> None:
         """Compile every bucket ahead of serving (the only compilations the runner does).
@@ -318,11 +402,12 @@ class ModelRunner:
         Lowering is serial (Python); XLA compiles on a thread pool, in parallel.
         """
         opts = (compile_options() if jax.default_backend() == "gpu" else {}) or None
+        rep = self.replicated if self.shardings is not None else None
         jobs: list[tuple[object, object]] = []
         for bucket in self.buckets:
             host = self.host_layouts[bucket]
             ckpt = bool(self.ckpt_ops) and not bucket.decode
-            fwd = _forward_fn(self.graphdef, self.layout, bucket.decode, host, ckpt)
+            fwd = _forward_fn(self.graphdef, self.layout, bucket.decode, host, ckpt, self.shardings)
             extra = (self.ckpts,) if ckpt else ()
             buf = jax.ShapeDtypeStruct((host.size,), jnp.int32)
             low = fwd.lower(self.params, self.caches, self.stats, buf, self.last_tokens, *extra)
@@ -335,11 +420,11 @@ class ModelRunner:
                     self.params, self.caches, buf)
                 jobs.append(((bucket, filters), low))
         for b in sorted({bk.seqs for bk in self.buckets}):
-            logits = jax.ShapeDtypeStruct((b, self.cfg.vocab_size), jnp.float32)
+            logits = jax.ShapeDtypeStruct((b, self.cfg.vocab_size), jnp.float32, sharding=rep)
             host = self.sampler_layouts[b]
             buf = jax.ShapeDtypeStruct((host.size,), jnp.int32)
             for full in (False, True):
-                low = _sampler_fn(full, self.max_seqs, host).lower(logits, self.stats, buf)
+                low = _sampler_fn(full, self.max_seqs, host, rep).lower(logits, self.stats, buf)
                 jobs.append(((b, full), low))
         n = len(jobs)
         workers = workers or min(n, max(1, (os.cpu_count() or 2)))

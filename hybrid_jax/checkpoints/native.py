@@ -47,9 +47,13 @@ def load_native(path: str | Path, *, dtype: jnp.dtype = jnp.float32) -> tuple[Ca
     cfg = ModelConfig.from_dict(json.loads((path / CONFIG_FILE).read_text()))
     abstract = nnx.eval_shape(lambda: CausalLM(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
-    # Restore onto this process's default device, whatever devices the checkpoint was
-    # saved from (a model trained on a GPU loads on a CPU).
-    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    # Restore onto this process's default device (`jax.default_device`, which tensor
+    # parallelism sets to the host CPU), whatever devices the checkpoint was saved from
+    # (a model trained on a GPU loads on a CPU).
+    default = jax.config.jax_default_device
+    if isinstance(default, str):
+        default = jax.devices(default)[0]
+    device = jax.sharding.SingleDeviceSharding(default or jax.devices()[0])
     target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
                           nnx.to_pure_dict(state))
     with ocp.StandardCheckpointer() as ckpt:

@@ -48,6 +48,11 @@ class GatedRMSNorm(nnx.Module):
         self.n_groups = n_groups
         self.eps = eps
         self.norm_before_gate = norm_before_gate
+        # Tensor parallelism with fewer groups than devices: each group's channels are
+        # spread over `group_devices` consecutive devices of mesh axis `axis`; the group's
+        # statistic sums their partial sums of squares.
+        self.axis: str | None = None
+        self.group_devices = 1
 
     def __call__(self, y: jax.Array, z: jax.Array) -> jax.Array:
         y = y.astype(jnp.float32)
@@ -55,8 +60,20 @@ class GatedRMSNorm(nnx.Module):
         if not self.norm_before_gate:
             y = y * gate
         *lead, d = y.shape
-        grouped = _rms_normalize(y.reshape(*lead, self.n_groups, d // self.n_groups), self.eps)
+        if self.group_devices > 1:
+            grouped = self._split_group_normalize(y)
+        else:
+            grouped = _rms_normalize(y.reshape(*lead, self.n_groups, d // self.n_groups), self.eps)
         out = self.weight[...].astype(jnp.float32) * grouped.reshape(*lead, d)
         if self.norm_before_gate:
             out = out * gate
         return out
+
+    def _split_group_normalize(self, y: jax.Array) -> jax.Array:
+        """y [..., d]: this device's part of one group spread over `group_devices` devices."""
+        k = self.group_devices
+        part = jnp.sum(y * y, axis=-1, keepdims=True)
+        parts = jax.lax.all_gather(part, self.axis)  # [devices, ..., 1]
+        parts = parts.reshape(-1, k, *part.shape).sum(axis=1)  # [groups, ..., 1]
+        total = parts[jax.lax.axis_index(self.axis) // k]
+        return y * jax.lax.rsqrt(total / (y.shape[-1] * k) + self.eps)

@@ -46,10 +46,11 @@ class DepthAdapters(nnx.Module):
                  dtype: jnp.dtype, rngs: nnx.Rngs):
         r, f = cfg.adapter_rank, cfg.intermediate_size
         on = cfg.attention_adapters
-        if on and not att.num_heads * att.head_dim == att.num_kv_heads * att.head_dim == 2 * dim:
-            raise ValueError(f"attention_adapters need num_heads * head_dim and num_kv_heads * "
-                             f"head_dim equal to 2 * hidden_size ({2 * dim}); got {att}")
-        lora = lambda: LoRA(2 * dim, 2 * dim, r, dtype=dtype, rngs=rngs) if on else None
+        if on and att.num_heads != att.num_kv_heads:
+            raise ValueError(f"attention_adapters need num_heads == num_kv_heads; got {att}")
+        # Zamba2 has num_heads * head_dim == 2 * hidden_size; a tensor-parallel shard holds
+        # its devices' heads only, so the adapters' output width is the projections'.
+        lora = lambda: LoRA(2 * dim, att.num_heads * att.head_dim, r, dtype=dtype, rngs=rngs) if on else None
         self.q, self.k, self.v = lora(), lora(), lora()
         self.gate_up = LoRA(dim, 2 * f, r, dtype=dtype, rngs=rngs)
         self.linear = Linear(dim, dim, bias=False, dtype=dtype, rngs=rngs)

@@ -24,11 +24,12 @@ class ShortConv(nnx.Module):
     """x [b, t, d] -> [b, t, d]."""
 
     def __init__(self, dim: int, cfg: ShortConvConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs):
-        self.in_proj = Linear(dim, 3 * dim, bias=cfg.bias, dtype=dtype, rngs=rngs)
-        self.out_proj = Linear(dim, dim, bias=cfg.bias, dtype=dtype, rngs=rngs)
-        self.conv_weight = nnx.Param(0.5 * jax.random.normal(rngs.params(), (dim, cfg.conv_kernel),
+        c = cfg.channels or dim
+        self.in_proj = Linear(dim, 3 * c, bias=cfg.bias, dtype=dtype, rngs=rngs)
+        self.out_proj = Linear(c, dim, bias=cfg.bias, dtype=dtype, rngs=rngs)
+        self.conv_weight = nnx.Param(0.5 * jax.random.normal(rngs.params(), (c, cfg.conv_kernel),
                                                              dtype))
-        self.conv_bias = nnx.Param(jnp.zeros((dim,), dtype)) if cfg.bias else None
+        self.conv_bias = nnx.Param(jnp.zeros((c,), dtype)) if cfg.bias else None
         self.cfg = cfg
 
     def gates(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -1,0 +1,326 @@
+"""Tensor parallelism by heads (Megatron style) over a 1-D mesh axis of N devices.
+
+Every device runs the same *local* model: `local_config(cfg, n)` is the model with
+1/N of the heads, channels and vocabulary, and `shard_params` cuts each device's
+parameters out of the global ones. The serving step runs the local model under
+`shard_map`, so every kernel (paged attention, SSD, conv, scans) sees only its
+device's heads; the few sums that cross devices are JAX collectives on the mesh
+axis, placed by marking layers of the local model (`mark_local_model`):
+
+| what | split | across devices |
+|---|---|---|
+| attention q | column-parallel by head | - |
+| attention k, v, KV pages | by KV head; a KV head is replicated on N/K devices when K < N | - |
+| o_proj, MLP down, Mamba2 out_proj, RG-LRU linear_out, short-conv out | row-parallel | psum, then bias |
+| MLP gate/up (fused or not) | column-parallel; a fused [gate, up] matrix is cut per part | - |
+| Mamba2 in_proj | per part: z, x, dt by head; B, C by group (replicated when G < N) | - |
+| Mamba2 conv weights and conv state | by channel (x by head, B/C by group) | - |
+| Mamba2 A, D, dt_bias, SSM state | by head | - |
+| Mamba2 gated norm | by head; a group spread over devices | all_gather of its sums of squares |
+| RG-LRU (linears, conv, gates, state) | by channel block (head) | - |
+| embeddings, LM head | by vocabulary (replicated when V % N != 0) | psum / all_gather of logits |
+| norms, q/k norms, shared-block adapters' down LoRAs | replicated | - |
+
+A device's shard of a fused matrix is itself laid out as the local model expects
+([z | x B C | dt] of the local heads), so the local model's code is the model's code.
+This module knows nothing of serving: it maps configs, parameters and cache shapes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+
+from hybrid_jax.config import LayerKind, ModelConfig
+
+AXIS = "tp"
+
+
+def _divides(n: int, count: int, replicable: bool) -> bool:
+    return count % n == 0 or (replicable and n % count == 0)
+
+
+def check_shardable(cfg: ModelConfig, n: int) -> None:
+    """ValueError naming `tensor_parallel_size` and the dimension that cannot be split."""
+    if n < 1:
+        raise ValueError(f"tensor_parallel_size={n} must be >= 1")
+    if n == 1:
+        return
+    dims: list[tuple[str, int, bool]] = []  # (what, count, may replicate when count < n)
+    kinds = {s.kind for s in cfg.layers}
+    if cfg.attention is not None and any(k.has_attention for k in kinds):
+        a = cfg.attention
+        dims += [("attention heads (num_heads)", a.num_heads, False),
+                 ("attention KV heads (num_kv_heads)", a.num_kv_heads, True)]
+    if cfg.mamba2 is not None and any(k.has_mamba2 for k in kinds):
+        dims += [("SSM heads (mamba2.num_heads)", cfg.mamba2.num_heads, False),
+                 ("SSM groups (mamba2.n_groups)", cfg.mamba2.n_groups, True)]
+    if cfg.rglru is not None and LayerKind.RGLRU in kinds:
+        dims.append(("RG-LRU heads (rglru.num_heads)", cfg.rglru.num_heads, False))
+    if cfg.short_conv is not None and LayerKind.SHORT_CONV in kinds:
+        dims.append(("short-conv channels (hidden_size)", cfg.hidden_size, False))
+    if cfg.mlp is not None:
+        dims.append(("MLP intermediate size (mlp.intermediate_size)", cfg.mlp.intermediate_size, False))
+    if cfg.shared_block is not None and LayerKind.SHARED_BLOCK in kinds:
+        dims.append(("shared-block MLP intermediate size", cfg.shared_block.intermediate_size, False))
+    for what, count, replicable in dims:
+        if not _divides(n, count, replicable):
+            also = " (or be a divisor of it: replicated)" if replicable else ""
+            raise ValueError(f"tensor_parallel_size={n} cannot split the {count} {what}: it must "
+                             f"divide them{also}; choose a tensor_parallel_size that does")
+    # With heads divisible by n and n by the KV heads (groups), a device's heads share one
+    # KV head (SSM group): heads per KV head = (heads per device) * (n / KV heads).
+
+
+def vocab_split(cfg: ModelConfig, n: int) -> bool:
+    """Whether embeddings and the LM head are split by vocabulary (else replicated)."""
+    return n > 1 and cfg.vocab_size % n == 0
+
+
+def _local(count: int, n: int) -> int:
+    return max(count // n, 1)
+
+
+def local_config(cfg: ModelConfig, n: int) -> ModelConfig:
+    """The model one of n devices runs: its share of heads, channels and vocabulary."""
+    check_shardable(cfg, n)
+    if n == 1:
+        return cfg
+    subs: dict[str, object] = {}
+    if cfg.attention is not None:
+        a = cfg.attention
+        subs["attention"] = dataclasses.replace(a, num_heads=a.num_heads // n,
+                                                num_kv_heads=_local(a.num_kv_heads, n))
+    if cfg.mamba2 is not None:
+        m = cfg.mamba2
+        subs["mamba2"] = dataclasses.replace(m, num_heads=_local(m.num_heads, n),
+                                             n_groups=_local(m.n_groups, n))
+    if cfg.rglru is not None:
+        r = cfg.rglru
+        subs["rglru"] = dataclasses.replace(r, width=r.width // n, num_heads=_local(r.num_heads, n))
+    if cfg.short_conv is not None:
+        subs["short_conv"] = dataclasses.replace(cfg.short_conv, channels=cfg.hidden_size // n)
+    if cfg.mlp is not None:
+        subs["mlp"] = dataclasses.replace(cfg.mlp, intermediate_size=_local(cfg.mlp.intermediate_size, n))
+    if cfg.shared_block is not None:
+        sb = cfg.shared_block
+        subs["shared_block"] = dataclasses.replace(sb, intermediate_size=sb.intermediate_size // n)
+    if vocab_split(cfg, n):
+        subs["vocab_size"] = cfg.vocab_size // n
+        subs["eos_token_ids"] = ()  # ids of the global vocabulary
+    return dataclasses.replace(cfg, **subs)
+
+
+ROW_PARALLEL = ("o_proj", "down_proj", "out_proj", "linear_out")
+
+
+def mark_local_model(model: nnx.Module, cfg: ModelConfig, n: int) -> nnx.Module:
+    """Set the collectives of a local model (built from `local_config`) on `AXIS`."""
+    from hybrid_jax.layers.linear import Embed, Linear
+    from hybrid_jax.layers.norms import GatedRMSNorm
+
+    g = cfg.mamba2.n_groups if cfg.mamba2 is not None else 1
+    for path, mod in nnx.iter_graph(model):
+        if isinstance(mod, Linear) and path and path[-1] in ROW_PARALLEL:
+            mod.reduce_axis = AXIS
+        elif isinstance(mod, Linear) and path and path[-1] == "lm_head" and vocab_split(cfg, n):
+            mod.gather_axis = AXIS
+        elif isinstance(mod, Embed) and vocab_split(cfg, n):
+            mod.shard_axis = AXIS
+        elif isinstance(mod, GatedRMSNorm) and g < n:
+            mod.axis, mod.group_devices = AXIS, n // g
+    return model
+
+
+def local_abstract_model(cfg: ModelConfig, n: int, dtype) -> nnx.Module:
+    """The marked local model with abstract (shape-only) parameters."""
+    from hybrid_jax.model import CausalLM
+
+    local = local_config(cfg, n)
+    model = nnx.eval_shape(lambda: CausalLM(local, dtype=dtype, rngs=nnx.Rngs(0)))
+    return mark_local_model(model, cfg, n)
+
+
+# -- parameters ---------------------------------------------------------------------------
+
+def _units(x: np.ndarray, axis: int, count: int, n: int, d: int) -> np.ndarray:
+    """Device d's share of `count` equal units along `axis` (one unit, replicated, when count < n)."""
+    if count % n == 0:
+        k = count // n
+        unit = x.shape[axis] // count
+        return np.take(x, np.arange(d * k * unit, (d + 1) * k * unit), axis=axis)
+    unit = x.shape[axis] // count
+    u = d * count // n
+    return np.take(x, np.arange(u * unit, (u + 1) * unit), axis=axis)
+
+
+def _segments(x: np.ndarray, axis: int, parts: Sequence[tuple[int, int]], n: int, d: int) -> np.ndarray:
+    """Concatenate device d's share of each segment (size, unit count) along `axis`."""
+    out, at = [], 0
+    for size, count in parts:
+        seg = np.take(x, np.arange(at, at + size), axis=axis)
+        out.append(_units(seg, axis, count, n, d))
+        at += size
+    assert at == x.shape[axis], (at, x.shape)
+    return np.concatenate(out, axis=axis)
+
+
+def _rule(names: tuple, cfg: ModelConfig, n: int):
+    """(axis, parts) to split a parameter, or None to replicate it. parts: [(size, count)]."""
+    leaf, owner = names[-1], names[-2] if len(names) > 1 else ""
+    mod = names[-3] if len(names) > 2 else ""
+    top = names[0]
+    a, m, r, mlp, sb = cfg.attention, cfg.mamba2, cfg.rglru, cfg.mlp, cfg.shared_block
+    col = -1 if leaf == "kernel" else 0  # a Linear's output axis (kernel [i, o], bias [o])
+    if top == "embed":
+        return (0, None) if vocab_split(cfg, n) else None
+    if top == "lm_head":
+        return (col, None) if vocab_split(cfg, n) else None
+    if leaf == "weight" and "norm" in owner:  # RMSNorm / q-k norms (Mamba2's gated norm below)
+        if mod == "mamba" and owner == "norm":
+            return 0, [(m.d_inner, m.num_heads)]
+        return None
+    heads = {"q_proj": a and a.num_heads, "k_proj": a and a.num_kv_heads, "v_proj": a and a.num_kv_heads}
+    if owner in heads:  # attention or shared-block q/k/v
+        e = a.head_dim
+        cnt = heads[owner]
+        return col, [(cnt * e, cnt)]
+    if owner in ROW_PARALLEL and mod != "depth":
+        return (0, None) if leaf == "kernel" else None
+    if mod == "mamba" or owner == "mamba":
+        gn, h = m.n_groups * m.state_size, m.num_heads
+        xbc = [(m.d_inner, h), (gn, m.n_groups), (gn, m.n_groups)]
+        if owner == "in_proj":
+            return col, [(m.d_inner, h), *xbc, (h, h)]
+        if leaf in ("conv_weight", "conv_bias"):
+            return 0, xbc
+        if leaf in ("A_log", "D", "dt_bias"):
+            return 0, [(h, h)]
+    if mod == "recurrent" or owner == "recurrent":
+        if owner in ("linear_x", "linear_y"):
+            return col, [(r.width, r.num_heads)]
+        if leaf in ("conv_weight", "conv_bias", "recurrent_param") or "gate" in leaf:
+            return 0, [(r.width if leaf in ("conv_weight", "conv_bias", "recurrent_param")
+                        else r.num_heads, r.num_heads)]
+    if mod == "conv" or owner == "conv":  # LFM2 short conv: in_proj [B | C | x]
+        d = cfg.hidden_size
+        if owner == "in_proj":
+            return col, [(d, d)] * 3
+        if leaf in ("conv_weight", "conv_bias"):
+            return 0, [(d, d)]
+    if owner in ("gate_proj", "up_proj") and mlp is not None:
+        f = mlp.intermediate_size
+        return col, [(f, f)]
+    if owner == "gate_up_proj":
+        f = sb.intermediate_size if top == "shared_blocks" else mlp.intermediate_size
+        return col, [(f, f), (f, f)]
+    if mod == "depth" or (len(names) > 3 and names[-4] == "depth"):  # shared-block adapters
+        lora = names[-3]
+        if owner == "up" and lora in ("q", "k", "v"):
+            return col, [(a.num_heads * a.head_dim, a.num_heads)]
+        if owner == "up" and lora == "gate_up":
+            f = sb.intermediate_size
+            return col, [(f, f), (f, f)]
+        return None  # down LoRAs and the per-depth `linear`
+    raise ValueError(f"tensor parallelism: no sharding rule for parameter {'.'.join(map(str, names))}")
+
+
+def _names(path) -> tuple:
+    out = []
+    for k in path:
+        name = getattr(k, "key", getattr(k, "name", getattr(k, "idx", None)))
+        if name != "value":
+            out.append(name)
+    return tuple(out)
+
+
+def shard_param(names: tuple, x: np.ndarray, cfg: ModelConfig, n: int, d: int) -> np.ndarray:
+    """Device d's shard of the global parameter x at `names` (a path in the model)."""
+    rule = _rule(names, cfg, n)
+    if rule is None:
+        return x
+    axis, parts = rule
+    axis %= x.ndim
+    if parts is None:  # contiguous split (vocabulary, row-parallel inputs)
+        return _units(x, axis, n, n, d)
+    return _segments(x, axis, parts, n, d)
+
+
+def shard_shape(names: tuple, shape: tuple[int, ...], cfg: ModelConfig, n: int) -> tuple[int, ...]:
+    """The shape of every device's shard of a parameter of `shape` (no data touched)."""
+    rule = _rule(names, cfg, n)
+    if rule is None:
+        return tuple(shape)
+    axis, parts = rule
+    axis %= len(shape)
+    if parts is None:
+        size = shape[axis] // n
+    else:
+        size = sum(s // c * (c // n if c % n == 0 else 1) for s, c in parts)
+    return tuple(size if i == axis else d for i, d in enumerate(shape))
+
+
+def shard_params(cfg: ModelConfig, state, n: int, d: int, local_state) -> list[np.ndarray]:
+    """Device d's parameters (leaves in `local_state` order), checked against its shapes."""
+    glob = jax.tree_util.tree_flatten_with_path(state)[0]
+    loc = jax.tree.leaves(local_state)
+    out = []
+    for (path, x), want in zip(glob, loc, strict=True):
+        names = _names(path)
+        shard = shard_param(names, np.asarray(x), cfg, n, d)
+        if shard.shape != tuple(want.shape):
+            raise AssertionError(f"{'.'.join(map(str, names))}: shard {shard.shape} != local {want.shape}")
+        out.append(shard)
+    return out
+
+
+# -- caches ---------------------------------------------------------------------------------
+
+def cache_axes(caches) -> object:
+    """Per cache leaf: the axis split over devices (KV pages by KV head, states by head/channel)."""
+    from hybrid_jax.cache import KVCache, Mamba2State, RGLRUState, ShortConvState
+
+    def axes(c):
+        if isinstance(c, KVCache):
+            return KVCache(0, 0)
+        if isinstance(c, Mamba2State):
+            return Mamba2State(2, 1)
+        if isinstance(c, RGLRUState):
+            return RGLRUState(2, 1)
+        if isinstance(c, ShortConvState):
+            return ShortConvState(2)
+        return None
+
+    is_leaf = lambda c: isinstance(c, KVCache | Mamba2State | RGLRUState | ShortConvState)
+    return jax.tree.map(axes, caches, is_leaf=is_leaf)
+
+
+# -- devices ---------------------------------------------------------------------------------
+
+def make_mesh(n: int):
+    """A 1-D mesh over the first n local devices; ValueError naming the setting if too few."""
+    from jax.sharding import Mesh
+
+    if n < 1:
+        raise ValueError(f"tensor_parallel_size={n} must be >= 1")
+    devices = jax.local_devices()
+    if n > len(devices):
+        raise ValueError(f"tensor_parallel_size={n} needs {n} devices, but this host has "
+                         f"{len(devices)} {devices[0].platform} device(s) (more hosts, see "
+                         "docs/tensor_parallel.md): lower tensor_parallel_size")
+    return Mesh(np.asarray(devices[:n]), (AXIS,))
+
+
+def host_device():
+    """Where to load a model that will be sharded: the host, never one accelerator whole."""
+    return jax.devices("cpu")[0]
+
+
+def param_bytes_per_device(cfg: ModelConfig, n: int, dtype) -> int:
+    """Parameter bytes one device holds with tensor_parallel_size=n (exact shard shapes)."""
+    local = local_abstract_model(cfg, n, dtype)
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(local)))

@@ -1,0 +1,235 @@
+"""The tensor-parallel checks, run in a child process that sees 4 CPU devices.
+
+`tests/serving/test_tensor_parallel.py` starts this script with
+XLA_FLAGS=--xla_force_host_platform_device_count=4 (the pytest process has already
+initialised JAX with one device) and reads the JSON it prints: one entry per check,
+"ok" or the failure. Engines are expensive to compile on a CPU, so one child runs every
+check and each engine serves several workloads.
+
+Models: three tiny configurations that together hold every layer kind and every
+sharding rule of the architectures the engine serves (native / Falcon-H1 / Mamba2 /
+Bamba / Granite / Nemotron-H; RecurrentGemma / Gemma 3 / LFM2 / Mistral; Zamba2), with
+head counts that force replication at 4 devices (MQA, n_groups=1, vocabulary 130).
+The reference is the same engine at tensor_parallel_size=1, whose code path does not
+shard anything.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import traceback
+
+import jax
+from flax import nnx
+from jax import monitoring
+
+from hybrid_jax.config import (
+    AttentionConfig,
+    LayerSpec,
+    Mamba2Config,
+    MLPConfig,
+    ModelConfig,
+    RGLRUConfig,
+    SharedBlockConfig,
+    ShortConvConfig,
+)
+from hybrid_jax.loading import LoadedModel
+from hybrid_jax.model import CausalLM
+from serving.engine import LLMEngine
+from serving.engine_config import EngineConfig
+from serving.llm import LLM
+from serving.sampling_params import SamplingParams
+
+NEW = 8
+MARGIN = 2e-3  # compare greedy tokens while the reference's top-1/top-2 logprob gap exceeds this
+LOGPROB_TOL = 2e-3
+PROMPT_LENS = (3, 21, 30, 9, 17)
+COMPILES: list[str] = []
+monitoring.register_event_duration_secs_listener(
+    lambda name, *_a, **_k: COMPILES.append(name) if "backend_compile" in name else None)
+
+
+def L(kind: str, window: int | None = None) -> LayerSpec:
+    return LayerSpec(kind, window)
+
+
+def models() -> dict[str, ModelConfig]:
+    """Tiny configurations; comments say which architectures' features each one carries."""
+    # Falcon-H1 / native / Mamba2 / Bamba / Nemotron-H / Granite: parallel hybrid layer, muP
+    # multipliers, MQA (1 KV head: replicated on 2 and 4 devices), n_groups=1 (the gated
+    # norm's group spread over devices), an MLP-only layer, tied embeddings (vocab split).
+    ssm = ModelConfig(
+        architecture="tp-test-ssm", vocab_size=128, hidden_size=64,
+        layers=(L("hybrid", 16), L("attention"), L("mlp")),
+        attention=AttentionConfig(num_heads=4, num_kv_heads=1, head_dim=16, key_multiplier=0.8),
+        mamba2=Mamba2Config(num_heads=8, head_dim=16, state_size=16, n_groups=1, chunk_size=16,
+                            in_proj_multipliers=(1.1, 0.9, 1.2, 0.8, 1.05)),
+        mlp=MLPConfig(intermediate_size=96, gate_multiplier=1.2, down_multiplier=0.9),
+        tie_embeddings=True, residual_in_fp32=True, attention_out_multiplier=0.9,
+        ssm_in_multiplier=1.1, ssm_out_multiplier=0.8, norm_eps=1e-5)
+    # RecurrentGemma / Gemma 3 / LFM2 / Mistral: RG-LRU, q/k norms, soft-caps, partial
+    # rotary, biases, sandwich (1 + w) norms, short conv, a fused gate/up MLP, GQA (2 KV
+    # heads: split on 2, replicated on 4), a Mamba2 layer with 4 groups (split), an untied
+    # head over 130 tokens (split on 2 devices, replicated on 4), two window groups.
+    rec = ModelConfig(
+        architecture="tp-test-recurrent", vocab_size=130, hidden_size=64,
+        layers=(L("rglru"), L("attention", 16), L("short_conv"), L("mamba2"), L("attention")),
+        attention=AttentionConfig(num_heads=4, num_kv_heads=2, head_dim=16, rotary_dim=8,
+                                  qkv_bias=True, o_bias=True, softcap=50.0, qk_norm=True),
+        rglru=RGLRUConfig(width=64, num_heads=4),
+        short_conv=ShortConvConfig(conv_kernel=3, bias=True),
+        mamba2=Mamba2Config(num_heads=8, head_dim=8, state_size=16, n_groups=4, chunk_size=16,
+                            norm_before_gate=True, in_proj_bias=True, out_proj_bias=True),
+        mlp=MLPConfig(intermediate_size=96, activation="gelu_tanh", bias=True, fused_gate_up=True),
+        norm_offset=True, sandwich_norm=True, logits_softcap=30.0, embedding_scale=8.0)
+    # Zamba2 (+ Nemotron-H's squared-ReLU MLP layers): shared attention + MLP blocks with
+    # LoRA adapters on q/k/v and gate/up, Mamba2 with 2 groups (replicated on 4 devices).
+    shared = ModelConfig(
+        architecture="tp-test-shared", vocab_size=128, hidden_size=64,
+        layers=(L("shared_block"), L("mamba2"), L("mlp"), L("shared_block")),
+        attention=AttentionConfig(num_heads=4, num_kv_heads=4, head_dim=32),
+        mamba2=Mamba2Config(num_heads=8, head_dim=16, state_size=16, n_groups=2, chunk_size=16),
+        shared_block=SharedBlockConfig(num_blocks=2, intermediate_size=96, adapter_rank=8,
+                                       attention_adapters=True),
+        mlp=MLPConfig(intermediate_size=96, activation="relu2", gated=False),
+        separate_mlp_layers=True)
+    return {"ssm": ssm, "recurrent": rec, "shared": shared}
+
+
+_MODELS: dict[str, CausalLM] = {}
+
+
+def engine(cfg: ModelConfig, n: int, **kw) -> LLMEngine:
+    model = _MODELS.get(cfg.architecture)  # one random model per config, shared by its engines
+    if model is None:
+        model = _MODELS[cfg.architecture] = CausalLM(cfg, rngs=nnx.Rngs(0))
+    settings = dict(max_num_seqs=4, max_num_batched_tokens=32, max_prefill_chunk=7, max_model_len=64,
+                    page_size=8, seq_buckets=(4,), token_buckets=(32,), tensor_parallel_size=n,
+                    compilation_cache_dir=None) | kw
+    return LLMEngine(LoadedModel(model, cfg, None, "test"), EngineConfig(**settings),
+                     show_progress=False)
+
+
+def prompts(vocab: int) -> list[list[int]]:
+    import numpy as np
+
+    rng = np.random.default_rng(1)
+    return [rng.integers(0, vocab, n).tolist() for n in PROMPT_LENS]
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True, logprobs=2)
+SEEDED = [SamplingParams(temperature=0.8, top_k=20, seed=7 + i, max_tokens=NEW, ignore_eos=True)
+          for i in range(len(PROMPT_LENS) + 1)]
+
+
+def run(eng: LLMEngine, ps: list[list[int]], params) -> list:
+    return LLM.from_engine(eng).generate(prompt_token_ids=ps, sampling_params=params)
+
+
+def compare(ref, out, what: str) -> int:
+    """Greedy tokens equal while the reference's margin is clear; logprobs close. -> compared."""
+    compared = 0
+    for r, o in zip(ref, out, strict=True):
+        for i, (rt, ot, rl, ol) in enumerate(zip(r.token_ids, o.token_ids, r.logprobs, o.logprobs,
+                                                 strict=True)):
+            top = sorted(rl.values(), reverse=True)
+            if top[0] - top[1] <= MARGIN:
+                break  # a near tie: the two runs may rightly part here
+            assert rt == ot, f"{what}: token {i} of request {r.request_id}: {ot} != reference {rt}"
+            assert abs(rl[rt] - ol[ot]) < LOGPROB_TOL, (
+                f"{what}: logprob {ol[ot]} != reference {rl[rt]} at token {i}")
+            compared += 1
+    return compared
+
+
+def compare_enough(ref, out, what: str):
+    compared = compare(ref, out, what)
+    return compared >= len(ref) * NEW // 2 or f"only {compared} tokens compared"
+
+
+# The ssm model's engines also cache prefixes (checkpoint pool split like the state slots):
+# its last prompt repeats 24 tokens of the 30-token one, so its solo run resumes from them.
+SETTINGS = {"ssm": dict(enable_prefix_caching=True, prefix_state_stride=16)}
+
+
+def check_model(name: str, cfg: ModelConfig, results: dict) -> None:
+    ps = prompts(cfg.vocab_size)
+    kw = SETTINGS.get(name, {})
+    if kw:
+        ps.append(ps[2][:24] + ps[0])
+    ref_eng = engine(cfg, 1, **kw)
+    ref = run(ref_eng, ps, GREEDY)
+    ref_seeded = [o.token_ids for o in run(ref_eng, ps, SEEDED[:len(ps)])]
+    del ref_eng
+    distinct = {t for o in ref for t in o.token_ids}
+    results[f"{name}: reference is not degenerate"] = len(distinct) > 3 or f"tokens {distinct}"
+    for n in (2, 4):
+        # A pool of 9 pages per group (8 tokens each) holds only some of the 5 sequences at
+        # once (64-token sequences): the batch preempts; solo runs do not.
+        eng = engine(cfg, n, num_pages=10, **kw)
+        batch = run(eng, ps, GREEDY)
+        key = f"{name}: tp={n}"
+        results[f"{key} greedy == tp=1 (margin-aware, chunked prefill of 7)"] = \
+            _check(compare_enough, ref, batch, key)
+        results[f"{key} preempted in the batch"] = eng.stats()["num_preemptions"] > 0 or \
+            f"stats {eng.stats()}"
+        before = len(COMPILES)
+        solo = [run(eng, [p], GREEDY)[0] for p in ps]
+        results[f"{key} batched == solo"] = [o.token_ids for o in batch] == [o.token_ids for o in solo] \
+            or "differ"
+        seeded = [o.token_ids for o in run(eng, ps, SEEDED[:len(ps)])]
+        results[f"{key} seeded sampling == tp=1"] = seeded == ref_seeded or f"{seeded} != {ref_seeded}"
+        if kw:
+            hits = eng.stats()["prefix_cache_hit_tokens"]
+            results[f"{key} prefix cache hits"] = hits >= 16 or f"{hits} hit tokens"
+        results[f"{key} compiles nothing while serving"] = len(COMPILES) == before or \
+            f"{len(COMPILES) - before} compilations"
+        results[f"{key} parameters are split"] = _check(_split_params, eng, cfg, n)
+
+
+def _split_params(eng: LLMEngine, cfg: ModelConfig, n: int):
+    r = eng.runner
+    total = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(
+        nnx.eval_shape(lambda: CausalLM(cfg, rngs=nnx.Rngs(0))))))
+    per = r.param_bytes_per_device
+    shards = {s.device for x in r.params for s in x.addressable_shards}
+    assert len(shards) == n, shards
+    return per < total or f"{per} bytes per device of {total}"
+
+
+def _check(fn, *args):
+    try:
+        return fn(*args)
+    except AssertionError as e:
+        return str(e)
+
+
+def refusals(results: dict) -> None:
+    cfg = models()["ssm"]
+    for n, want in ((8, "devices"), (3, "attention heads")):
+        try:
+            engine(cfg, n)
+            results[f"tensor_parallel_size={n} refused"] = "accepted"
+        except ValueError as e:
+            msg = str(e)
+            results[f"tensor_parallel_size={n} refused"] = (
+                "tensor_parallel_size" in msg and want in msg) or msg
+
+
+def main() -> None:
+    assert len(jax.devices()) == 4, jax.devices()
+    results: dict[str, object] = {}
+    only = sys.argv[1:]
+    try:
+        refusals(results)
+        for name, cfg in models().items():
+            if not only or name in only:
+                check_model(name, cfg, results)
+    except Exception:  # report, then fail the test that reads it
+        results["child crashed"] = traceback.format_exc()
+    print("RESULTS " + json.dumps({k: (v if v is True else str(v)) for k, v in results.items()}))
+
+
+if __name__ == "__main__":
+    main()

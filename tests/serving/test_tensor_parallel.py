@@ -1,0 +1,124 @@
+"""Tensor parallelism (issue 15): sharded serving equals single-device serving.
+
+The engine checks run in one child process that sees 4 CPU devices
+(`tensor_parallel_child.py`; XLA_FLAGS must be set before JAX starts, and this process
+has already started it with one device). For three tiny models that together carry every
+layer kind and sharding rule of the served architectures, at tensor_parallel_size 2 and
+4: greedy tokens equal tensor_parallel_size=1 (margin-aware, logprobs close) with chunked
+prefill and preemption, batched == solo, seeded sampling unchanged, no compilation while
+serving, parameters split across the devices; and the refusals. Here, in-process: the
+sharding rules give every parameter of every shipped preset its local shape, and bad
+settings are refused with messages naming tensor_parallel_size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from hybrid_jax import tensor_parallel as tp
+from hybrid_jax.model import CausalLM
+from hybrid_jax.presets import load_preset, preset_names
+from serving.engine_config import EngineConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def child_results() -> dict[str, object]:
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
+               PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("tensor_parallel_child.py"))],
+                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(lines[-1][len("RESULTS "):])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["ssm", "recurrent", "shared"])
+def test_sharded_engine_equals_single_device(child_results, model):
+    assert "child crashed" not in child_results, child_results["child crashed"]
+    mine = {k: v for k, v in child_results.items() if k.startswith(f"{model}:")}
+    assert len(mine) == (15 if model == "ssm" else 13), sorted(mine)
+    failed = {k: v for k, v in mine.items() if v is not True}
+    assert not failed, failed
+
+
+@pytest.mark.slow
+def test_engine_refuses_what_cannot_be_sharded(child_results):
+    refusals = {k: v for k, v in child_results.items() if "refused" in k}
+    assert len(refusals) == 2 and all(v is True for v in refusals.values()), refusals
+
+
+@pytest.mark.parametrize("name", preset_names())
+def test_every_preset_shards_to_its_local_shapes(name):
+    cfg = load_preset(name)
+    # One layer of each (kind, window): the shapes of the others repeat them.
+    cfg = dataclasses.replace(cfg, layers=tuple(dict.fromkeys(cfg.layers)))
+    glob = jax.tree_util.tree_flatten_with_path(nnx.state(
+        nnx.eval_shape(lambda: CausalLM(cfg, rngs=nnx.Rngs(0)))))[0]
+    for n in (2, 4):
+        try:
+            local = nnx.state(tp.local_abstract_model(cfg, n, jax.numpy.float32))
+        except ValueError as e:  # RecurrentGemma's 10 heads on 4 devices
+            assert "tensor_parallel_size=4" in str(e) and "heads" in str(e)
+            continue
+        total = 0
+        for (path, x), want in zip(glob, jax.tree.leaves(local), strict=True):
+            shape = tp.shard_shape(tp._names(path), x.shape, cfg, n)
+            assert shape == want.shape, (tp._names(path), shape, want.shape)
+            total += int(np.prod(shape))
+        # Only norms, biases of row-parallel layers, replicated KV heads / groups and adapters'
+        # down LoRAs are repeated on every device.
+        assert total <= (1 / n + 0.1) * sum(x.size for _, x in glob)
+
+
+def test_shards_reassemble_the_parameter():
+    """Mamba2's fused in_proj, cut per device, holds each device's z, x, B, C, dt columns."""
+    from hybrid_jax.config import LayerSpec, Mamba2Config, ModelConfig
+
+    m = Mamba2Config(num_heads=4, head_dim=2, state_size=3, n_groups=1)
+    cfg = ModelConfig(architecture="t", vocab_size=8, hidden_size=4, layers=(LayerSpec("mamba2"),),
+                      mamba2=m)
+    cols = np.arange(m.d_inner * 2 + 2 * 3 + 4)[None, :]  # z 0-7 | x 8-15 | B 16-18 | C 19-21 | dt 22-25
+    names = ("layers", 0, "mamba", "in_proj", "kernel")
+    got = [tp.shard_param(names, cols, cfg, 2, d)[0].tolist() for d in (0, 1)]
+    assert got[0] == [0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 20, 21, 22, 23]
+    assert got[1] == [4, 5, 6, 7, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 24, 25]
+
+
+def test_refusals_name_the_setting():
+    with pytest.raises(ValueError, match="tensor_parallel_size=0"):
+        EngineConfig(tensor_parallel_size=0)
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 with speculative_method='ngram'"):
+        EngineConfig(tensor_parallel_size=2, speculative_method="ngram")
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 needs 2 devices.*1 cpu"):
+        tp.make_mesh(2)
+    cfg = load_preset("recurrentgemma-2b")  # 10 heads, 1 KV head
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=4 cannot split the 10 attention heads"):
+        tp.check_shardable(cfg, 4)
+    cfg = load_preset("mistral-7b")  # 32 heads, 8 KV heads: on 16 devices a KV head is on 2
+    tp.check_shardable(cfg, 16)
+    odd = dataclasses.replace(cfg, attention=dataclasses.replace(cfg.attention, num_heads=24,
+                                                                 num_kv_heads=3))
+    with pytest.raises(ValueError, match="tensor_parallel_size=8 cannot split the 3 attention KV heads"):
+        tp.check_shardable(odd, 8)
+
+
+def test_cli_refuses_more_devices_than_present_before_loading(capsys):
+    from serving.cli import main
+
+    assert main(["generate", "--model", "native-tiny", "--tensor-parallel-size", "2", "x"]) == 2
+    err = capsys.readouterr().err
+    assert "tensor_parallel_size=2 needs 2 devices" in err and "lower --tensor-parallel-size" in err
+    assert "loading model" not in err
