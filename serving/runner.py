@@ -326,6 +326,9 @@ class ModelRunner:
         # Speculative decoding: verification buckets of b sequences x spec_q tokens, for
         # the decode ladder's sizes up to spec_max_seqs (speculation is off above it),
         # each compiled with and without the sampling filters.
+        if spec_q and self.shardings is not None:
+            raise ValueError("speculative decoding does not run tensor-parallel yet "
+                             "(tensor_parallel_size > 1 or HYBRID_JAX_SHARDED_RUNNER=1)")
         self.spec_q = spec_q
         self.verify_buckets: list[Bucket] = []
         self.verify_layouts: dict[Bucket, HostLayout] = {}
