@@ -122,3 +122,22 @@ def test_cli_refuses_more_devices_than_present_before_loading(capsys):
     err = capsys.readouterr().err
     assert "tensor_parallel_size=2 needs 2 devices" in err and "lower --tensor-parallel-size" in err
     assert "loading model" not in err
+
+
+def test_pool_plan_is_per_device():
+    """Pages and slots of one device's shard: half the KV heads and SSM heads at N = 2."""
+    from serving.engine_config import plan_pools
+
+    cfg = load_preset("native-1b-parallel")  # 4 KV heads, 32 SSM heads, 1 group
+    one, two = (plan_pools(cfg, EngineConfig(max_model_len=4096, tensor_parallel_size=n),
+                           free_bytes=8 << 30, weight_bytes=0, dtype="bfloat16") for n in (1, 2))
+    assert two.page_bytes == tuple(b // 2 for b in one.page_bytes)
+    from serving.penalties import init_token_stats
+
+    stats = sum(x.size * x.dtype.itemsize  # penalty statistics stay whole (replicated)
+                for x in jax.tree.leaves(jax.eval_shape(lambda: init_token_stats(1, cfg.vocab_size))))
+    conv_bc = 3 * 2 * cfg.mamba2.state_size * 2 * cfg.num_layers  # B, C conv state: replicated
+    assert two.slot_bytes - stats - conv_bc == (one.slot_bytes - stats - conv_bc) // 2
+    with pytest.raises(ValueError, match=r"per device \(tensor_parallel_size=2\).*tensor_parallel_size"):
+        plan_pools(cfg, EngineConfig(max_model_len=4096, tensor_parallel_size=2), free_bytes=1 << 20,
+                   weight_bytes=0, dtype="bfloat16")
