@@ -339,3 +339,21 @@ def test_cli_flags_reach_the_engine_config():
         cfg = EngineConfig(**_spec_kwargs(args))
         assert (cfg.speculative_method, cfg.num_speculative_tokens, cfg.speculative_model,
                 cfg.speculative_disable_by_batch_size) == ("draft", 2, "native-tiny", None)
+
+
+def test_a_stop_string_inside_an_accepted_run_cuts_the_run():
+    """Tokens after the one completing a stop string are dropped (from the sequence too)."""
+    from hybrid_jax.loading import load_model
+    from serving.detokenizer import IncrementalDetokenizer
+    from serving.sequence import Sequence
+
+    tok = load_model("default").tokenizer
+    prompt = tok.encode("def f(x):", add_bos=True)
+    run_ids = tok.encode("\n    return x + 1\n", add_bos=False)
+    seq = Sequence("r", prompt, SamplingParams(stop=["return"]))
+    seq.token_ids += run_ids
+    detok = IncrementalDetokenizer(tok, prompt, ["return"])
+    text, kept = LLMEngine._add_run(seq, detok, run_ids)
+    assert detok.stopped_on == "return" and len(kept) < len(run_ids)
+    assert "return" in tok.decode(kept) and "return" not in tok.decode(kept[:-1])
+    assert seq.token_ids == prompt + kept and "return" not in text
