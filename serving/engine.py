@@ -372,11 +372,28 @@ class LLMEngine:
             want_top=col["want_top"] != 0)
         return arrays, any(r.full for r in reqs)
 
+    @staticmethod
+    def _add_run(seq: Sequence, detok: IncrementalDetokenizer, tokens: list[int]) -> tuple[str, list[int]]:
+        """Detokenize several tokens one by one; at a stop string, drop the tokens after it
+        (from the sequence too), as decoding them one per step would have."""
+        text = ""
+        for i, tok in enumerate(tokens):
+            text += detok.add([tok])
+            if detok.stopped_on is not None:
+                extra = len(tokens) - i - 1
+                if extra and not seq.is_finished:
+                    del seq.token_ids[-extra:]
+                return text, tokens[:i + 1]
+        return text, tokens
+
     def _delta(self, seq: Sequence, tokens: list[int], result: StepResult | None, row: int) -> RequestDelta:
         req = self.requests[seq.request_id]
         text = ""
         if req.detok is not None:
-            text = req.detok.add(tokens)
+            if len(tokens) > 1:  # a verification step's accepted run may hold a stop string
+                text, tokens = self._add_run(seq, req.detok, tokens)
+            else:
+                text = req.detok.add(tokens)
             if req.detok.stopped_on is not None and not seq.is_finished:
                 self.scheduler.finish(seq, FinishReason.STOP, req.detok.stopped_on)
             if seq.is_finished:

@@ -61,7 +61,7 @@ class EngineConfig:
     prefix_state_stride: int = 256
     prefix_state_checkpoints: int | None = None
     # Speculative decoding (docs/engine.md): None, "ngram" (prompt lookup: the tokens that
-    # followed the latest earlier occurrence of the last prompt_lookup_max..min tokens) or
+    # followed an earlier occurrence of the last prompt_lookup_max..min tokens) or
     # "draft" (a smaller model with the same vocabulary, `speculative_model`: a path or a
     # preset). Each decoding sequence verifies num_speculative_tokens (k, 1..8) drafts per
     # step. Speculation is off for a step when more than speculative_disable_by_batch_size

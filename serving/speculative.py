@@ -36,8 +36,9 @@ MAX_SPECULATIVE_TOKENS = 8
 
 
 class NgramDrafter:
-    """Prompt lookup: find the latest earlier occurrence of the sequence's last n tokens
-    (n from `max_n` down to `min_n`) and propose the k tokens that followed it."""
+    """Prompt lookup: find an earlier occurrence of the sequence's last n tokens (n from
+    `max_n` down to `min_n`) and propose the k tokens that followed it: the latest
+    occurrence followed by k tokens, else the earliest (the longest continuation)."""
 
     def __init__(self, k: int, min_n: int, max_n: int):
         self.k, self.min_n, self.max_n = k, min_n, max_n
@@ -54,7 +55,9 @@ class NgramDrafter:
             win = np.lib.stride_tricks.sliding_window_view(arr[:n_tok - 1], n)
             hits = np.flatnonzero((win == suffix).all(axis=1))
             if hits.size:
-                start = int(hits[-1]) + n
+                # The latest match followed by k tokens; else the earliest (longest run).
+                full = hits[hits + n + k <= n_tok]
+                start = int(full[-1] if full.size else hits[0]) + n
                 return arr[start:start + k].tolist()
         return []
 
