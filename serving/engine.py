@@ -179,8 +179,10 @@ class LLMEngine:
         eos = () if params.ignore_eos else self.model_config.eos_token_ids
         ban = list(dict.fromkeys((*eos, *params.stop_token_ids)))
         p = params
-        row = (p.temperature, max(p.top_k, 0), p.top_p, p.min_p, seed, p.repetition_penalty,
-               p.presence_penalty, p.frequency_penalty, seq.num_prompt_tokens, bool(p.logprobs))
+        # top_k >= the vocabulary keeps every token, as top_k off does (and fits int32).
+        top_k = min(max(p.top_k, 0), self.model_config.vocab_size)
+        row = (p.temperature, top_k, p.top_p, p.min_p, seed, p.repetition_penalty, p.presence_penalty,
+               p.frequency_penalty, seq.num_prompt_tokens, bool(p.logprobs))
         self.requests[rid] = _Request(seq, detok, seed, ban, _needs_full(params), row)
         return rid
 
@@ -363,12 +365,14 @@ class LLMEngine:
         for i, (e, r) in enumerate(zip(schedule.entries, reqs, strict=True)):
             if r.ban and e.out_index < e.seq.params.min_tokens:
                 suppress[i, :len(r.ban)] = r.ban
+        # A float beyond float32's range becomes inf, as a float32 array built from the
+        # Python value would (e.g. temperature 1e39: uniform sampling); no warning for it.
+        with np.errstate(over="ignore"):
+            f32 = {k: col[k].astype(np.float32) for k in
+                   ("temperature", "top_p", "min_p", "repetition", "presence", "frequency")}
         arrays = SamplingArrays(
-            temperature=col["temperature"].astype(np.float32), top_k=col["top_k"].astype(np.int32),
-            top_p=col["top_p"].astype(np.float32), min_p=col["min_p"].astype(np.float32),
-            seed=col["seed"].astype(np.uint32), step=step, suppress=suppress,
-            repetition=col["repetition"].astype(np.float32), presence=col["presence"].astype(np.float32),
-            frequency=col["frequency"].astype(np.float32), prompt_len=col["prompt_len"].astype(np.int32),
+            **f32, top_k=col["top_k"].astype(np.int32), seed=col["seed"].astype(np.uint32), step=step,
+            suppress=suppress, prompt_len=col["prompt_len"].astype(np.int32),
             want_top=col["want_top"] != 0)
         return arrays, any(r.full for r in reqs)
 

@@ -155,3 +155,18 @@ def test_runner_refuses_out_of_range_indices(llm):
                      num_decodes=0)
     with pytest.raises(AssertionError, match="slot_ids"):
         runner._pad(bad, runner.pick(bad))
+
+
+def test_extreme_sampling_values_run_as_their_limits(llm):
+    """top_k beyond the vocabulary keeps every token (= top_k off); a temperature beyond
+    float32's range samples like an infinite one; neither warns or breaks the step."""
+    import warnings
+
+    prompt = [5, 6, 7]
+    base = dict(temperature=0.8, seed=7, max_tokens=6, ignore_eos=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        huge_k = solo(llm, prompt, SamplingParams(top_k=2**40, **base))
+        hot = solo(llm, prompt, SamplingParams(**{**base, "temperature": 1e39}))
+    assert huge_k == solo(llm, prompt, SamplingParams(top_k=-1, **base))
+    assert len(hot) == 6 and all(0 <= t < llm.engine.model_config.vocab_size for t in hot)
