@@ -264,7 +264,14 @@ class LLMEngine:
         next call); without it, the step is resolved before returning. Same outputs.
         """
         if self._spec is not None:
-            return self._spec_step()
+            if not (self.config.async_scheduling and len(self.scheduler.running) > self._spec.max_seqs):
+                # Drafting needs every sampled token on the host: finish what is in flight.
+                deltas = []
+                while self._inflight:
+                    deltas += self._resolve(self._inflight.popleft())
+                return deltas + self._spec_step()
+            # More sequences than speculation serves: the ordinary overlapped step.
+            self.spec_counters.plain_steps += 1
         schedule = self.scheduler.schedule()
         deltas: list[RequestDelta] = []
         launched = None
@@ -282,8 +289,10 @@ class LLMEngine:
         return deltas
 
     def _spec_step(self) -> list[RequestDelta]:
-        """A step with speculation on: synchronous (the drafts need the last token on the
-        host); a verification step when the scheduler allows it, else a plain one."""
+        """A step with speculation on and at most `speculative_disable_by_batch_size`
+        sequences running: synchronous (the drafts need the last token on the host); a
+        verification step when the scheduler allows it, else a plain one. With more
+        sequences running, `step` takes the ordinary overlapped path instead."""
         if self.drafter is not None and hasattr(self.drafter, "sync"):
             self.drafter.sync(self.scheduler)
         schedule = self.scheduler.schedule(self._spec)
