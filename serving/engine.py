@@ -43,10 +43,9 @@ log = logging.getLogger(__name__)
 class _Request:
     seq: Sequence
     detok: IncrementalDetokenizer | None
-    seed: int
     ban: list[int]  # EOS and stop ids, suppressed while fewer than min_tokens were generated
     full: bool  # needs the full sampler: penalties, top-k/p/min-p, or top-n logprobs
-    row: tuple  # the constant sampling fields, in `_ROW` order
+    row: tuple  # the constant sampling fields (seed included), in `_ROW` order
 
 
 # Sampling fields that stay constant over a request's life (SamplingArrays names).
@@ -183,7 +182,7 @@ class LLMEngine:
         top_k = min(max(p.top_k, 0), self.model_config.vocab_size)
         row = (p.temperature, top_k, p.top_p, p.min_p, seed, p.repetition_penalty, p.presence_penalty,
                p.frequency_penalty, seq.num_prompt_tokens, bool(p.logprobs))
-        self.requests[rid] = _Request(seq, detok, seed, ban, _needs_full(params), row)
+        self.requests[rid] = _Request(seq, detok, ban, _needs_full(params), row)
         return rid
 
     def _prompt_ids(self, prompt: str | None, ids: list[int] | None) -> list[int]:
