@@ -1,5 +1,9 @@
 """Engine start-up with default settings: cold (empty compilation cache) or warm.
 
+Warm: every step executable comes from the executable store beside the cache
+(serving/exec_store.py), loaded without tracing. exec_load_s / exec_lower_s /
+exec_compile_s split the runner's part; load_s is the model.
+
   PYTHONPATH=. python benchmarks/startup.py --cache-dir /tmp/xla-cache   # run twice: cold, then warm
 """
 
@@ -53,6 +57,8 @@ def main() -> None:
            "executables": len(engine.runner.compiled) + len(engine.runner.samplers),
            "buckets": [(b.tokens, b.seqs, b.decode) for b in engine.runner.buckets],
            "import_s": round(t0 - t_import, 1), "device": str(jax.devices()[0]),
+           "executables_loaded": engine.runner.startup["loaded"],
+           **{f"exec_{k}": round(v, 2) for k, v in engine.runner.startup.items() if k.endswith("_s")},
            **{k: round(v, 1) for k, v in phases.items()}}
     print(json.dumps(res))
     if a.out:

@@ -24,6 +24,7 @@ import functools
 import json
 import logging
 import os
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
@@ -402,47 +403,88 @@ class ModelRunner:
                     workers: int | None = None) -> None:
         """Compile every bucket ahead of serving (the only compilations the runner does).
 
-        Lowering is serial (Python); XLA compiles on a thread pool, in parallel.
+        Executables found in the executable store (serving/exec_store.py, beside the
+        persistent compilation cache) are loaded without tracing; the others are lowered
+        (serial: Python) and compiled on a thread pool, in parallel, then stored.
+        `self.startup` records the seconds spent loading, lowering and compiling.
         """
+        from serving.exec_store import default_store, describe_args
+
         opts = (compile_options() if jax.default_backend() == "gpu" else {}) or None
         rep = self.replicated if self.shardings is not None else None
-        jobs: list[tuple[object, object]] = []
+        store = default_store(list(self.mesh.devices.flat))
+        model_key = (repr(self.cfg), str(self.layout.dtypes), repr(self.layout.leaves),
+                     str(self.layout.treedef), repr(self.shardings), repr(sorted((opts or {}).items())))
+        # (key, what to lower: a function of nothing, store key)
+        todo: list[tuple[object, Callable[[], object], str | None]] = []
+
+        def add(key, fn: Callable, args: tuple, desc: tuple) -> None:
+            skey = store.key(model_key, desc, describe_args(args)) if store is not None else None
+            todo.append((key, lambda: fn.lower(*args), skey))
+
         for bucket in self.buckets:
             host = self.host_layouts[bucket]
             ckpt = bool(self.ckpt_ops) and not bucket.decode
             fwd = _forward_fn(self.graphdef, self.layout, bucket.decode, host, ckpt, self.shardings)
             extra = (self.ckpts,) if ckpt else ()
             buf = jax.ShapeDtypeStruct((host.size,), jnp.int32)
-            low = fwd.lower(self.params, self.caches, self.stats, buf, self.last_tokens, *extra)
-            jobs.append((bucket, low))
+            add(bucket, fwd, (self.params, self.caches, self.stats, buf, self.last_tokens, *extra),
+                ("forward", bucket, ckpt, repr(host)))
         for bucket in self.verify_buckets:
             host = self.verify_layouts[bucket]
             buf = jax.ShapeDtypeStruct((host.size,), jnp.int32)
             for filters in (False, True):
-                low = _verify_fn(self.graphdef, self.layout, self.spec_q, host, filters).lower(
-                    self.params, self.caches, buf)
-                jobs.append(((bucket, filters), low))
+                add((bucket, filters), _verify_fn(self.graphdef, self.layout, self.spec_q, host, filters),
+                    (self.params, self.caches, buf), ("verify", bucket, filters, self.spec_q, repr(host)))
         for b in sorted({bk.seqs for bk in self.buckets}):
             logits = jax.ShapeDtypeStruct((b, self.cfg.vocab_size), jnp.float32, sharding=rep)
             host = self.sampler_layouts[b]
             buf = jax.ShapeDtypeStruct((host.size,), jnp.int32)
             for full in (False, True):
-                low = _sampler_fn(full, self.max_seqs, host, rep).lower(logits, self.stats, buf)
-                jobs.append(((b, full), low))
-        n = len(jobs)
-        workers = workers or min(n, max(1, (os.cpu_count() or 2)))
-        with ThreadPoolExecutor(workers) as pool:
-            futures = {pool.submit(low.compile, compiler_options=opts): key for key, low in jobs}
-            for i, fut in enumerate(as_completed(futures)):
-                key = futures[fut]
-                if isinstance(key, Bucket):
-                    self.compiled[key] = fut.result()
-                elif isinstance(key[0], Bucket):
-                    self.verifiers[key] = fut.result()
-                else:
-                    self.samplers[key] = fut.result()
-                if progress is not None:
-                    progress(i + 1, n, key)
+                add((b, full), _sampler_fn(full, self.max_seqs, host, rep), (logits, self.stats, buf),
+                    ("sampler", b, full, self.max_seqs, repr(host)))
+        n = len(todo)
+        done = 0
+        timing = {"load_s": 0.0, "lower_s": 0.0, "compile_s": 0.0}
+
+        def finish(key, exe) -> None:
+            nonlocal done
+            if isinstance(key, Bucket):
+                self.compiled[key] = exe
+            elif isinstance(key[0], Bucket):
+                self.verifiers[key] = exe
+            else:
+                self.samplers[key] = exe
+            done += 1
+            if progress is not None:
+                progress(done, n, key)
+
+        t0 = time.perf_counter()
+        jobs = []
+        for key, lower, skey in todo:
+            exe = store.load(skey) if store is not None else None
+            if exe is not None:
+                finish(key, exe)
+            else:
+                jobs.append((key, lower, skey))
+        timing["load_s"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        lowered = [(key, lower(), skey) for key, lower, skey in jobs]
+        timing["lower_s"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        if lowered:
+            workers = workers or min(len(lowered), max(1, (os.cpu_count() or 2)))
+            with ThreadPoolExecutor(workers) as pool:
+                futures = {pool.submit(low.compile, compiler_options=opts): (key, skey)
+                           for key, low, skey in lowered}
+                for fut in as_completed(futures):
+                    key, skey = futures[fut]
+                    exe = fut.result()
+                    if store is not None:
+                        store.save(skey, exe)
+                    finish(key, exe)
+        timing["compile_s"] = time.perf_counter() - t0
+        self.startup = {**timing, "executables": n, "loaded": n - len(jobs)}
 
     def pick(self, arrays: StepArrays) -> Bucket:
         b, t = len(arrays.slot_ids), len(arrays.token_ids)

@@ -1,0 +1,96 @@
+"""The executable store (serving/exec_store.py): a warm start loads every step executable
+without tracing and serves exactly what a cold start serves; a changed setting misses; a
+damaged file is compiled again, never trusted."""
+
+from __future__ import annotations
+
+import pytest
+
+import serving.exec_store as exec_store
+from hybrid_jax.loading import load_model
+from serving.engine import LLMEngine
+from serving.engine_config import EngineConfig
+from serving.sampling_params import SamplingParams
+
+PROMPTS = [[1, 5, 9, 13, 7, 22, 3], [4, 8], [30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43]]
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return load_model("native-tiny")
+
+
+@pytest.fixture
+def store_dir(tmp_path, monkeypatch):
+    """Engines built in the test use a store in tmp_path."""
+    stores = []
+
+    def make(devices):
+        stores.append(exec_store.ExecutableStore(tmp_path, devices))
+        return stores[-1]
+
+    monkeypatch.setattr(exec_store, "default_store", make)
+    return tmp_path, stores
+
+
+def _engine(lm, **kw) -> LLMEngine:
+    cfg = dict(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=128, seq_buckets=(4,),
+               token_buckets=(16,), num_pages=64)
+    return LLMEngine(lm, EngineConfig(**(cfg | kw)), show_progress=False)
+
+
+def _serve(engine: LLMEngine) -> list[list[int]]:
+    out: dict[str, list[int]] = {}
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(prompt_token_ids=p, request_id=str(i),
+                           params=SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True))
+    while engine.has_unfinished():
+        for d in engine.step():
+            out.setdefault(d.request_id, []).extend(d.token_ids)
+    return [out[str(i)] for i in range(len(PROMPTS))]
+
+
+def test_warm_start_loads_every_executable_and_serves_the_same(lm, store_dir):
+    path, stores = store_dir
+    cold = _engine(lm)
+    n = cold.runner.startup["executables"]
+    assert cold.runner.startup["loaded"] == 0 and stores[-1].misses == n
+    assert len(list(path.glob("*.exe"))) == n
+    expected = _serve(cold)
+
+    warm = _engine(lm)
+    assert warm.runner.startup["loaded"] == n and stores[-1].hits == n
+    assert _serve(warm) == expected
+
+    # A setting that changes the executables misses (different bucket ladder).
+    other = _engine(lm, seq_buckets=(2, 4))
+    assert other.runner.startup["loaded"] < other.runner.startup["executables"]
+    assert _serve(other) == expected
+
+    # Damaged files are compiled again (and replaced), never trusted.
+    for f in path.glob("*.exe"):
+        f.write_bytes(b"not an executable")
+    again = _engine(lm)
+    assert again.runner.startup["loaded"] == 0 and stores[-1].errors == n
+    assert _serve(again) == expected
+    assert _engine(lm).runner.startup["loaded"] == n  # rewritten by the compile
+
+
+def test_key_covers_environment_and_arguments(monkeypatch, tmp_path):
+    import jax
+    import jax.numpy as jnp
+
+    devices = jax.devices()[:1]
+    a = exec_store.ExecutableStore(tmp_path, devices)
+    monkeypatch.setenv("HYBRID_JAX_SOME_SWITCH", "1")
+    b = exec_store.ExecutableStore(tmp_path, devices)
+    assert a.key("x") != b.key("x")
+    monkeypatch.delenv("HYBRID_JAX_SOME_SWITCH")
+    assert a.key("x") == exec_store.ExecutableStore(tmp_path, devices).key("x")
+    f32 = jax.ShapeDtypeStruct((4, 3), jnp.float32)
+    bf16 = jax.ShapeDtypeStruct((4, 3), jnp.bfloat16)
+    wider = jax.ShapeDtypeStruct((4, 4), jnp.float32)
+    descs = {exec_store.describe_args(t) for t in [(f32,), (bf16,), (wider,), ((f32,),), (f32, None)]}
+    assert len(descs) == 5
+    monkeypatch.setenv("HYBRID_JAX_EXECUTABLE_STORE", "0")
+    assert exec_store.default_store(devices) is None
