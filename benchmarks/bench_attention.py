@@ -1,6 +1,6 @@
 """Benchmark the paged attention kernels on a GPU (bf16) against their targets.
 
-    PYTHONPATH=. python benchmarks/bench_attention.py [--suite decode prefill write ceil]
+    PYTHONPATH=. python benchmarks/bench_attention.py [--suite decode prefill write ceil verify]
         [--quick] [--out results.json]
 
 Prints one table (time, achieved TB/s or TFLOP/s, % of the ceilings) with the
@@ -156,6 +156,37 @@ def bench_cudnn(rng, name, seqs, n, w, flops):
     report(f"{name} cuDNN, contiguous K/V (not paged)", time_fn(fn, q, k, v), flops=flops)
 
 
+VERIFY_SHAPES = [  # (name, heads, kv heads, head dim, window, dtype): the engine's models
+    ("default model", 4, 2, 64, 128, jnp.float32),
+    ("default model", 4, 2, 64, 128, jnp.bfloat16),
+    ("native-1b", 16, 4, 128, 2048, jnp.bfloat16),
+]
+
+
+def bench_verify(rng, sh):
+    """Speculative verification (q = 5 tokens per sequence) and short mixed chunks: the
+    prefill kernel against the decode kernel's multi-query form, at context 600 and 2000."""
+    smoke = INTERPRET
+    for name, h, nk, e, w, dtype in VERIFY_SHAPES[:1] if smoke else VERIFY_SHAPES:
+        for b in (2,) if smoke else (1, 8, 64):
+            for ctx in (40,) if smoke else (600, 2000):
+                for q in (5,) if smoke else (5, 16):
+                    args = prefill_inputs(rng, seqs=b, new_tokens=q, context=ctx, window=w, heads=h,
+                                          kv_heads=nk, head_dim=e, dtype=dtype)
+                    qx, kp, vp, cu, lens, table = args
+                    pre = jax.jit(functools.partial(paged_attention_prefill, window=w,
+                                                    impl="interpret" if smoke else "pallas"))
+                    dec = jax.jit(functools.partial(paged_attention_decode, window=w, queries=q,
+                                                    impl="interpret" if smoke else "pallas"))
+                    want = pre(*args).astype(jnp.float32)
+                    err = float(jnp.max(jnp.abs(dec(qx, kp, vp, lens, table).astype(jnp.float32) - want)))
+                    tag = f"verify {name} {jnp.dtype(dtype).name} b={b} q={q} ctx={ctx}"
+                    nbytes = 2 * b * min(ctx, w + q) * nk * e * jnp.dtype(dtype).itemsize
+                    report(f"{tag} prefill kernel", time_fn(pre, *args), nbytes=nbytes)
+                    report(f"{tag} multi-query decode", time_fn(dec, qx, kp, vp, lens, table),
+                           nbytes=nbytes, note=f"max|diff| {err:.1e}")
+
+
 def bench_write(rng, sh):
     args = decode_inputs(rng, batch=sh["batches"][0], context=sh["context"], window=sh["window"])
     k_pages, v_pages = args[1], args[2]
@@ -223,6 +254,7 @@ def main():
         "decode": lambda: bench_decode(rng, sh, dec[:n], a.quick),
         "prefill": lambda: bench_prefill(rng, sh, pre[:n]),
         "write": lambda: bench_write(rng, sh),
+        "verify": lambda: bench_verify(rng, sh),
     }
     for name in a.suite:
         suites[name]()

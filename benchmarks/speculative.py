@@ -54,10 +54,13 @@ def parse() -> argparse.Namespace:
     p.add_argument("--memory-fraction", type=float, default=0.5)
     p.add_argument("--smoke", action="store_true", help="CPU toy run (native-tiny, short)")
     p.add_argument("--out", default=None, help="also append the JSON lines to this file")
+    p.add_argument("--profile", type=int, default=0,
+                   help="trace N whole-batch steps (before the measured window) under jax.profiler: "
+                        "GPU kernel ms and kernels per step, top kernels")
     a = p.parse_args()
     if a.smoke:
         a.model, a.draft_model, a.batches = "native-tiny", "native-tiny", "1,4"
-        a.prompt_len, a.output_len = 48, 12
+        a.prompt_len, a.output_len = 48, 60 if a.profile else 12
     return a
 
 
@@ -94,6 +97,7 @@ def measure(a: argparse.Namespace, lm, b: int, spec: bool) -> dict[str, object]:
     t_open = None
     window_tokens, steps = 0, 0
     before = {}
+    traced: dict[str, object] = {}
     while eng.has_unfinished():
         deltas = eng.step()
         te = time.perf_counter()
@@ -102,6 +106,9 @@ def measure(a: argparse.Namespace, lm, b: int, spec: bool) -> dict[str, object]:
         for d in deltas:
             counts[d.request_id] = counts.get(d.request_id, 0) + len(d.token_ids)
         if t_open is None:
+            if len(counts) == b and all(c > 0 for c in counts.values()) and a.profile and not traced:
+                traced = _profile(eng, a.profile)
+                continue
             if len(counts) == b and all(c > 0 for c in counts.values()):
                 t_open = te  # every sequence has its first token: decoding from here
                 before = eng.stats()
@@ -126,9 +133,25 @@ def measure(a: argparse.Namespace, lm, b: int, spec: bool) -> dict[str, object]:
                 "draft_time_s": s["spec_draft_time_s"], "verify_time_s": s["spec_verify_time_s"]}
         if a.method == "draft":
             row["draft_model"] = a.draft_model
+    if traced:
+        row["trace"] = traced
     del eng
     gc.collect()
     return row
+
+
+def _profile(eng: LLMEngine, n: int) -> dict[str, object]:
+    """Trace n engine steps: wall ms per step, GPU kernel ms and kernels per step, top kernels."""
+    from benchmarks.step_anatomy import trace_kernels
+
+    verify0 = eng.stats().get("spec_verify_steps", 0)
+    t0 = time.perf_counter()
+    kernel_ms, kernels, top = trace_kernels(eng.step, n)
+    wall = (time.perf_counter() - t0) / (n + 2)  # trace_kernels runs two warm-up steps
+    return {"steps": n, "wall_ms_per_step": 1e3 * wall, "kernel_ms_per_step": kernel_ms,
+            "kernels_per_step": kernels,
+            "verify_steps": eng.stats().get("spec_verify_steps", 0) - verify0,
+            "top": [(k, round(ms, 4), c) for k, ms, c in top[:25]]}
 
 
 def main() -> None:

@@ -53,7 +53,20 @@ def main() -> None:
     engine = LLMEngine(lm, EngineConfig(dtype=a.dtype, compilation_cache_dir=a.cache_dir))
     dt = time.perf_counter() - t0
     phases["engine_other_s"] = dt - phases["load_s"] - phases.get("compile_s", 0.0)
-    res = {"model": a.model, "cache": "cold" if cold else "warm", "startup_s": round(dt, 1),
+    # The engine serves: greedy tokens of a few requests, digested (cold and warm must agree).
+    import hashlib
+
+    from serving.sampling_params import SamplingParams
+
+    out: dict[str, list[int]] = {}
+    for i in range(4):
+        engine.add_request(prompt_token_ids=[1 + i, 7, 11 + i, 3] * (4 + i), request_id=str(i),
+                           params=SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
+    while engine.has_unfinished():
+        for d in engine.step():
+            out.setdefault(d.request_id, []).extend(d.token_ids)
+    digest = hashlib.sha256(json.dumps(sorted(out.items())).encode()).hexdigest()[:16]
+    res = {"model": a.model, "tokens_digest": digest, "cache": "cold" if cold else "warm", "startup_s": round(dt, 1),
            "executables": len(engine.runner.compiled) + len(engine.runner.samplers),
            "buckets": [(b.tokens, b.seqs, b.decode) for b in engine.runner.buckets],
            "import_s": round(t0 - t_import, 1), "device": str(jax.devices()[0]),

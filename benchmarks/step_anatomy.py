@@ -138,10 +138,11 @@ def run(a: argparse.Namespace) -> dict:
     lm = load_model(a.model, dtype=a.dtype)
     # Early sequences decode while later ones prefill: enough tokens that none finishes first.
     extra = 264 + 2 * -(-a.batch * a.prompt_len // max(a.chunk, a.batch))
-    cfg = EngineConfig(max_num_seqs=a.batch, max_num_batched_tokens=max(a.chunk, a.batch),
+    rows = max(a.batch, a.seq_bucket)
+    cfg = EngineConfig(max_num_seqs=rows, max_num_batched_tokens=max(a.chunk, rows),
                        max_prefill_chunk=a.chunk, max_model_len=a.prompt_len + a.steps + extra,
                        page_size=16, dtype=a.dtype, memory_fraction=0.85,
-                       seq_buckets=(a.batch,), token_buckets=(max(a.chunk, a.batch),),
+                       seq_buckets=(rows,), token_buckets=(max(a.chunk, rows),),
                        async_scheduling=not a.sync,
                        **({"ssm_state_dtype": a.state_dtype} if a.state_dtype else {}))
     t0 = time.perf_counter()
@@ -271,6 +272,8 @@ def main() -> None:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--state-dtype", default=None, help="ssm_state_dtype (engine default if unset)")
     p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--seq-bucket", type=int, default=0,
+                   help="run the batch in a decode bucket of this many rows (padded; default: the batch)")
     p.add_argument("--prompt-len", type=int, default=600)
     p.add_argument("--chunk", type=int, default=512)
     p.add_argument("--steps", type=int, default=24)

@@ -9,7 +9,7 @@ Cached decoding through this path reproduces the full forward token for token.
 
 `forward_verify` is the speculative-decoding variant: every sequence has the same q
 tokens (the last sampled token and q - 1 drafts). Attention takes the q-token queries
-through the paged prefill kernel; recurrent layers (conv, SSM, RG-LRU, short conv) run
+through the paged decode kernel's multi-query form; recurrent layers (conv, SSM, RG-LRU, short conv) run
 the one-token decode kernels q times on the sequences' gathered states and keep the
 state after EACH position (`Candidates`, [q, b, ...]) instead of writing it back: once
 the acceptance is known, `choose` writes the state after the last accepted position
@@ -52,7 +52,10 @@ from pallas_kernels import (
 
 
 def _attention(layer: Attention | DepthAttention, x: jax.Array, batch: RaggedBatch, kv: KVCache, group: int,
-               decode: bool) -> tuple[jax.Array, KVCache]:
+               decode: bool, q_len: int = 0) -> tuple[jax.Array, KVCache]:
+    """Paged attention over the ragged tokens. q_len > 0 (verification): every sequence has
+    q_len tokens, attended by the decode kernel's multi-query form (one program per
+    sequence and KV head) instead of the prefill kernel."""
     q, k, v = layer.project(x, batch.positions)
     e = q.shape[-1]
     pad = kv.k.shape[-1] - e  # pages may be wider than the head (see cache.kv_head_dim)
@@ -62,9 +65,9 @@ def _attention(layer: Attention | DepthAttention, x: jax.Array, batch: RaggedBat
                                                 v.astype(kv.v.dtype), batch.slot_mappings[group])
     common = dict(window=layer.window, softcap=layer.cfg.softcap, scale=layer.cfg.query_scale)
     table = batch.page_tables[group]
-    if decode:
+    if decode or q_len:
         o = paged_attention_decode(q, k_pages, v_pages, batch.lengths, table,
-                                                   **common)
+                                   queries=max(q_len, 1), **common)
     else:
         o = paged_attention_prefill(q, k_pages, v_pages, batch.cu_seqlens,
                                                     batch.lengths, table, **common)
@@ -174,10 +177,10 @@ def _short_conv(layer: ShortConv, x: jax.Array, batch: RaggedBatch, st: ShortCon
 
 def _shared_block(shared: SharedBlock, block: Block, h: jax.Array, e: jax.Array,
                   batch: RaggedBatch, kv: KVCache, group: int,
-                  decode: bool) -> tuple[jax.Array, KVCache]:
+                  decode: bool, q: int = 0) -> tuple[jax.Array, KVCache]:
     """A SHARED_BLOCK layer's shared attention + MLP over paged K/V; mirrors SharedBlock."""
     view = DepthAttention(shared, block.depth)
-    a, kv = _attention(view, shared.attention_input(h, e), batch, kv, group, decode)
+    a, kv = _attention(view, shared.attention_input(h, e), batch, kv, group, decode, q)
     return shared.mlp(a, block.depth), kv
 
 
@@ -197,7 +200,7 @@ def block_ragged(block: Block, h: jax.Array, batch: RaggedBatch, cache: LayerCac
     kv, mamba, rglru, short_conv = cache
     if block.attention is not None:
         a, kv = _attention(block.attention, _scale(u, cfg.attention_in_multiplier), batch, kv,
-                           group, decode)
+                           group, decode, q)
         out = out + a * cfg.attention_out_multiplier
     if block.mamba is not None:
         m, mamba = _mamba(block.mamba, _scale(u, cfg.ssm_in_multiplier), batch, mamba, decode, q)
@@ -241,7 +244,7 @@ def forward_verify(model: CausalLM, batch: RaggedBatch, caches: tuple[LayerCache
         shared = None
         if block.depth is not None:
             sb = model.shared_blocks[block.depth.block]
-            shared, kv = _shared_block(sb, block, h, e, batch, cache.kv, group, False)
+            shared, kv = _shared_block(sb, block, h, e, batch, cache.kv, group, False, q)
             cache = cache._replace(kv=kv)
         h, cache = block_ragged(block, h, batch, cache, group, False, shared, q)
         new.append(cache)

@@ -94,30 +94,42 @@ def paged_attention_decode(
     softcap: float | None = None,
     scale: float | None = None,
     impl: Impl | None = None,
+    queries: int = 1,
 ) -> jax.Array:
-    """One query token per sequence. q [b, h, e] -> [b, h, e].
+    """n = `queries` query tokens per sequence. q [b * n, h, e] -> [b * n, h, e].
 
-    lengths int32 [b]: tokens in cache including the current one (the query is
-    at position lengths - 1); 0 marks a padding row (output zeros). Only pages
-    intersecting [lengths - w, lengths) are read.
+    lengths int32 [b]: tokens in cache including the current ones (sequence i's
+    queries are at positions lengths[i] - n .. lengths[i] - 1, sequence-major in q,
+    each seeing keys up to itself); 0 marks a padding row (output zeros). Only pages
+    intersecting [lengths - n + 1 - w, lengths) are read. n > 1 is speculative
+    verification: the last sampled token and n - 1 drafts, in one program per
+    sequence and KV head (n x G rows), where the prefill kernel would spend a
+    query block per sequence.
     """
-    b, h, e = q.shape
+    t, h, e = q.shape
+    if queries < 1 or t % queries:
+        raise ValueError(f"{queries=} must be >= 1 and divide the {t} query rows")
+    b = t // queries
     _check_pool(k_pages, v_pages, e, h)
     _check_common(lengths, page_table, b, window, softcap)
     impl = resolve_impl(impl)
     if impl == "reference":
-        return paged_attention_decode_reference(
-            q, k_pages, v_pages, lengths, page_table, window=window, softcap=softcap, scale=scale)
+        if queries == 1:
+            return paged_attention_decode_reference(
+                q, k_pages, v_pages, lengths, page_table, window=window, softcap=softcap, scale=scale)
+        cu = jnp.arange(b + 1, dtype=jnp.int32) * queries
+        return paged_attention_prefill_reference(
+            q, k_pages, v_pages, cu, lengths, page_table, window=window, softcap=softcap, scale=scale)
     _check_kernel_shapes(k_pages)
     # Measured on H100 (docs/benchmarks.md): 32 KiB K + V tiles, no cp.async
     # pipelining (num_stages=1) so several programs share an SM, beat deeper stages.
     tile = _fit(16384 // _row_bytes(k_pages), 16, 128)
     cfg = _tile_config(k_pages, page_table, window, softcap, scale, tile_tokens=tile)
-    max_keys = page_table.shape[1] * cfg.page_size if window is None else window
+    max_keys = page_table.shape[1] * cfg.page_size if window is None else window + queries - 1
     splits = default_splits(b, k_pages.shape[0], -(-max_keys // cfg.tile_tokens))
     return decode_pallas(
         q, k_pages, v_pages, lengths, page_table, cfg=cfg, splits=splits,
-        num_warps=4, num_stages=1, interpret=impl == "interpret")
+        num_warps=4, num_stages=1, interpret=impl == "interpret", queries=queries)
 
 
 def paged_attention_prefill(

@@ -1,7 +1,10 @@
-"""Paged decode attention kernel: one query token per sequence.
+"""Paged decode attention kernel: one query token per sequence, or n consecutive ones.
 
 Grid (sequence, KV head, split). A program holds the G query heads of one GQA
-group (padded with zero rows to at least 16, the smallest Triton dot) and walks
+group for each of the sequence's n query tokens (n = 1 for decode; n = k + 1 for
+speculative verification: the tokens at positions len - n .. len - 1, each seeing
+the keys up to itself), n x G rows padded with zero rows to a power of two of at
+least 16 (the smallest Triton dot), and walks
 the tiles of pages that intersect the window [len - w, len) only, so the cost
 depends on min(context, window), never on the context. With `num_splits` > 1
 each program takes a contiguous share of those tiles and the partial softmax
@@ -31,13 +34,18 @@ def _whole(shape) -> pl.BlockSpec:
     return pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
 
 
-def _decode_kernel(lens_ref, pt_ref, q_ref, k_ref, v_ref, *out_refs, cfg: TileConfig, splits):
+def _decode_kernel(lens_ref, pt_ref, q_ref, k_ref, v_ref, *out_refs, cfg: TileConfig, splits,
+                   queries: int, group: int):
     b, s = pl.program_id(0), pl.program_id(2)
     length = lens_ref[b]
     q = q_ref[...]
     rows, e = q.shape
-    qpos = jnp.full((rows,), length - 1, jnp.int32)
-    k_lo, k_hi, t_lo, t_hi, full_lo, full_hi = tile_span(length - 1, length - 1, cfg)
+    if queries == 1:
+        qpos = jnp.full((rows,), length - 1, jnp.int32)
+    else:  # rows are token-major: row r is query token r // group (pad rows: the last)
+        tok = jnp.minimum(lax.broadcasted_iota(jnp.int32, (rows,), 0) // group, queries - 1)
+        qpos = length - queries + tok
+    k_lo, k_hi, t_lo, t_hi, full_lo, full_hi = tile_span(length - queries, length - 1, cfg)
     t_hi = jnp.where(length > 0, t_hi, t_lo)  # padding rows visit no tile
     per_split = (t_hi - t_lo + splits - 1) // splits
     t0 = jnp.minimum(t_lo + s * per_split, t_hi)
@@ -62,18 +70,23 @@ def _merge_splits(o, m, l):
 
 
 @functools.partial(
-    jax.jit, static_argnames=("cfg", "splits", "num_warps", "num_stages", "interpret")
+    jax.jit, static_argnames=("cfg", "splits", "num_warps", "num_stages", "interpret", "queries")
 )
 def decode_pallas(
-    q, k_pages, v_pages, lengths, page_table, *, cfg, splits, num_warps, num_stages, interpret
+    q, k_pages, v_pages, lengths, page_table, *, cfg, splits, num_warps, num_stages, interpret,
+    queries=1,
 ):
-    """Kernel launch. q [b, h, e]; pages [k, N, s, e]; returns [b, h, e] in q.dtype."""
-    b, h, e = q.shape
+    """Kernel launch. q [b * n, h, e] (n = queries, sequence-major); pages [k, N, s, e];
+    returns [b * n, h, e] in q.dtype."""
+    t, h, e = q.shape
+    n = queries
+    b = t // n
     nk, n_pages, s, _ = k_pages.shape
     g = h // nk
-    rows = max(MIN_ROWS, pl.next_power_of_2(g))
-    qg = q.astype(k_pages.dtype).reshape(b, nk, g, e)
-    qg = jnp.pad(qg, ((0, 0), (0, 0), (0, rows - g), (0, 0)))
+    rows = max(MIN_ROWS, pl.next_power_of_2(n * g))
+    qg = q.astype(k_pages.dtype).reshape(b, n, nk, g, e)
+    qg = jnp.swapaxes(qg, 1, 2).reshape(b, nk, n * g, e)
+    qg = jnp.pad(qg, ((0, 0), (0, 0), (0, rows - n * g), (0, 0)))
     pool_spec = pl.BlockSpec((None, n_pages, s, e), lambda i, j, x: (j, 0, 0, 0))
     o_blk = (None, None, None, rows, e)
     if splits == 1:
@@ -86,7 +99,7 @@ def decode_pallas(
         out_specs = (pl.BlockSpec(o_blk, lambda i, j, x: (x, i, j, 0, 0)), ml_spec, ml_spec)
     pt_flat = page_table.reshape(-1)
     out = pl.pallas_call(
-        functools.partial(_decode_kernel, cfg=cfg, splits=splits),
+        functools.partial(_decode_kernel, cfg=cfg, splits=splits, queries=n, group=g),
         grid=(b, nk, splits),
         in_specs=[
             _whole(lengths.shape),
@@ -104,7 +117,8 @@ def decode_pallas(
     if splits > 1:
         # Keep XLA from fusing the merge into a form that reorders the exp2s.
         out = _merge_splits(*lax.optimization_barrier(out)).astype(q.dtype)
-    return out[:, :, :g].reshape(b, h, e)
+    out = out[:, :, :n * g].reshape(b, nk, n, g, e)
+    return jnp.swapaxes(out, 1, 2).reshape(t, h, e)
 
 
 def default_splits(batch: int, kv_heads: int, max_tiles: int, num_sms: int = 132) -> int:

@@ -121,8 +121,12 @@ class ExecutableStore:
 
 def default_store(devices) -> ExecutableStore | None:
     """The store beside JAX's persistent compilation cache, if one is configured
-    (EngineConfig.compilation_cache_dir), and not disabled by HYBRID_JAX_EXECUTABLE_STORE=0."""
+    (EngineConfig.compilation_cache_dir), on GPU; HYBRID_JAX_EXECUTABLE_STORE=0 turns it
+    off, =1 on for any backend. Off by default on CPU: jaxlib 0.10's CPU executables
+    can deserialize without some of their fused functions ("NOT_FOUND: Function ...
+    not found" at the first call), and CPU start-up is not what the store is for."""
     base = jax.config.jax_compilation_cache_dir
-    if not base or os.environ.get("HYBRID_JAX_EXECUTABLE_STORE", "1") == "0":
+    switch = os.environ.get("HYBRID_JAX_EXECUTABLE_STORE")
+    if not base or switch == "0" or (switch != "1" and jax.default_backend() != "gpu"):
         return None
     return ExecutableStore(Path(os.path.expanduser(base)) / "hybrid-jax-executables", devices)

@@ -96,6 +96,53 @@ def test_decode_split_tiles(case):
     _check("split kernel vs oracle", out, want, TOL[case[0]][1])
 
 
+MULTI_QUERY_CASES = [
+    # dtype, h, kv, e, s, window, softcap, queries per sequence, lens (0: padding row), splits
+    ("f32", 8, 2, 64, 8, None, None, 5, [5, 0, 9, 47, 70], 1),
+    ("f32", 4, 1, 64, 16, 20, 2.0, 3, [3, 16, 17, 33, 95, 0], 1),
+    ("bf16", 8, 2, 128, 16, 40, None, 5, [6, 40, 41, 130, 77], 1),
+    ("f32", 2, 2, 64, 8, 7, None, 4, [4, 9, 30], 3),
+    ("f32", 16, 2, 64, 8, 12, None, 2, [2, 13, 50], 2),  # 2 x 8 heads: 16 rows, no padding
+]
+
+
+@pytest.mark.parametrize("case", MULTI_QUERY_CASES, ids=lambda c: "-".join(map(str, c[:8])))
+def test_decode_multi_query(case):
+    """n queries per sequence (speculative verification) through the decode kernel, against
+    the float64 oracle of the same queries as a ragged prefill (each token sees keys up to
+    itself, inside its own window); the reference is the prefill reference."""
+    dname, h, nk, e, s, window, softcap, n, lens, splits = case
+    dtype = DTYPES[dname]
+    rng = np.random.default_rng(zlib.crc32(str(case).encode()))
+    old = [max(0, x - n) for x in lens]
+    first = [0 if window is None else max(0, o - window + 1) for o in old]
+    cols = _ring_columns(lens, first, s, extra=1)
+    cache = build_cache(rng, lens, first, kv_heads=nk, head_dim=e, page_size=s,
+                        columns=cols, dtype=dtype)
+    b = len(lens)
+    q = round_to(rng.standard_normal((b * n, h, e)), dtype)
+    n_new = [n if x else 0 for x in lens]  # a padding row has no query token that counts
+    cu = np.concatenate([[0], np.cumsum(n_new)]).astype(np.int32)
+    rows = np.concatenate([np.arange(i * n, i * n + k) for i, k in enumerate(n_new)]).astype(int)
+    want_real = prefill_np(q[rows], cache, cu, lens, window=window, softcap=softcap, scale=e**-0.5)
+    want = np.zeros((b * n, h, e))
+    want[rows] = want_real[:len(rows)]
+    args = (jnp.asarray(q, dtype), *_pools(cache, dtype), jnp.asarray(lens, jnp.int32),
+            jnp.asarray(cache.page_table))
+    kw = dict(window=window, softcap=softcap)
+    ref = paged_attention_decode(*args, **kw, impl="reference", queries=n)
+    tol_kernel, tol_ref = TOL[dname]
+    _check("reference vs oracle", np.asarray(jnp.asarray(ref, jnp.float32))[rows], want[rows], tol_ref)
+    cfg = TileConfig(page_size=s, pages_per_tile=max(1, 16 // s), num_columns=cols, window=window,
+                     softcap=softcap, scale=e**-0.5)
+    for out in (paged_attention_decode(*args, **kw, impl=KERNEL_IMPL, queries=n),
+                decode_pallas(*args, cfg=cfg, splits=splits, num_warps=4, num_stages=1,
+                              interpret=KERNEL_IMPL == "interpret", queries=n)):
+        _check("kernel vs oracle", out, want, tol_ref)
+    with pytest.raises(ValueError, match="queries"):
+        paged_attention_decode(args[0][:-1], *args[1:], **kw, impl="reference", queries=n)
+
+
 PREFILL_CASES = [
     # dtype, h, kv, e, s, window, softcap, new tokens n_i, earlier context, padding
     ("f32", 8, 2, 64, 8, None, None, [5, 1, 0, 70], [0, 9, 3, 90], 3),

@@ -94,3 +94,7 @@ def test_key_covers_environment_and_arguments(monkeypatch, tmp_path):
     assert len(descs) == 5
     monkeypatch.setenv("HYBRID_JAX_EXECUTABLE_STORE", "0")
     assert exec_store.default_store(devices) is None
+    monkeypatch.setenv("HYBRID_JAX_EXECUTABLE_STORE", "1")
+    assert exec_store.default_store(devices) is not None  # the session's cache dir is set
+    monkeypatch.delenv("HYBRID_JAX_EXECUTABLE_STORE")
+    assert (exec_store.default_store(devices) is not None) == (jax.default_backend() == "gpu")
