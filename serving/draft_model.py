@@ -52,8 +52,11 @@ def _copy_slots(caches, src, dst):
 
 
 class DraftModelDrafter:
-    def __init__(self, cfg: EngineConfig, target: LoadedModel, plan: PoolPlan):
-        lm = load_model(cfg.speculative_model, dtype=cfg.dtype)
+    def __init__(self, cfg: EngineConfig, target: LoadedModel, plan: PoolPlan,
+                 draft: LoadedModel | None = None):
+        """`draft`: the draft model, if the engine loaded it already (to plan its memory
+        with the pools: engine_config.draft_bytes); else loaded here."""
+        lm = draft if draft is not None else load_model(cfg.speculative_model, dtype=cfg.dtype)
         if lm.config.vocab_size != target.config.vocab_size:
             raise ValueError(f"speculative_model={cfg.speculative_model!r}: vocab_size "
                              f"{lm.config.vocab_size} differs from the target's "

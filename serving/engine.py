@@ -93,10 +93,15 @@ class LLMEngine:
         self.model_config, self.tokenizer = lm.config, lm.tokenizer
         weights = (sum(x.nbytes for x in jax.tree.leaves(lm.model)) if n == 1 else
                    tp.param_bytes_per_device(lm.config, n, lm.model.dtype))
+        self._draft_lm = None
+        if self.config.speculative_method == "draft":  # loaded first: planned with the pools
+            self._draft_lm = load_model(self.config.speculative_model, dtype=self.config.dtype)
+        draft = None if self._draft_lm is None else (
+            self._draft_lm.config, sum(x.nbytes for x in jax.tree.leaves(self._draft_lm.model)))
         free = [device_free_bytes(d) for d in mesh.devices.flat]
         self.plan: PoolPlan = plan_pools(
             lm.config, self.config, free_bytes=None if None in free else min(free),
-            weight_bytes=weights, dtype=DTYPES[self.config.dtype])
+            weight_bytes=weights, dtype=DTYPES[self.config.dtype], draft=draft)
         sc = self.plan.scheduler
         self.scheduler = Scheduler(sc, eos_token_ids=lm.config.eos_token_ids)
         self.runner = ModelRunner(
@@ -136,7 +141,7 @@ class LLMEngine:
         else:
             from serving.draft_model import DraftModelDrafter
 
-            self.drafter = DraftModelDrafter(cfg, lm, self.plan)
+            self.drafter = DraftModelDrafter(cfg, lm, self.plan, self._draft_lm)
         return SpecPlan(cfg.spec_q, min(cfg.spec_max_seqs, self.plan.scheduler.max_num_seqs),
                         self._spec_eligible, self._propose)
 

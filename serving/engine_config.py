@@ -167,12 +167,29 @@ class PoolPlan:
         return self.scheduler.num_slots * self.slot_bytes
 
 
+def draft_bytes(draft: ModelConfig, cfg: EngineConfig, max_len: int, dtype) -> int:
+    """Device bytes of the draft-model drafter's caches (serving/draft_model.py): per
+    drafted-for sequence (at most min(speculative_disable_by_batch_size, max_num_seqs)) one
+    page ring per window group wide enough for a catch-up chunk or k + 1 drafted
+    positions, and two state slots (base, scratch) with their penalty statistics."""
+    seqs = min(cfg.spec_max_seqs, cfg.max_num_seqs)
+    page_bytes, slot_bytes = cache_bytes(draft, page_size=cfg.page_size, dtype=dtype,
+                                         state_dtype=jnp.dtype(cfg.ssm_state_dtype))
+    slot_bytes += sum(x.size * x.dtype.itemsize
+                      for x in jax.eval_shape(lambda: init_token_stats(1, draft.vocab_size)))
+    span = max(cfg.max_prefill_chunk, cfg.num_speculative_tokens + 1)
+    pages = [ring_width(w, cfg.page_size, span, max_len) * seqs + 1 for w in draft.windows]
+    return sum(n * b for n, b in zip(pages, page_bytes, strict=True)) + (2 * seqs + 1) * slot_bytes
+
+
 def plan_pools(model: ModelConfig, cfg: EngineConfig, *, free_bytes: int | None,
-               weight_bytes: int, dtype) -> PoolPlan:
+               weight_bytes: int, dtype, draft: tuple[ModelConfig, int] | None = None) -> PoolPlan:
     """Choose page and slot counts; ValueError when one max-length sequence cannot fit.
 
     With tensor parallelism every byte is per device: `free_bytes` and `weight_bytes` of
     one device, pages and states of its shard (its KV heads, its SSM heads).
+    `draft`: the draft model's config and weight bytes (speculative_method="draft"):
+    its weights and caches come out of the budget first.
     """
     max_len = cfg.max_model_len or min(model.max_position_embeddings, 8192)
     shard = local_config(model, cfg.tensor_parallel_size)
@@ -213,6 +230,15 @@ def plan_pools(model: ModelConfig, cfg: EngineConfig, *, free_bytes: int | None,
                 f"({spec_bytes / 2**20:.1f} MiB) and leaves too little for one sequence: lower "
                 "num_speculative_tokens or speculative_disable_by_batch_size, or raise memory_fraction")
         budget -= spec_bytes
+        if draft is not None:
+            need_draft = draft[1] + draft_bytes(draft[0], cfg, max_len, dtype)
+            if budget - need_draft < one_seq:
+                raise ValueError(
+                    f"speculative_model={cfg.speculative_model!r}: the draft model's weights and "
+                    f"caches take {need_draft / 2**20:.1f} MiB and leave too little for one sequence "
+                    f"({one_seq / 2**20:.1f} MiB): choose a smaller draft model, lower "
+                    "max_prefill_chunk or speculative_disable_by_batch_size, or raise memory_fraction")
+            budget -= need_draft
         if budget < one_seq and ckpts:
             raise ValueError(
                 f"prefix_state_checkpoints={ckpts - 1} take {ckpts * ckpt_bytes / 2**20:.1f} MiB and "

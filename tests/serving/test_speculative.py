@@ -314,12 +314,18 @@ def test_draft_model_greedy_equals_plain(native, monkeypatch):
     some drafts are rejected, and every proposal equals the draft model's own greedy
     continuation (its state is re-synced correctly after rejections)."""
     import serving.draft_model as dm
+    import serving.engine as engine_mod
+    from serving.engine_config import draft_bytes
 
     draft = perturbed(native)
     monkeypatch.setattr(dm, "load_model", lambda name, dtype: draft)
+    monkeypatch.setattr(engine_mod, "load_model", lambda name, dtype: draft)
     prompts = prompts_for(128, seed=21, lens=(30, 5))
     refs = [greedy_generate(native.model, p, NEW) for p in prompts]
     eng = spec_engine(native, 3, speculative_method="draft", speculative_model="perturbed")
+    # The memory plan counts exactly the caches the drafter holds.
+    held = sum(x.nbytes for x in jax.tree.leaves((eng.drafter.runner.caches, eng.drafter.runner.stats)))
+    assert draft_bytes(draft.config, eng.config, eng.plan.scheduler.max_model_len, jnp.float32) == held
     seen: list[tuple[list[int], list[int]]] = []
     propose = eng.drafter.propose_batch
 
@@ -335,9 +341,35 @@ def test_draft_model_greedy_equals_plain(native, monkeypatch):
         assert d == greedy_generate(draft.model, toks, len(d))
     with pytest.raises(ValueError, match="speculative_model"):
         bad = perturbed(native)
-        monkeypatch.setattr(dm, "load_model", lambda name, dtype: dataclasses.replace(
-            bad, config=dataclasses.replace(bad.config, vocab_size=64)))
+        small = lambda name, dtype: dataclasses.replace(bad, config=dataclasses.replace(bad.config, vocab_size=64))
+        monkeypatch.setattr(dm, "load_model", small)
+        monkeypatch.setattr(engine_mod, "load_model", small)
         spec_engine(native, 3, speculative_method="draft", speculative_model="small-vocab")
+
+
+def test_draft_model_memory_is_planned_with_the_pools(native):
+    """The draft model's weights and caches come out of the pool budget; a draft that leaves
+    too little for one sequence is refused by name."""
+    from serving.engine_config import draft_bytes, plan_pools
+
+    cfg = EngineConfig(max_num_seqs=100_000, max_model_len=512, speculative_method="draft",
+                       speculative_model="d", num_speculative_tokens=3, memory_fraction=1.0)
+    mb = 2**20
+    free, weights, draft_w = 512 * mb, 4 * mb, 8 * mb
+    plain = plan_pools(native.config, cfg, free_bytes=free, weight_bytes=weights, dtype=jnp.float32)
+    with_draft = plan_pools(native.config, cfg, free_bytes=free, weight_bytes=weights,
+                            dtype=jnp.float32, draft=(native.config, draft_w))
+    need = draft_w + draft_bytes(native.config, cfg, 512, jnp.float32)
+    def spent(p) -> int:  # pages and state slots the plan allocates
+        pages = sum(g.num_pages * b for g, b in zip(p.scheduler.groups, p.page_bytes, strict=True))
+        return pages + p.scheduler.num_slots * p.slot_bytes
+
+    per_seq = spent(plain) / plain.scheduler.max_num_seqs  # memory binds: max_num_seqs lowered
+    assert plain.scheduler.max_num_seqs < 100_000
+    assert abs(spent(plain) - spent(with_draft) - need) <= 2 * per_seq
+    with pytest.raises(ValueError, match="speculative_model='d'"):
+        plan_pools(native.config, cfg, free_bytes=free, weight_bytes=weights,
+                   dtype=jnp.float32, draft=(native.config, free))
 
 
 def test_cli_flags_reach_the_engine_config():
