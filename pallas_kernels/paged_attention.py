@@ -177,13 +177,17 @@ def _prefill_tuning(k_pages, group: int) -> tuple[int, int, int, int]:
 
     Q rows take <= 32 KiB (128 rows at bf16, e = 128). 16-bit pools with e <= 128
     take the measured H100 optimum (64 KiB K + V tiles, 3 stages); others keep
-    half-size tiles and 2 stages to stay inside shared memory.
+    half-size tiles and 2 stages to stay inside shared memory. 32-bit pools take half
+    the rows and 8 warps: with 128 rows (4 warps) the f32 kernel spent 1.17 ms on five
+    query tokens of the default model's shape against 83 us so (H100, 2026-11-23:
+    docs/benchmarks.md).
     """
-    rows = _fit(32768 // _row_bytes(k_pages), 16, 128)
+    wide = k_pages.dtype.itemsize >= 4
+    rows = _fit((16384 if wide else 32768) // _row_bytes(k_pages), 16, 128)
     big = k_pages.dtype.itemsize == 2 and k_pages.shape[3] <= 128
     tile = _fit((32768 if big else 16384) // _row_bytes(k_pages), 16, 128)
     group = 1 << (group - 1).bit_length()
-    warps = 8 if rows * k_pages.shape[3] >= 128 * 128 else 4
+    warps = 8 if wide or rows * k_pages.shape[3] >= 128 * 128 else 4
     return max(1, rows // group), tile, warps, 3 if big else 2
 
 
