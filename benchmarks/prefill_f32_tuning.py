@@ -4,19 +4,33 @@ default model's and native-1b's attention shapes; prints both times and their di
 
   PYTHONPATH=. python benchmarks/prefill_f32_tuning.py      # GPU, ~2 min
 """
-import functools, sys
-import jax, jax.numpy as jnp, numpy as np
+
+import functools
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
 sys.path.insert(0, "benchmarks")
-from attention_inputs import prefill_inputs, time_fn
-from pallas_kernels.paged_attention import paged_attention_prefill
-from pallas_kernels.paged_prefill import prefill_pallas
-from pallas_kernels.paged_tiles import TileConfig
+from attention_inputs import prefill_inputs, time_fn  # noqa: E402
+
+from pallas_kernels.paged_attention import paged_attention_prefill  # noqa: E402
+from pallas_kernels.paged_prefill import prefill_pallas  # noqa: E402
+from pallas_kernels.paged_tiles import TileConfig  # noqa: E402
+
 rng = np.random.default_rng(0)
-for (h, nk, e, w) in [(4, 2, 64, 128), (16, 4, 128, 2048)]:
-  for seqs, n, ctx in [(1, 5, 600), (2, 512, 2048)]:
-    args = prefill_inputs(rng, seqs=seqs, new_tokens=n, context=ctx, window=w, heads=h, kv_heads=nk, head_dim=e, dtype=jnp.float32)
-    new = jax.jit(functools.partial(paged_attention_prefill, window=w))
-    cfg = TileConfig(page_size=16, pages_per_tile=(16384 // (e * 4)) // 16, num_columns=args[5].shape[1], window=w, softcap=None, scale=e ** -0.5)
-    old = jax.jit(functools.partial(prefill_pallas, cfg=cfg, block_q=min(128, 32768 // (e * 4)) // (h // nk), num_warps=4, num_stages=2, interpret=False))
-    err = float(jnp.max(jnp.abs(new(*args) - old(*args))))
-    print(f"f32 prefill h={h} kv={nk} e={e} w={w} seqs={seqs} n={n} ctx={ctx}: before {time_fn(old, *args)*1e6:.0f} us, now {time_fn(new, *args)*1e6:.0f} us (max diff {err:.0e})", flush=True)
+for h, nk, e, w in [(4, 2, 64, 128), (16, 4, 128, 2048)]:
+    for seqs, n, ctx in [(1, 5, 600), (2, 512, 2048)]:
+        args = prefill_inputs(rng, seqs=seqs, new_tokens=n, context=ctx, window=w, heads=h,
+                              kv_heads=nk, head_dim=e, dtype=jnp.float32)
+        new = jax.jit(functools.partial(paged_attention_prefill, window=w))
+        cfg = TileConfig(page_size=16, pages_per_tile=(16384 // (e * 4)) // 16,
+                         num_columns=args[5].shape[1], window=w, softcap=None, scale=e**-0.5)
+        block_q = min(128, 32768 // (e * 4)) // (h // nk)
+        old = jax.jit(functools.partial(prefill_pallas, cfg=cfg, block_q=block_q, num_warps=4,
+                                        num_stages=2, interpret=False))
+        err = float(jnp.max(jnp.abs(new(*args) - old(*args))))
+        before, now = time_fn(old, *args) * 1e6, time_fn(new, *args) * 1e6
+        print(f"f32 prefill h={h} kv={nk} e={e} w={w} seqs={seqs} n={n} ctx={ctx}: before "
+              f"{before:.0f} us, now {now:.0f} us (max diff {err:.0e})", flush=True)

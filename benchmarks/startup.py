@@ -66,7 +66,8 @@ def main() -> None:
         for d in engine.step():
             out.setdefault(d.request_id, []).extend(d.token_ids)
     digest = hashlib.sha256(json.dumps(sorted(out.items())).encode()).hexdigest()[:16]
-    res = {"model": a.model, "tokens_digest": digest, "cache": "cold" if cold else "warm", "startup_s": round(dt, 1),
+    res = {"model": a.model, "tokens_digest": digest, "cache": "cold" if cold else "warm",
+           "startup_s": round(dt, 1),
            "executables": len(engine.runner.compiled) + len(engine.runner.samplers),
            "buckets": [(b.tokens, b.seqs, b.decode) for b in engine.runner.buckets],
            "import_s": round(t0 - t_import, 1), "device": str(jax.devices()[0]),

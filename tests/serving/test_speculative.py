@@ -341,7 +341,8 @@ def test_draft_model_greedy_equals_plain(native, monkeypatch):
         assert d == greedy_generate(draft.model, toks, len(d))
     with pytest.raises(ValueError, match="speculative_model"):
         bad = perturbed(native)
-        small = lambda name, dtype: dataclasses.replace(bad, config=dataclasses.replace(bad.config, vocab_size=64))
+        small = lambda name, dtype: dataclasses.replace(  # noqa: E731
+            bad, config=dataclasses.replace(bad.config, vocab_size=64))
         monkeypatch.setattr(dm, "load_model", small)
         monkeypatch.setattr(engine_mod, "load_model", small)
         spec_engine(native, 3, speculative_method="draft", speculative_model="small-vocab")
