@@ -28,6 +28,7 @@ import logging
 import os
 import pickle
 import tempfile
+import threading
 from pathlib import Path
 
 import jax
@@ -80,6 +81,7 @@ class ExecutableStore:
         self.dir = Path(directory)
         self.context = _environment(devices)
         self.hits = self.misses = self.errors = 0
+        self._lock = threading.Lock()  # loads run on a thread pool
 
     def key(self, *parts: object) -> str:
         return hashlib.sha256(repr((self.context, parts)).encode()).hexdigest()
@@ -88,7 +90,8 @@ class ExecutableStore:
         """The stored executable for `key`, or None (absent, unreadable, or not loadable here)."""
         path = self.dir / f"{key}.exe"
         if not path.exists():
-            self.misses += 1
+            with self._lock:
+                self.misses += 1
             return None
         try:
             from jax.experimental.serialize_executable import deserialize_and_load
@@ -98,9 +101,11 @@ class ExecutableStore:
         except Exception as err:  # a foreign or damaged file: compile instead
             log.warning("stored executable %s not loaded (%s: %s); compiling", path.name,
                         type(err).__name__, err)
-            self.errors += 1
+            with self._lock:
+                self.errors += 1
             return None
-        self.hits += 1
+        with self._lock:
+            self.hits += 1
         return out
 
     def save(self, key: str, compiled) -> None:

@@ -461,8 +461,12 @@ class ModelRunner:
 
         t0 = time.perf_counter()
         jobs = []
-        for key, lower, skey in todo:
-            exe = store.load(skey) if store is not None else None
+        if store is not None:  # deserialize on a thread pool (XLA loads without the GIL)
+            with ThreadPoolExecutor(workers or min(len(todo), os.cpu_count() or 2)) as pool:
+                loaded = list(pool.map(lambda job: store.load(job[2]), todo))
+        else:
+            loaded = [None] * len(todo)
+        for (key, lower, skey), exe in zip(todo, loaded, strict=True):
             if exe is not None:
                 finish(key, exe)
             else:
