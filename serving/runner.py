@@ -86,19 +86,33 @@ def _ladder(name: str, sizes: tuple[int, ...] | None, limit: int, lo: int, facto
 
 def make_buckets(max_num_seqs: int, max_num_batched_tokens: int, min_tokens: int = 16,
                  min_seqs: int = 8, *, seq_sizes: tuple[int, ...] | None = None,
-                 token_sizes: tuple[int, ...] | None = None) -> list[Bucket]:
+                 token_sizes: tuple[int, ...] | None = None, min_decode_rows: int = 1) -> list[Bucket]:
     """Decode buckets (t == b) and mixed buckets (t tokens, b <= t sequences).
 
     The ladders are geometric up to the limits (sequences x2 from 8, tokens x4 from 16)
     unless `seq_sizes` / `token_sizes` give them (fewer buckets: faster start-up, more
     padding); the limits always close them, and sizes above a limit are clamped to it.
+    Decode buckets have at least `min_decode_rows` rows (padding rows beyond
+    max_num_seqs; see `decode_row_floor`).
     """
     seqs = _ladder("seq_buckets", seq_sizes, max_num_seqs, min(min_seqs, max_num_seqs), 2)
     toks = _ladder("token_buckets", token_sizes, max_num_batched_tokens,
                    min(min_tokens, max_num_batched_tokens), 4)
-    out = [Bucket(b, b, True) for b in seqs]
+    out = [Bucket(b, b, True) for b in sorted({max(b, min_decode_rows) for b in seqs})]
     out += [Bucket(t, b, False) for t in toks for b in seqs if b <= t or b == seqs[0]]
     return out
+
+
+GPU_MIN_DECODE_ROWS = 8
+
+
+def decode_row_floor() -> int:
+    """Rows of the smallest decode bucket: 8 on GPUs, where XLA lowers a decode step's
+    projections with fewer rows to reduction fusions at ~45% of bandwidth and with 8 to
+    Triton GEMMs (H100, native-1b-parallel at batch 1: 4.21 ms per engine step in an
+    8-row bucket against 5.51 ms in a 1-row one; docs/benchmarks.md). So one sequence
+    (`hybrid-jax generate`, max_num_seqs=1) decodes in padded 8-row steps there."""
+    return GPU_MIN_DECODE_ROWS if jax.default_backend() == "gpu" else 1
 
 
 def compile_options() -> dict[str, object]:
@@ -318,7 +332,7 @@ class ModelRunner:
         self.page_size = page_size
         self.num_pages, self.num_slots = num_pages, num_slots
         self.buckets = make_buckets(max_num_seqs, max_num_batched_tokens, seq_sizes=seq_sizes,
-                                    token_sizes=token_sizes)
+                                    token_sizes=token_sizes, min_decode_rows=decode_row_floor())
         self.max_seqs = max(b.seqs for b in self.buckets)
         self.last_tokens = jax.device_put(np.zeros(self.max_seqs, np.int32), self.replicated)
         self.compiled: dict[Bucket, Callable] = {}

@@ -1,0 +1,46 @@
+"""Bucket ladders: decode buckets padded to a row floor (8 on GPUs, where fewer rows make
+XLA lower the projections to slow reduction fusions) serve exactly what unpadded ones do."""
+
+from __future__ import annotations
+
+import serving.runner as runner_mod
+from hybrid_jax.loading import load_model
+from serving.engine import LLMEngine
+from serving.engine_config import EngineConfig
+from serving.runner import Bucket, make_buckets
+from serving.sampling_params import SamplingParams
+
+
+def test_decode_buckets_take_the_row_floor_and_mixed_buckets_do_not():
+    assert make_buckets(1, 64, min_decode_rows=8) == [
+        Bucket(8, 8, True), Bucket(16, 1, False), Bucket(64, 1, False)]
+    assert make_buckets(32, 512) == make_buckets(32, 512, min_decode_rows=8)  # ladder starts at 8
+    decode = [b for b in make_buckets(4, 64, seq_sizes=(1, 2, 4), min_decode_rows=8) if b.decode]
+    assert decode == [Bucket(8, 8, True)]  # 1, 2 and 4 rows all pad to one 8-row bucket
+    assert [b.seqs for b in make_buckets(4, 64, seq_sizes=(1, 2, 4)) if b.decode] == [1, 2, 4]
+
+
+def test_one_sequence_in_an_eight_row_decode_bucket_equals_a_one_row_bucket(monkeypatch):
+    lm = load_model("native-tiny")
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompt = [1, 5, 9, 13, 7, 22, 3, 40, 41]
+
+    def serve(floor: int) -> tuple[list[int], list[Bucket]]:
+        monkeypatch.setattr(runner_mod, "decode_row_floor", lambda: floor)
+        cfg = EngineConfig(max_num_seqs=1, max_num_batched_tokens=16, max_prefill_chunk=16,
+                           max_model_len=64, num_pages=16)
+        engine = LLMEngine(lm, cfg, show_progress=False)
+        used = []
+        pick = engine.runner.pick
+        engine.runner.pick = lambda arrays: used.append(pick(arrays)) or used[-1]
+        engine.add_request(prompt_token_ids=prompt, request_id="a", params=params)
+        out = []
+        while engine.has_unfinished():
+            for d in engine.step():
+                out.extend(d.token_ids)
+        return out, used
+
+    plain, used1 = serve(1)
+    padded, used8 = serve(8)
+    assert Bucket(1, 1, True) in used1 and Bucket(8, 8, True) in used8
+    assert len(plain) == 12 and padded == plain
