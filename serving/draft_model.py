@@ -11,6 +11,9 @@ for a batch of sequences is:
      token gives draft 1;
   2. `base` is copied to `scratch` (a state copy of the small model, on the device);
   3. drafts 2..n are k - 1 greedy one-token decode steps on the `scratch` slots.
+The last catch-up step and the decode steps are enqueued back to back, each fed the
+previous step's samples on the device (the runner's `feed`, as in the overlapped
+loop): a proposal waits for the device once, at the end.
 So a rejected draft never reaches `base`: the draft is re-synced by feeding the
 accepted tokens, and K/V written at drafted positions are overwritten by the next
 catch-up, as for the target. Drafts are greedy, i.e. a point mass, which the target's
@@ -33,7 +36,7 @@ from serving.engine_config import EngineConfig, PoolPlan
 from serving.pools import SlotPool
 from serving.runner import ModelRunner, _states
 from serving.sampling import SamplingArrays
-from serving.schedule import Schedule, ScheduledSeq, flatten
+from serving.schedule import PENDING, Schedule, ScheduledSeq, flatten
 
 log = logging.getLogger(__name__)
 
@@ -119,12 +122,16 @@ class DraftModelDrafter:
                             slot_mappings=tuple(tuple(g.slot_mapping(r, start, c)) for g, r in pairs),
                             samples=True)
 
-    def _run(self, entries: list[ScheduledSeq], decode: bool) -> list[int]:
+    def _dispatch(self, entries: list[ScheduledSeq], decode: bool, feed: np.ndarray | None = None):
+        """Enqueue one greedy step of the draft (no wait); PENDING tokens come from `feed`."""
         schedule = Schedule(tuple(entries), len(entries) if decode else 0,
                             tuple(g.name for g in self.groups), tuple(g.width for g in self.groups),
                             self.page_size)
         greedy = SamplingArrays.from_rows([{}] * len(entries))
-        return self.runner.run(flatten(schedule), greedy, full=False).tokens.tolist()
+        return self.runner.dispatch(flatten(schedule), greedy, feed, full=False)
+
+    def _run(self, entries: list[ScheduledSeq], decode: bool) -> list[int]:
+        return self.runner.fetch(self._dispatch(entries, decode)).tokens.tolist()
 
     # -- proposals -----------------------------------------------------------------
 
@@ -139,8 +146,10 @@ class DraftModelDrafter:
             e = entries[rid]
             if e.consumed > len(toks) - 1:
                 e.consumed = 0
-        # 1. Catch-up chunks on the base slots; draft 1 at each sequence's last token.
+        # 1. Catch-up chunks on the base slots; draft 1 at each sequence's last token. The
+        #    last catch-up step is only enqueued: its samples stay on the device (`fed`).
         pending = {rid: toks for rid, toks, _ in todo}
+        fed: tuple[object, dict[str, int]] | None = None
         while pending:
             batch, budget = [], self.budget
             for rid, toks in pending.items():
@@ -152,6 +161,15 @@ class DraftModelDrafter:
                     g.release(ring, e.consumed)
                 batch.append((rid, self._work(e, e.base, toks[e.consumed:e.consumed + c], e.consumed)))
                 budget -= c
+            last = len(batch) == len(pending) and all(
+                entries[rid].consumed + w.num_tokens == len(pending[rid]) for rid, w in batch)
+            if last:
+                fed = (self._dispatch([w for _, w in batch], decode=False),
+                       {rid: i for i, (rid, _) in enumerate(batch)})
+                for rid, w in batch:
+                    entries[rid].consumed += w.num_tokens
+                pending.clear()
+                break
             sampled = self._run([w for _, w in batch], decode=False)
             for (rid, w), tok in zip(batch, sampled, strict=True):
                 e = entries[rid]
@@ -159,14 +177,28 @@ class DraftModelDrafter:
                 if e.consumed == len(pending[rid]):
                     out[rid].append(int(tok))
                     del pending[rid]
-        # 2. base -> scratch; 3. drafts 2..n by greedy decode steps on the scratch slots.
+        # 2. base -> scratch (enqueued after the catch-up, on the device).
         src = np.array([entries[rid].base for rid, _, _ in todo], np.int32)
         dst = np.array([entries[rid].scratch for rid, _, _ in todo], np.int32)
         self.runner.caches = self._copy(self.runner.caches, src, dst)
+        # 3. Drafts 2..n: greedy decode steps on the scratch slots, each fed the previous
+        #    step's samples on the device, so the k steps run back to back; one wait at the end.
+        rows = fed[1] if fed is not None else {}
+        steps = []
         for j in range(1, max(n for _, _, n in todo)):
             live = [(rid, toks) for rid, toks, n in todo if n > j]
-            batch = [self._work(entries[rid], entries[rid].scratch, [out[rid][-1]], len(toks) - 1 + j)
+            feed = np.array([rows.get(rid, -1) for rid, _ in live], np.int32)
+            batch = [self._work(entries[rid], entries[rid].scratch,
+                                [PENDING if rid in rows else out[rid][-1]], len(toks) - 1 + j)
                      for rid, toks in live]
-            for (rid, _), tok in zip(live, self._run(batch, decode=True), strict=True):
-                out[rid].append(int(tok))
+            steps.append((self._dispatch(batch, decode=True, feed=feed), [rid for rid, _ in live]))
+            rows = {rid: i for i, (rid, _) in enumerate(live)}
+        if fed is not None:
+            tokens = self.runner.fetch(fed[0]).tokens
+            for rid, i in fed[1].items():
+                out[rid].append(int(tokens[i]))
+        for pending_step, rids in steps:
+            tokens = self.runner.fetch(pending_step).tokens
+            for i, rid in enumerate(rids):
+                out[rid].append(int(tokens[i]))
         return [out[rid] for rid, _, _ in work]

@@ -337,7 +337,8 @@ def test_draft_model_greedy_equals_plain(native, monkeypatch):
     eng.drafter.propose_batch = record
     assert staggered(eng, prompts) == refs
     assert_exercised(eng)
-    for toks, d in seen[3:4]:
+    assert len(seen) >= 4 and max(len(d) for _, d in seen) == 3  # chained decode steps ran
+    for toks, d in seen[::2][:6]:  # proposals spread over the run, first ones included
         assert d == greedy_generate(draft.model, toks, len(d))
     with pytest.raises(ValueError, match="speculative_model"):
         bad = perturbed(native)
