@@ -6,8 +6,9 @@ warm start traces and lowers every step executable first: seconds each for a
 determines it instead, computed without tracing:
 
 - this package's source (every .py file of hybrid_jax/, pallas_kernels/, serving/),
-  jax and jaxlib versions, the backend's platform version, the devices it runs on,
-  XLA_FLAGS and HYBRID_JAX_* environment variables;
+  jax, jaxlib and flax versions, the backend's platform version, the devices it runs
+  on, the jax settings that change tracing (x64, matmul precision, PRNG), XLA_FLAGS and
+  the HYBRID_JAX_* environment variables (except secrets, debug and this store's switch);
 - the model configuration and dtype (with the source, they fix the traced graph);
 - the job: which executable (forward, verify, sampler), its bucket and flags, the
   static layouts it closes over, the compile options, and the shape, dtype and
@@ -50,16 +51,23 @@ def source_digest() -> str:
     return h.hexdigest()
 
 
+_NOT_KEYED = ("KEY", "SECRET", "TOKEN", "PASSWORD", "DEBUG", "EXECUTABLE_STORE")
+# jax settings that change what a function traces or lowers to.
+_JAX_FLAGS = ("jax_enable_x64", "jax_default_matmul_precision", "jax_threefry_partitionable",
+              "jax_default_prng_impl", "jax_numpy_dtype_promotion")
+
+
 def _environment(devices) -> str:
+    import flax
     import jaxlib
 
     backend = jax.devices()[0].client
     env = sorted((k, v) for k, v in os.environ.items()
-                 if k.startswith("HYBRID_JAX_") or k in ("XLA_FLAGS", "JAX_ENABLE_X64"))
-    return repr((VERSION, source_digest(), jax.__version__, jaxlib.__version__,
+                 if k == "XLA_FLAGS" or (k.startswith("HYBRID_JAX_") and not any(w in k for w in _NOT_KEYED)))
+    flags = [(f, str(getattr(jax.config, f, None))) for f in _JAX_FLAGS]
+    return repr((VERSION, source_digest(), jax.__version__, jaxlib.__version__, flax.__version__,
                  backend.platform, backend.platform_version,
-                 [(d.id, d.platform, getattr(d, "device_kind", "")) for d in devices],
-                 jax.config.jax_enable_x64, env))
+                 [(d.id, d.platform, getattr(d, "device_kind", "")) for d in devices], flags, env))
 
 
 def describe_args(args) -> str:

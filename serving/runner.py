@@ -476,7 +476,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         jobs = []
         if store is not None:  # deserialize on a thread pool (XLA loads without the GIL)
-            with ThreadPoolExecutor(workers or min(len(todo), os.cpu_count() or 2)) as pool:
+            with ThreadPoolExecutor(workers or max(1, min(len(todo), os.cpu_count() or 2))) as pool:
                 loaded = list(pool.map(lambda job: store.load(job[2]), todo))
         else:
             loaded = [None] * len(todo)

@@ -87,6 +87,10 @@ def test_key_covers_environment_and_arguments(monkeypatch, tmp_path):
     assert a.key("x") != b.key("x")
     monkeypatch.delenv("HYBRID_JAX_SOME_SWITCH")
     assert a.key("x") == exec_store.ExecutableStore(tmp_path, devices).key("x")
+    monkeypatch.setenv("HYBRID_JAX_API_KEY", "secret")  # secrets never reach a key
+    assert a.key("x") == exec_store.ExecutableStore(tmp_path, devices).key("x")
+    with jax.default_matmul_precision("highest"):  # a setting that changes tracing
+        assert a.key("x") != exec_store.ExecutableStore(tmp_path, devices).key("x")
     f32 = jax.ShapeDtypeStruct((4, 3), jnp.float32)
     bf16 = jax.ShapeDtypeStruct((4, 3), jnp.bfloat16)
     wider = jax.ShapeDtypeStruct((4, 4), jnp.float32)
