@@ -37,6 +37,7 @@ import jax
 log = logging.getLogger(__name__)
 _PACKAGES = ("hybrid_jax", "pallas_kernels", "serving")
 VERSION = 1  # bump to orphan every stored executable
+DEFAULT_MAX_BYTES = 8 << 30  # HYBRID_JAX_EXECUTABLE_STORE_MAX_GB overrides
 
 
 @functools.cache
@@ -85,8 +86,12 @@ def describe_args(args) -> str:
 class ExecutableStore:
     """A directory of serialized executables, one file per key."""
 
-    def __init__(self, directory: str | os.PathLike, devices) -> None:
+    def __init__(self, directory: str | os.PathLike, devices, max_bytes: int | None = None) -> None:
         self.dir = Path(directory)
+        if max_bytes is None:
+            gb = os.environ.get("HYBRID_JAX_EXECUTABLE_STORE_MAX_GB")
+            max_bytes = int(float(gb) * 2**30) if gb else DEFAULT_MAX_BYTES
+        self.max_bytes = max_bytes
         self.context = _environment(devices)
         self.hits = self.misses = self.errors = 0
         self._lock = threading.Lock()  # loads run on a thread pool
@@ -106,6 +111,7 @@ class ExecutableStore:
 
             payload, in_tree, out_tree = pickle.loads(path.read_bytes())
             out = deserialize_and_load(payload, in_tree, out_tree)
+            os.utime(path)  # recently used: the last to be pruned
         except Exception as err:  # a foreign or damaged file: compile instead
             log.warning("stored executable %s not loaded (%s: %s); compiling", path.name,
                         type(err).__name__, err)
@@ -131,10 +137,35 @@ class ExecutableStore:
             self.errors += 1
             log.warning("executable not stored (%s: %s)", type(err).__name__, err)
 
+    def prune(self) -> int:
+        """Delete the least recently used executables until the store holds at most
+        `max_bytes` (every code change makes new keys: old files would pile up).
+        Returns the number deleted; failures (a file another process removed) are skipped."""
+        files = []
+        for f in self.dir.glob("*.exe"):
+            try:
+                st = f.stat()
+            except OSError:
+                continue
+            files.append((st.st_mtime, st.st_size, f))
+        total = sum(size for _, size, _ in files)
+        deleted = 0
+        for _, size, f in sorted(files, key=lambda x: x[0]):
+            if total <= self.max_bytes:
+                break
+            try:
+                f.unlink()
+            except OSError:
+                continue
+            total -= size
+            deleted += 1
+        return deleted
+
 
 def default_store(devices) -> ExecutableStore | None:
     """The store beside JAX's persistent compilation cache, if one is configured
-    (EngineConfig.compilation_cache_dir), on GPU; HYBRID_JAX_EXECUTABLE_STORE=0 turns it
+    (EngineConfig.compilation_cache_dir), on GPU, at most HYBRID_JAX_EXECUTABLE_STORE_MAX_GB
+    (default 8) on disk, least recently used executables pruned first; HYBRID_JAX_EXECUTABLE_STORE=0 turns it
     off, =1 on for any backend. Off by default on CPU: jaxlib 0.10's CPU executables
     can deserialize without some of their fused functions ("NOT_FOUND: Function ...
     not found" at the first call), and CPU start-up is not what the store is for."""

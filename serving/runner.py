@@ -502,6 +502,8 @@ class ModelRunner:
                         store.save(skey, exe)
                     finish(key, exe)
         timing["compile_s"] = time.perf_counter() - t0
+        if store is not None and jobs:
+            store.prune()
         self.startup = {**timing, "executables": n, "loaded": n - len(jobs)}
 
     def pick(self, arrays: StepArrays) -> Bucket:

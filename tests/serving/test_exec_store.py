@@ -102,3 +102,21 @@ def test_key_covers_environment_and_arguments(monkeypatch, tmp_path):
     assert exec_store.default_store(devices) is not None  # the session's cache dir is set
     monkeypatch.delenv("HYBRID_JAX_EXECUTABLE_STORE")
     assert (exec_store.default_store(devices) is not None) == (jax.default_backend() == "gpu")
+
+
+def test_prune_deletes_the_least_recently_used_files_first(tmp_path):
+    import os
+
+    import jax
+
+    store = exec_store.ExecutableStore(tmp_path, jax.devices()[:1], max_bytes=250)
+    for i, name in enumerate("abcd"):  # a oldest ... d newest, 100 bytes each
+        f = tmp_path / f"{name}.exe"
+        f.write_bytes(b"x" * 100)
+        os.utime(f, (1000 + i, 1000 + i))
+    os.utime(tmp_path / "a.exe", (2000, 2000))  # a was loaded last: kept
+    (tmp_path / "notes.txt").write_bytes(b"y" * 1000)  # not an executable: never counted
+    assert store.prune() == 2
+    assert sorted(f.name for f in tmp_path.glob("*.exe")) == ["a.exe", "d.exe"]
+    assert store.prune() == 0 and (tmp_path / "notes.txt").exists()
+    assert exec_store.ExecutableStore(tmp_path, jax.devices()[:1]).max_bytes == exec_store.DEFAULT_MAX_BYTES
