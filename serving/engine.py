@@ -142,6 +142,7 @@ class LLMEngine:
             from serving.draft_model import DraftModelDrafter
 
             self.drafter = DraftModelDrafter(cfg, lm, self.plan, self._draft_lm)
+            self._draft_lm = None  # its runner holds the packed weights; drop the unpacked ones
         return SpecPlan(cfg.spec_q, min(cfg.spec_max_seqs, self.plan.scheduler.max_num_seqs),
                         self._spec_eligible, self._propose)
 
