@@ -1,0 +1,259 @@
+"""What the device runs each step: the shape buckets and the jitted step functions.
+
+`make_buckets` chooses the padded shapes (decode buckets, mixed buckets); the builders
+return the pure functions `ModelRunner` (serving/runner.py) compiles once per bucket:
+`_forward_fn` (feed the previous samples, the ragged forward, penalty statistics, and
+with prefix caching the checkpoint copies), `_verify_fn` (speculative verification:
+forward over q tokens, acceptance, state choice) and `_sampler_fn` (sampling from a
+step's logits). Parameters are an argument, never baked into the HLO; host inputs
+arrive as one int32 buffer (serving/host_pack.py). Nothing here holds device state.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from hybrid_jax import tensor_parallel as tp
+from hybrid_jax.cache import LayerCache, RaggedBatch
+from hybrid_jax.ragged import choose, forward_ragged, forward_verify
+from serving.host_pack import HostLayout
+from serving.packing import PackLayout, unpack
+from serving.penalties import TokenStats, apply_penalties, update_token_stats
+from serving.sampling import sample
+from serving.speculative import accept
+
+log = logging.getLogger(__name__)
+
+
+TOP_LOGPROBS = 20  # top-n logprobs computed every step (n <= 20 per request)
+
+
+@dataclass(frozen=True)
+class Bucket:
+    tokens: int
+    seqs: int
+    decode: bool
+    verify: bool = False  # speculative verification: seqs sequences of tokens // seqs each
+
+
+def _geometric(lo: int, hi: int, factor: int) -> list[int]:
+    out, v = [], lo
+    while v < hi:
+        out.append(v)
+        v *= factor
+    return [*out, hi]
+
+
+def _ladder(name: str, sizes: tuple[int, ...] | None, limit: int, lo: int, factor: int) -> list[int]:
+    """Explicit sizes (clamped to the limit, which the memory plan may have lowered) or a
+    geometric ladder lo, lo*factor, ... closed by the limit."""
+    if sizes is None:
+        return _geometric(lo, limit, factor)
+    if max(sizes) > limit:
+        log.warning("%s=%s: sizes above %d (the limit in force) are replaced by it", name, sizes, limit)
+    return sorted({*(min(x, limit) for x in sizes), limit})
+
+
+def make_buckets(max_num_seqs: int, max_num_batched_tokens: int, min_tokens: int = 16,
+                 min_seqs: int = 8, *, seq_sizes: tuple[int, ...] | None = None,
+                 token_sizes: tuple[int, ...] | None = None, min_decode_rows: int = 1) -> list[Bucket]:
+    """Decode buckets (t == b) and mixed buckets (t tokens, b <= t sequences).
+
+    The ladders are geometric up to the limits (sequences x2 from 8, tokens x4 from 16)
+    unless `seq_sizes` / `token_sizes` give them (fewer buckets: faster start-up, more
+    padding); the limits always close them, and sizes above a limit are clamped to it.
+    Decode buckets have at least `min_decode_rows` rows (padding rows beyond
+    max_num_seqs; see `decode_row_floor`).
+    """
+    seqs = _ladder("seq_buckets", seq_sizes, max_num_seqs, min(min_seqs, max_num_seqs), 2)
+    toks = _ladder("token_buckets", token_sizes, max_num_batched_tokens,
+                   min(min_tokens, max_num_batched_tokens), 4)
+    out = [Bucket(b, b, True) for b in sorted({max(b, min_decode_rows) for b in seqs})]
+    out += [Bucket(t, b, False) for t in toks for b in seqs if b <= t or b == seqs[0]]
+    return out
+
+
+GPU_MIN_DECODE_ROWS = 8
+
+
+def decode_row_floor() -> int:
+    """Rows of the smallest decode bucket: 8 on GPUs, where XLA lowers a decode step's
+    projections with fewer rows to reduction fusions at ~45% of bandwidth and with 8 to
+    Triton GEMMs (H100, native-1b-parallel at batch 1: 4.21 ms per engine step in an
+    8-row bucket against 5.51 ms in a 1-row one; docs/benchmarks.md). So one sequence
+    (`hybrid-jax generate`, max_num_seqs=1) decodes in padded 8-row steps there."""
+    return GPU_MIN_DECODE_ROWS if jax.default_backend() == "gpu" else 1
+
+
+def compile_options() -> dict[str, object]:
+    """XLA options for the step executables.
+
+    dot_merger is off: it merges the projections that share an input (q/k/v and the
+    Mamba2 in_proj of a hybrid layer) by concatenating their WEIGHTS inside the step, a
+    full copy of them on every call (0.43 ms per step on the H100 for native-1b-parallel).
+    HYBRID_JAX_XLA_OPTIONS (JSON) adds or overrides options, for experiments.
+    """
+    opts: dict[str, object] = {"xla_disable_hlo_passes": "dot_merger"}
+    extra = os.environ.get("HYBRID_JAX_XLA_OPTIONS")
+    if extra:
+        opts |= json.loads(extra)
+    return {k: v for k, v in opts.items() if v is not None}
+
+
+class CkptOps(NamedTuple):
+    """Checkpoint copies of one step, each [K] int32 (unused rows: 0, the dummies)."""
+
+    restore_ckpt: jax.Array  # checkpoint -> ...
+    restore_slot: jax.Array  # ... slot, before the forward; the slot's statistics restart
+    save_slot: jax.Array  # slot (after the forward) -> ...
+    save_ckpt: jax.Array  # ... checkpoint
+
+
+def _states(caches) -> tuple[LayerCache, ...]:
+    """The recurrent part of the caches (every per-slot state), K/V pages left out."""
+    return tuple(c._replace(kv=None) for c in caches)
+
+
+def _restore(caches, ckpts, stats: TokenStats, ops: CkptOps):
+    st = jax.tree.map(lambda x, p: x.at[ops.restore_slot].set(p[ops.restore_ckpt]), _states(caches), ckpts)
+    caches = tuple(s._replace(kv=c.kv) for s, c in zip(st, caches, strict=True))
+    stats = TokenStats(stats.counts.at[ops.restore_slot].set(0), stats.seen.at[ops.restore_slot].set(False))
+    return caches, stats
+
+
+def _save(ckpts, caches, ops: CkptOps):
+    return jax.tree.map(lambda p, x: p.at[ops.save_ckpt].set(x[ops.save_slot]), ckpts, _states(caches))
+
+
+class Shardings(NamedTuple):
+    """Tensor parallelism: the mesh and the specs of what the step splits over it."""
+
+    mesh: Mesh
+    params: NamedSharding  # every packed buffer: split in N equal per-device parts
+    caches: object  # pytree of NamedSharding, like the caches
+    ckpts: object  # pytree of NamedSharding, like the checkpoint pool (None: no pool)
+
+    def specs(self, tree):
+        return jax.tree.map(lambda s: s.spec, tree)
+
+
+def _forward_fn(graphdef: nnx.GraphDef, layout: PackLayout, decode: bool, host: HostLayout,
+                ckpt_ops: bool = False, sh: Shardings | None = None) -> Callable:
+    """The model part of a step: feed the last step's samples, forward, penalty statistics.
+
+    The step's host inputs arrive as one int32 buffer (`host`: sampling arrays, sampler
+    slot ids, the ragged batch, feed rows and, with `ckpt_ops`, the checkpoint copies).
+    `feed[i] >= 0` takes token i from `last_tokens[feed[i]]` (the previous step's samples,
+    still on the device: the overlapped loop never waits for them). Statistics are
+    updated unconditionally (cheap; a lax.cond would read its predicate on the host).
+    With `ckpt_ops` the step also restores and saves state checkpoints (`CkptOps`).
+    With `sh` (tensor parallelism) the model runs per device on its shard under
+    `shard_map`; logits come out replicated, and the step's in/out shardings are fixed.
+    """
+
+    def model_forward(params, caches, batch):
+        model = nnx.merge(graphdef, unpack(layout, params))
+        return forward_ragged(model, batch, caches, decode=decode)
+
+    if sh is not None:
+        cache_specs = sh.specs(sh.caches)
+        model_forward = jax.shard_map(model_forward, mesh=sh.mesh,
+                                      in_specs=(PartitionSpec(tp.AXIS), cache_specs, PartitionSpec()),
+                                      out_specs=(PartitionSpec(), cache_specs), check_vma=False)
+    jit = jax.jit
+    if sh is not None:
+        r = NamedSharding(sh.mesh, PartitionSpec())
+        ins = (sh.params, sh.caches, r, r, r) + ((sh.ckpts,) if ckpt_ops else ())
+        outs = (sh.caches, r, r) + ((sh.ckpts,) if ckpt_ops else ())
+        jit = functools.partial(jax.jit, in_shardings=ins, out_shardings=outs)
+
+    def model_step(params, caches, stats: TokenStats, batch: RaggedBatch, feed, last_tokens, prompt_len):
+        tokens = jnp.where(feed >= 0, last_tokens[jnp.maximum(feed, 0)], batch.tokens)
+        batch = batch._replace(tokens=tokens)
+        logits, caches = model_forward(params, caches, batch)
+        stats = update_token_stats(stats, tokens, batch.positions, batch.cu_seqlens, batch.slot_ids,
+                                   batch.has_initial, prompt_len)
+        return caches, stats, logits
+
+    if not ckpt_ops:
+        def forward(params, caches, stats, buf, last_tokens):
+            sampling, _, batch, feed = host.unpack(buf)
+            return model_step(params, caches, stats, batch, feed, last_tokens, sampling.prompt_len)
+
+        return jit(forward, donate_argnums=(1, 2))
+
+    def forward_ckpt(params, caches, stats, buf, last_tokens, ckpts):
+        sampling, _, batch, feed, ops = host.unpack(buf)
+        caches, stats = _restore(caches, ckpts, stats, ops)
+        caches, stats, logits = model_step(params, caches, stats, batch, feed, last_tokens,
+                                           sampling.prompt_len)
+        return caches, stats, logits, _save(ckpts, caches, ops)
+
+    return jit(forward_ckpt, donate_argnums=(1, 2, 5))
+
+
+def _verify_fn(graphdef: nnx.GraphDef, layout: PackLayout, q: int, host: HostLayout,
+               filters: bool) -> Callable:
+    """A verification step: forward over q tokens per sequence, acceptance, state choice.
+
+    One executable: the forward keeps every recurrent state after each of the q
+    positions (candidates), `accept` decides on the device how many drafts each row
+    keeps, and `choose` writes the state after the last accepted position into the
+    slots. Penalty statistics are not updated (rows with penalties are never verified).
+    `filters`: top-k / top-p / min-p (a vocabulary sort per token; off when no row asks).
+    """
+
+    def verify(params, caches, buf):
+        batch, num_drafts, sampling = host.unpack(buf)
+        model = nnx.merge(graphdef, unpack(layout, params))
+        logits, candidates = forward_verify(model, batch, caches, q)
+        b = batch.slot_ids.shape[0]
+        out, accepted = accept(logits.reshape(b, q, -1), batch.tokens.reshape(b, q), num_drafts, sampling,
+                               filters=filters)
+        return choose(caches, candidates, batch.slot_ids, accepted), out, accepted
+
+    return jax.jit(verify, donate_argnums=(1,))
+
+
+def _sampler_fn(full: bool, max_seqs: int, host: HostLayout,
+                replicated: NamedSharding | None = None) -> Callable:
+    """Sampling from a step's logits. full=False: no penalties, filters or top-n logprobs.
+
+    A row without those features samples the same token either way; the host picks the
+    plain sampler when no row of the step needs them. Tokens come back padded to
+    `max_seqs` rows: the buffer the next step feeds from. Logprobs (of the sampled token
+    and the top-n) are the model's raw distribution, before penalties and filters.
+    The sampling arrays and slot ids are the leading fields of the step's host buffer.
+    """
+
+    def sampler(logits, stats: TokenStats, buf):
+        sampling, slot_ids = host.unpack(buf)
+        b = logits.shape[0]
+        shaped = logits
+        if full:
+            shaped = apply_penalties(logits, stats, slot_ids, sampling.repetition,
+                                     sampling.presence, sampling.frequency)
+        tokens, _ = sample(shaped, sampling, filters=full)
+        raw = jax.nn.log_softmax(logits, axis=-1)
+        logprobs = jnp.take_along_axis(raw, tokens[:, None], axis=-1)[:, 0]
+        if full:
+            top_lp, top_ids = jax.lax.top_k(raw, TOP_LOGPROBS)
+        else:
+            top_lp, top_ids = jnp.zeros((b, TOP_LOGPROBS), raw.dtype), jnp.zeros((b, TOP_LOGPROBS), jnp.int32)
+        padded = jnp.zeros((max_seqs,), jnp.int32).at[:b].set(tokens)
+        return padded, logprobs, top_ids.astype(jnp.int32), top_lp
+
+    if replicated is None:
+        return jax.jit(sampler)
+    return jax.jit(sampler, in_shardings=replicated, out_shardings=replicated)
