@@ -36,6 +36,7 @@ import numpy as np
 
 from hybrid_jax.loading import load_model
 from serving.bench.floor import copy_bandwidth, decode_floor_bytes
+from serving.bench.probe import step_until_whole_batch, whole_batch_steps
 from serving.engine import LLMEngine
 from serving.engine_config import EngineConfig
 from serving.sampling_params import SamplingParams
@@ -78,27 +79,14 @@ def measure_decode(engine: LLMEngine, batch: int, context: int, steps: int) -> t
     params = SamplingParams(temperature=0.0, max_tokens=steps + 64, ignore_eos=True)
     ids = [engine.add_request(prompt_token_ids=p, params=params)
            for p in _prompts(rng, engine.model_config.vocab_size, batch, context)]
-    full = []
-    orig = engine.runner.dispatch
-
-    def spy(arrays, sampling, *args, **kwargs):
-        full.append(len(arrays.slot_ids) == arrays.num_decodes == batch)
-        return orig(arrays, sampling, *args, **kwargs)
-
-    engine.runner.dispatch = spy
-    try:
-        for _ in range(10_000):  # prefill, then until the whole batch decodes
-            engine.step()
-            if full and full[-1]:
-                break
+    with whole_batch_steps(engine, batch) as full:
+        step_until_whole_batch(engine, full)  # prefill, then until the whole batch decodes
         full.clear()
         times = []
         for _ in range(steps):
             t = time.perf_counter()
             engine.step()
             times.append(time.perf_counter() - t)
-    finally:
-        engine.runner.dispatch = orig
     ok = sum(full)
     for rid in ids:
         engine.abort(rid)

@@ -32,6 +32,7 @@ import numpy as np
 
 from hybrid_jax.loading import load_model
 from serving.bench.floor import copy_bandwidth
+from serving.bench.trace_report import gpu_kernel_events
 from serving.engine import LLMEngine
 from serving.engine_config import EngineConfig
 from serving.sampling_params import SamplingParams
@@ -55,8 +56,6 @@ def floor_bytes(engine: LLMEngine, batch: int, context: int) -> dict[str, int]:
 
 def trace_kernels(fn, n: int) -> tuple[float, float, list[tuple[str, float, int]]]:
     """Run fn() n times under the profiler: (kernel ms per step, kernels per step, top kernels)."""
-    from jax.profiler import ProfileData
-
     d = tempfile.mkdtemp()
     fn()
     jax.block_until_ready(fn())
@@ -65,25 +64,12 @@ def trace_kernels(fn, n: int) -> tuple[float, float, list[tuple[str, float, int]
         out = fn()
     jax.block_until_ready(out)
     jax.profiler.stop_trace()
-    path = next(os.path.join(r, f) for r, _, fs in os.walk(d) for f in fs if f.endswith(".xplane.pb"))
-    prof = ProfileData.from_file(path)
     total, count = 0.0, 0
     by_name: dict[str, list[float]] = collections.defaultdict(list)
-    names = [(p.name, [ln.name for ln in p.lines][:12]) for p in prof.planes]
-    print("trace planes:", names[:8])
-    for plane in prof.planes:
-        if "GPU" not in plane.name:
-            continue
-        for line in plane.lines:
-            low = line.name.lower()
-            if "stream" not in low or "#" not in low:
-                continue
-            for ev in line.events:
-                if "memcpy" in ev.name.lower():
-                    continue
-                total += ev.duration_ns
-                count += 1
-                by_name[ev.name[:80]].append(ev.duration_ns)
+    for _, ev in gpu_kernel_events(d):
+        total += ev.duration_ns
+        count += 1
+        by_name[ev.name[:80]].append(ev.duration_ns)
     top = sorted(((k, sum(v) / 1e6 / n, len(v) // n) for k, v in by_name.items()), key=lambda r: -r[1])
     return total / 1e6 / n, count / n, top[:40]
 

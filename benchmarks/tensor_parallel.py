@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import os
 import tempfile
 import time
 
@@ -36,6 +35,8 @@ from benchmarks.arch_figures import _prompts, measure_decode
 from hybrid_jax import tensor_parallel as tp
 from hybrid_jax.loading import load_model
 from serving.bench.floor import copy_bandwidth, decode_floor_bytes
+from serving.bench.probe import step_until_whole_batch, whole_batch_steps
+from serving.bench.trace_report import gpu_kernel_events
 from serving.engine import LLMEngine
 from serving.engine_config import EngineConfig
 from serving.sampling_params import SamplingParams
@@ -45,33 +46,19 @@ COLLECTIVE = ("nccl", "all-reduce", "allreduce", "all_reduce", "all-gather", "al
 
 def trace_steps(engine: LLMEngine, steps: int) -> dict[str, dict[str, float]]:
     """GPU kernel ms per step, per device plane: {'/device:GPU:0': {'kernel_ms', 'collective_ms'}}."""
-    from jax.profiler import ProfileData
-
     d = tempfile.mkdtemp()
     jax.profiler.start_trace(d)
     for _ in range(steps):
         engine.step()
     engine.step()  # the last dispatched step resolves
     jax.profiler.stop_trace()
-    path = next(os.path.join(r, f) for r, _, fs in os.walk(d) for f in fs
-                if f.endswith(".xplane.pb"))
     out: dict[str, dict[str, float]] = collections.defaultdict(
         lambda: {"kernel_ms": 0.0, "collective_ms": 0.0})
-    for plane in ProfileData.from_file(path).planes:
-        if "GPU" not in plane.name:
-            continue
-        for line in plane.lines:
-            low = line.name.lower()
-            if "stream" not in low or "#" not in low:
-                continue
-            for ev in line.events:
-                name = ev.name.lower()
-                if "memcpy" in name:
-                    continue
-                ms = ev.duration_ns / 1e6 / (steps + 1)  # steps + 1 dispatches were traced
-                out[plane.name]["kernel_ms"] += ms
-                if any(c in name for c in COLLECTIVE):
-                    out[plane.name]["collective_ms"] += ms
+    for plane, ev in gpu_kernel_events(d):
+        ms = ev.duration_ns / 1e6 / (steps + 1)  # steps + 1 dispatches were traced
+        out[plane]["kernel_ms"] += ms
+        if any(c in ev.name.lower() for c in COLLECTIVE):
+            out[plane]["collective_ms"] += ms
     return dict(out)
 
 
@@ -113,22 +100,9 @@ def _traced(engine: LLMEngine, batch: int, a: argparse.Namespace) -> dict:
     params = SamplingParams(temperature=0.0, max_tokens=a.trace_steps + 64, ignore_eos=True)
     ids = [engine.add_request(prompt_token_ids=p, params=params)
            for p in _prompts(rng, engine.model_config.vocab_size, batch, a.context)]
-    full: list[bool] = []
-    orig = engine.runner.dispatch
-
-    def spy(arrays, sampling, *args, **kwargs):
-        full.append(len(arrays.slot_ids) == arrays.num_decodes == batch)
-        return orig(arrays, sampling, *args, **kwargs)
-
-    engine.runner.dispatch = spy
-    try:
-        for _ in range(10_000):
-            engine.step()
-            if full and full[-1]:
-                break
+    with whole_batch_steps(engine, batch) as full:
+        step_until_whole_batch(engine, full)
         prof = trace_steps(engine, a.trace_steps)
-    finally:
-        engine.runner.dispatch = orig
     for rid in ids:
         engine.abort(rid)
     while engine.has_unfinished():

@@ -175,3 +175,30 @@ def _wrap(owner: object, method: str, scope: str, patched: list) -> None:
 
     setattr(owner, method, annotated)
     patched.append((owner, method))
+
+
+@contextlib.contextmanager
+def whole_batch_steps(engine, batch: int) -> Iterator[list[bool]]:
+    """Record, per step the runner dispatches, whether all `batch` sequences decode in it
+    (wraps `engine.runner.dispatch`; restored on exit). Benchmarks count or trace only
+    the steps where this is True."""
+    full: list[bool] = []
+    orig = engine.runner.dispatch
+
+    def spy(arrays, sampling, *args, **kwargs):
+        full.append(len(arrays.slot_ids) == arrays.num_decodes == batch)
+        return orig(arrays, sampling, *args, **kwargs)
+
+    engine.runner.dispatch = spy
+    try:
+        yield full
+    finally:
+        engine.runner.dispatch = orig
+
+
+def step_until_whole_batch(engine, full: list[bool], limit: int = 10_000) -> None:
+    """Step (prefill, then decode) until the last dispatched step decoded the whole batch."""
+    for _ in range(limit):
+        engine.step()
+        if full and full[-1]:
+            return

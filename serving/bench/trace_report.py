@@ -42,3 +42,24 @@ def summarize(directory: str | Path, scopes: list[str]) -> dict:
         "scope_stats": {k: {"count": len(v), "mean_ms": sum(v) / len(v) / 1e3} for k, v in scope_us.items()},
         "device_lanes_ms_per_step": {k: v / steps / 1e3 for k, v in sorted(lane_us.items())},
     }
+
+
+def gpu_kernel_events(directory: str | Path):
+    """(device plane name, event) for every GPU kernel of the newest xplane trace under
+    `directory` (stream lines only, memcpys skipped), as jax.profiler.ProfileData reads it."""
+    import os
+
+    from jax.profiler import ProfileData
+
+    path = next(os.path.join(r, f) for r, _, fs in os.walk(directory) for f in fs
+                if f.endswith(".xplane.pb"))
+    for plane in ProfileData.from_file(path).planes:
+        if "GPU" not in plane.name:
+            continue
+        for line in plane.lines:
+            low = line.name.lower()
+            if "stream" not in low or "#" not in low:
+                continue
+            for ev in line.events:
+                if "memcpy" not in ev.name.lower():
+                    yield plane.name, ev
