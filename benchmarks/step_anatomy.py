@@ -71,7 +71,7 @@ def trace_kernels(fn, n: int) -> tuple[float, float, list[tuple[str, float, int]
         count += 1
         by_name[ev.name[:80]].append(ev.duration_ns)
     top = sorted(((k, sum(v) / 1e6 / n, len(v) // n) for k, v in by_name.items()), key=lambda r: -r[1])
-    return total / 1e6 / n, count / n, top[:40]
+    return total / 1e6 / n, count / n, top[:150]
 
 
 def hlo_stats(text: str) -> dict[str, object]:
