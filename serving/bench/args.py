@@ -66,6 +66,12 @@ def _scaling(p: argparse.ArgumentParser) -> None:
     g.add_argument("--time-budget", type=float, default=0.0,
                    help="start no point after this many s (0: none)")
     g.add_argument("--fit-contexts", default="32k,128k")
+    g.add_argument("--shared-prefix", type=int, default=0,
+                   help="prompts share their first N tokens, served once and then from the prefix "
+                        "cache (prefix caching on); each keeps at least its largest window of its own "
+                        "tokens, so its memory is that of any sequence at the context. Makes large "
+                        "batches at long context affordable to prefill. Models with global attention "
+                        "keep distinct prompts (all their pages are in the window)")
 
 
 def _sweep(p: argparse.ArgumentParser) -> None:

@@ -65,14 +65,30 @@ def decode_budget(*, batch: int, prompt_len: int, chunk: int, steps: int, warmup
 
 def measure_decode(engine, *, batch: int, prompt_len: int, steps: int, warmup: int, max_tokens: int,
                    vocab_size: int, rng: np.random.Generator, max_prefill_steps: int = 1_000_000,
-                   tracer: StepTracer | None = None) -> DecodeRun:
-    """Time `steps` engine steps in which all `batch` sequences decode (after `warmup`)."""
+                   tracer: StepTracer | None = None, shared_prefix: int = 0) -> DecodeRun:
+    """Time `steps` engine steps in which all `batch` sequences decode (after `warmup`).
+
+    shared_prefix > 0 (an engine with prefix caching): every prompt starts with the same
+    `shared_prefix` random tokens, followed by its own random tokens. One request of the
+    prefix alone is served first (its prefill time is counted), so the batch's prompts
+    resume from its cached state and pages and prefill only their own tokens.
+    """
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    ids = [engine.add_request(prompt_token_ids=rng.integers(3, vocab_size, prompt_len).tolist(),
-                              params=params) for _ in range(batch)]
+    t0 = time.perf_counter()
+    prefix: list[int] = []
+    if shared_prefix:
+        if not 0 < shared_prefix < prompt_len:
+            raise ValueError(f"shared_prefix={shared_prefix} must be in (0, prompt_len={prompt_len})")
+        prefix = rng.integers(3, vocab_size, shared_prefix).tolist()
+        warm = engine.add_request(prompt_token_ids=prefix, params=SamplingParams(
+            temperature=0.0, max_tokens=1, ignore_eos=True))
+        for _ in range(max_prefill_steps):
+            if any(d.request_id == warm and d.finished for d in engine.step()):
+                break
+    ids = [engine.add_request(prompt_token_ids=prefix + rng.integers(
+        3, vocab_size, prompt_len - len(prefix)).tolist(), params=params) for _ in range(batch)]
     outputs = dict.fromkeys(ids, 0)
     try:
-        t0 = time.perf_counter()
         for _ in range(max_prefill_steps):  # until every sequence has its first token
             _count(engine.step(), outputs)
             if all(outputs.values()):

@@ -93,7 +93,7 @@ def _model_batch(res, cfg, name, lm, wbytes, batch, contexts, args, out, deadlin
     engine = engine_setup.build_engine(
         lm, args, max_model_len=max(fits) + budget(max(fits)), max_num_seqs=batch,
         max_num_batched_tokens=max(args.max_prefill_chunk, batch), max_prefill_chunk=args.max_prefill_chunk,
-        seq_buckets=(batch,), token_buckets=(max(args.max_prefill_chunk, batch),))
+        seq_buckets=(batch,), token_buckets=(max(args.max_prefill_chunk, batch),), **_prefix_overrides(args))
     rng = np.random.default_rng(args.seed)
     history: list[tuple[int, float]] = []  # (context, prefill s) of the points run
     with trace_scopes(engine) if args.profile else _null() as scopes:
@@ -102,11 +102,16 @@ def _model_batch(res, cfg, name, lm, wbytes, batch, contexts, args, out, deadlin
             if why:
                 res["skipped"].append({"model": name, "batch": batch, "context": c, "reason": why})
                 continue
+            shared = _shared_prefix(args, cfg, c)
             run = measure_decode(engine, batch=batch, prompt_len=c, steps=args.decode_steps,
                                  warmup=args.warmup_steps, max_tokens=budget(c), vocab_size=cfg.vocab_size,
-                                 rng=rng, tracer=tracer)
+                                 rng=rng, tracer=tracer, shared_prefix=shared)
             history.append((c, run.prefill_s))
-            res["points"].append(_point(name, cfg, run, wbytes, args, res["copy_bandwidth_Bps"], engine))
+            point = _point(name, cfg, run, wbytes, args, res["copy_bandwidth_Bps"], engine)
+            if shared:  # the prefill figures cover the batch's own tokens (and the prefix once)
+                point |= {"shared_prefix": shared, "prefix_cache_hit_tokens": run.stats.get("prefix_cache_hit_tokens"),
+                          "prefill_tok_s": (batch * (c - shared) + shared) / run.prefill_s}
+            res["points"].append(point)
             if scopes and "profile" not in res and tracer.state == "done":
                 res["profile"] = {"dir": args.profile, "scopes": scopes, "model": name, "batch": batch,
                                   "context": c, **trace_report.summarize(args.profile, scopes)}
@@ -115,6 +120,29 @@ def _model_batch(res, cfg, name, lm, wbytes, batch, contexts, args, out, deadlin
             logging.getLogger(__name__).info("scaling %s", res["points"][-1])
     del engine
     engine_setup.collect()
+
+
+def _prefix_overrides(args) -> dict:
+    """Engine settings for --shared-prefix: prefix caching, a small checkpoint pool (the
+    batch needs one checkpoint: the prefix's end), checkpoints every prefill chunk."""
+    if not args.shared_prefix:
+        return {}
+    return {"enable_prefix_caching": True, "prefix_state_checkpoints": 16,
+            "prefix_state_stride": args.max_prefill_chunk}
+
+
+def _shared_prefix(args, cfg, context: int) -> int:
+    """Tokens of --shared-prefix for one context: all but the sequence's own last tokens,
+    which must cover the largest window so that every in-window page is the sequence's own
+    (its memory is then that of any sequence at this context). 0 for a model with global
+    attention (its prompts stay distinct: shared pages would flatter its memory)."""
+    if not args.shared_prefix or any(s.kind.has_attention and s.window is None for s in cfg.layers):
+        return 0  # global attention: every page is in the window, so none may be shared
+    own = max([s.window or 0 for s in cfg.layers] + [args.page_size])
+    own = max(own, context - args.shared_prefix)
+    if own >= context:
+        return 0
+    return context - own
 
 
 def _null():
@@ -173,7 +201,8 @@ def _plan(cfg, max_len, max_seqs, wbytes, args):
 
         ec = EngineConfig(max_num_seqs=max_seqs, max_num_batched_tokens=args.max_prefill_chunk,
                           max_prefill_chunk=args.max_prefill_chunk, max_model_len=max_len,
-                          page_size=args.page_size, memory_fraction=args.memory_fraction, dtype=args.dtype)
+                          page_size=args.page_size, memory_fraction=args.memory_fraction, dtype=args.dtype,
+                          **_prefix_overrides(args))
         return plan_pools(cfg, ec, free_bytes=_free_bytes(), weight_bytes=wbytes, dtype=DTYPES[args.dtype])
     except (ImportError, TypeError):
         return None

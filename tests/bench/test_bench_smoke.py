@@ -53,7 +53,7 @@ def test_serving_counts_exactly_the_requests_it_sent(tmp_path):
 
 
 def test_scaling_reports_whole_batch_decode_and_its_floor(tmp_path):
-    res = _run("scaling", tmp_path, "--profile", str(tmp_path / "trace"))
+    res = _run("scaling", tmp_path, "--profile", str(tmp_path / "trace"), "--shared-prefix", "96")
     got = {(p["model"], p["batch"], p["context"]) for p in res["points"]}
     assert got == {(m, 4, c) for m in ("native-tiny", "native-tiny:full-attention") for c in (32, 160)}
     for p in res["points"]:
@@ -64,6 +64,15 @@ def test_scaling_reports_whole_batch_decode_and_its_floor(tmp_path):
     assert full[160]["kv_in_use_bytes"] > 2 * full[32]["kv_in_use_bytes"]
     assert hybrid[160]["floor_kv_bytes"] < full[160]["floor_kv_bytes"]
     assert {f["context"] for f in res["fit"]} == {128, 512}
+    # --shared-prefix 96: at 160 the hybrid's prompts share 96 tokens served from the prefix
+    # cache and keep their own last 64 (its window), so no in-window page is shared: every
+    # sequence holds at least the pages a pure sliding-window model needs. Below 96 + 64
+    # tokens, and for the global-attention baseline, the prompts stay distinct.
+    from serving.bench.memory import swa_pages
+
+    assert hybrid[160]["shared_prefix"] == 96 and hybrid[160]["prefix_cache_hit_tokens"] == 4 * 96
+    assert "shared_prefix" not in hybrid[32] and not any("shared_prefix" in p for p in full.values())
+    assert hybrid[160]["pages_in_use"]["w64"] >= 4 * swa_pages(64, hybrid[160]["context"], 16)
     # The trace holds the named scopes put around the engine's phases.
     assert {"engine_step", "schedule", "device_step"} <= set(res["profile"]["scopes"])
     trace = b"".join(f.read_bytes() for f in (tmp_path / "trace").rglob("*.xplane.pb"))
