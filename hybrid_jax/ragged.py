@@ -7,13 +7,19 @@ is False) and write the final state back. `decode=True` is the one-token-per-seq
 specialisation (t == b). Kernels come from `pallas_kernels` under its one impl switch.
 Cached decoding through this path reproduces the full forward token for token.
 
+Mamba2 decode and verification run the layer's whole recurrent core (conv, split, dt,
+SSM update) as one fused kernel, `mamba2_step`, when its shapes allow (power-of-2 head
+and state dims); otherwise, and for prefill, the separate conv and SSM kernels.
+
 `forward_verify` is the speculative-decoding variant: every sequence has the same q
 tokens (the last sampled token and q - 1 drafts). Attention takes the q-token queries
-through the paged decode kernel's multi-query form; recurrent layers (conv, SSM, RG-LRU, short conv) run
-the one-token decode kernels q times on the sequences' gathered states and keep the
-state after EACH position (`Candidates`, [q, b, ...]) instead of writing it back: once
-the acceptance is known, `choose` writes the state after the last accepted position
-into the slots. A rejected token's effect never reaches a slot.
+through the paged decode kernel's multi-query form; Mamba2 takes all q tokens in one
+`mamba2_step` call; the other recurrent layers (RG-LRU, short conv, and Mamba2 shapes
+the fused kernel does not take) run the one-token decode kernels q times on the
+sequences' gathered states. All keep the state after EACH position (`Candidates`,
+[q, b, ...]) instead of writing it back: once the acceptance is known, `choose` writes
+the state after the last accepted position into the slots. A rejected token's effect
+never reaches a slot.
 """
 
 from __future__ import annotations
@@ -43,6 +49,8 @@ from pallas_kernels import (
     conv1d_ragged,
     linear_scan_decode,
     linear_scan_ragged,
+    mamba2_step,
+    mamba2_step_fits,
     paged_attention_decode,
     paged_attention_prefill,
     ssd_ragged,
@@ -95,12 +103,29 @@ def _positions(q: int, step: Callable, xs: tuple[jax.Array, ...], states: tuple[
     return out, tuple(jnp.stack(c) for c in zip(*cands, strict=True))
 
 
+def _mamba_step(layer: Mamba2Mixer, x: jax.Array, batch: RaggedBatch, st: Mamba2State,
+                q: int) -> tuple[jax.Array, Mamba2State]:
+    """Decode (q == 0: one token per sequence, slots advanced) or verification (q > 0:
+    candidates) through the fused kernel; tokens are sequence-major, t = b * max(q, 1)."""
+    cfg = layer.cfg
+    z, xbc, dt = layer.project(x)
+    b, n = batch.slot_ids.shape[0], max(q, 1)
+    y, conv, ssm = mamba2_step(
+        xbc.reshape(b, n, -1), dt.reshape(b, n, -1), layer.conv_weight[...],
+        layer.conv_bias_value(), layer.A(), layer.D[...], layer.dt_bias[...], st.conv, st.ssm,
+        batch.slot_ids, n_groups=cfg.n_groups, head_dim=cfg.head_dim, dt_limit=cfg.dt_limit,
+        candidates=q > 0)
+    return layer.output(y.reshape(b * n, cfg.num_heads, cfg.head_dim), z, x.dtype), Mamba2State(conv, ssm)
+
+
 def _mamba(layer: Mamba2Mixer, x: jax.Array, batch: RaggedBatch, st: Mamba2State,
            decode: bool, q: int = 0) -> tuple[jax.Array, Mamba2State]:
     cfg = layer.cfg
+    if (decode or q) and mamba2_step_fits(cfg.head_dim, cfg.state_size):
+        return _mamba_step(layer, x, batch, st, q)
     z, xbc, dt = layer.project(x)
     w, bias = layer.conv_weight[...], layer.conv_bias_value()
-    if q:
+    if q:  # shapes the fused kernel does not take: q one-token steps
         A, D, dt_bias = layer.A(), layer.D[...], layer.dt_bias[...]
 
         def step(xbc_j, dt_j, local, rows):
