@@ -1,4 +1,4 @@
-"""The serving path's fused Mamba2 step equals the unfused kernels it replaces.
+"""The serving path's fused decode/verification pieces equal the per-token kernels they replace.
 
 `ragged._mamba` in decode (one token per sequence, slots advanced) and verification
 (q candidates) runs `mamba2_step` (the Pallas kernel, interpret mode) and is compared
@@ -6,6 +6,10 @@ with the same layer through the unfused path (conv1d_decode -> split -> ssm_deco
 their references), forced by declaring the shapes unfit. The layer has two groups,
 conv bias, Falcon-H1's muP multipliers and a dt limit, so the [x | B | C] channel
 order, dt and the gate are the layer's own.
+
+The RG-LRU / short-conv verification conv and scan (XLA over the q positions) equal
+q one-token `conv1d_decode` / `linear_scan_decode` calls (`ragged._positions`), bf16
+conv states included (stored between positions as the decode calls store them).
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from hybrid_jax import ragged
 from hybrid_jax.cache import Mamba2State, RaggedBatch
 from hybrid_jax.config import Mamba2Config
 from hybrid_jax.layers.mamba2 import Mamba2Mixer
-from pallas_kernels import mamba2_step
+from pallas_kernels import conv1d_decode, linear_scan_decode, mamba2_step
 
 DIM, SLOTS = 32, 6
 CFG = Mamba2Config(4, 16, 16, n_groups=2, dt_limit=(0.0, 3.0),
@@ -83,3 +87,31 @@ def test_fused_equals_unfused(monkeypatch, state_dtype, q):
         else:
             g, w = g[live], w[live]
         np.testing.assert_allclose(g, w, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("state_dtype", [jnp.float32, jnp.bfloat16])  # of the conv state
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_conv_and_scan_positions_equal_decode_steps(state_dtype, with_bias):
+    rng = np.random.default_rng(int(with_bias))
+    q, c, k = 3, 24, 4
+    slots = np.array([4, 2, 0], np.int32)
+    b = len(slots)
+    r = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)
+    x, w, bias = r(b * q, c), r(c, k), r(c) if with_bias else None
+    conv, hs = r(SLOTS, k - 1, c).astype(state_dtype), r(SLOTS, c)  # scan states are f32
+    a = jax.nn.sigmoid(r(b * q, c))
+
+    def step(x_j, a_j, local, rows):
+        conv_l, h_l = local
+        v, conv_l = conv1d_decode(x_j, w, bias, conv_l, rows, activation=None)
+        h, h_l = linear_scan_decode(a_j, v.astype(jnp.float32), h_l, rows)
+        return (v, h), (conv_l, h_l)
+
+    (want_v, want_h), (want_conv, want_hs) = ragged._positions(
+        q, step, (x, a), (conv, hs), jnp.asarray(slots))
+    v, got_conv = ragged._conv_positions(x, w, bias, conv, jnp.asarray(slots), q)
+    h, got_hs = ragged._scan_positions(a, v.astype(jnp.float32), hs, jnp.asarray(slots), q)
+    for g, want in ((v, want_v), (got_conv, want_conv), (h, want_h), (got_hs, want_hs)):
+        assert g.shape == want.shape and g.dtype == want.dtype
+        np.testing.assert_allclose(np.asarray(g.astype(jnp.float32)),
+                                   np.asarray(want.astype(jnp.float32)), rtol=1e-5, atol=1e-5)
