@@ -22,11 +22,13 @@ unfused path (conv1d_decode, then ssm_decode, q times) stores them: u to the inp
 dtype, the SSM state to the state dtype, past inputs to the conv-state dtype, so the
 fused step reproduces it.
 
-The conv state is NOT written by the kernel: a (sequence, group)'s B/C channels are
-read by every program of the group, and programs have no order, so an in-place
-write by any one of them would race with the others' reads. The new conv state (or
-its q candidates: sliding windows over [conv state, tokens]) is one small XLA
-gather/scatter beside the kernel; donated at the jit boundary, the scatter is in place.
+The slots' conv states are never written by the kernel: a (sequence, group)'s B/C
+channels are read by every program of the group, and programs have no order, so an
+in-place write by any one of them would race with the others' reads. The kernel
+writes the new conv rows (decode, [b, k-1, c]) or their q candidates to separate
+outputs instead (each channel by one program); decode then scatters the rows into
+the slots with one small XLA scatter (in place when the pool is donated at the jit
+boundary; its updates come from a separate buffer, so XLA needs no copy of the pool).
 
 This module knows nothing of how slots are allocated (slot 0 is the dummy for padding)
 nor of the layer's projections: xbc and dt come in raw, y goes out ungated.
@@ -164,11 +166,14 @@ def mamba2_step_reference(xbc, dt, conv_w, conv_b, A, D, dt_bias, conv_states, s
 
 
 def _step_body(slot_ref, dt_ref, a_ref, d_ref, dtb_ref, w_ref, bias_ref, xbc_ref, conv_ref,
-               st_ref, y_ref, st_out, *, q: int, k: int, hpg: int, bp: int, dt_limit,
+               st_ref, y_ref, cv_out, st_out, *, q: int, k: int, hpg: int, bp: int, dt_limit,
                evict: str | None):
     """One program: rows [pb bp, (pb + 1) bp) of head hd of sequence s, through q tokens.
 
-    st_out is the slot array (aliased to st_ref) or the candidates [q, b, h, p, n].
+    st_out is the slot array (aliased to st_ref) or the candidates [q, b, h, p, n];
+    cv_out the new conv rows [b, k-1, c] or their candidates [q, b, k-1, c] (never the
+    slot array: see the module doc). The program writes the conv rows of its x channels;
+    its group's first head's first row block also writes the group's B and C channels.
     Only whole-ref slicing with pl.ds, scalar loads and 1-D/2-D power-of-2 vectors.
     """
     pb, hd, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -181,7 +186,8 @@ def _step_body(slot_ref, dt_ref, a_ref, d_ref, dtb_ref, w_ref, bias_ref, xbc_ref
     rows = pl.ds(pb * bp, bp)
 
     def conv(cols):
-        """silu(conv) of channels `cols` for the q tokens: q f32 vectors, rounded as stored."""
+        """silu(conv) of channels `cols` for the q tokens (q f32 vectors, rounded as the
+        unfused path stores them) and the k-1+q inputs [state, tokens] as stored."""
         raw = [xbc_ref[s, j, cols] for j in range(q)]
         # Past inputs as the conv state holds them (a token is stored before it is reused).
         seq = [conv_ref[slot, i, cols].astype(f32) for i in range(k - 1)]
@@ -194,11 +200,29 @@ def _step_body(slot_ref, dt_ref, a_ref, d_ref, dtb_ref, w_ref, bias_ref, xbc_ref
             for i in range(k):
                 acc = acc + w[i] * window[i]
             out.append(silu(acc).astype(xbc_ref.dtype).astype(f32))
-        return out
+        return out, seq
 
-    xs = conv(pl.ds(hd * p + pb * bp, bp))  # q x [bp]
-    Bs = conv(pl.ds(h * p + gi * n, n))  # q x [n]
-    Cs = conv(pl.ds(h * p + (g + gi) * n, n))
+    def write_conv(cols, seq):
+        """The conv state after each position (candidates) or after the last one."""
+        for j in range(q) if candidates else (q - 1,):
+            for i in range(k - 1):
+                v = seq[j + 1 + i].astype(cv_out.dtype)
+                if candidates:
+                    cv_out[j, s, i, cols] = v
+                else:
+                    cv_out[s, i, cols] = v
+
+    x_cols = pl.ds(hd * p + pb * bp, bp)
+    b_cols, c_cols = pl.ds(h * p + gi * n, n), pl.ds(h * p + (g + gi) * n, n)
+    xs, x_seq = conv(x_cols)  # q x [bp]
+    Bs, b_seq = conv(b_cols)  # q x [n]
+    Cs, c_seq = conv(c_cols)
+    write_conv(x_cols, x_seq)
+
+    @pl.when((hd % hpg == 0) & (pb == 0))
+    def _():
+        write_conv(b_cols, b_seq)
+        write_conv(c_cols, c_seq)
 
     a, dv, dtb = a_ref[hd], d_ref[hd], dtb_ref[hd]
     block = (slot, hd, rows, slice(None))
@@ -237,16 +261,18 @@ def _step_pallas(xbc, dt, conv_w, conv_b, A, D, dt_bias, conv_states, ssm_states
     f32 = jnp.float32
     kernel = functools.partial(_step_body, q=q, k=k, hpg=h // n_groups, bp=block_p,
                                dt_limit=dt_limit, evict=evict)
-    states_out = (jax.ShapeDtypeStruct((q, b, h, p, n), ssm_states.dtype) if candidates
-                  else jax.ShapeDtypeStruct(ssm_states.shape, ssm_states.dtype))
-    y, ssm = launch(
-        kernel, impl=impl, grid=(p // block_p, h, b),
-        out_shape=[jax.ShapeDtypeStruct((b, q, h, p), xbc.dtype), states_out],
-        aliases=None if candidates else {9: 1}, num_warps=num_warps, name="mamba2_step",
+    lead = (q, b) if candidates else (b,)
+    out_shape = [
+        jax.ShapeDtypeStruct((b, q, h, p), xbc.dtype),
+        jax.ShapeDtypeStruct((*lead, k - 1, c), conv_states.dtype),
+        jax.ShapeDtypeStruct((q, b, h, p, n) if candidates else ssm_states.shape, ssm_states.dtype),
+    ]
+    y, conv, ssm = launch(
+        kernel, impl=impl, grid=(p // block_p, h, b), out_shape=out_shape,
+        aliases=None if candidates else {9: 2}, num_warps=num_warps, name="mamba2_step",
     )(slot_ids, dt, A.astype(f32), D.astype(f32), dt_bias.astype(f32), conv_w.astype(f32).T,
       conv_b.astype(f32), xbc, conv_states, ssm_states)
-    # The conv state: the last k-1 of [state, tokens] after each position (see module doc).
-    window = jnp.concatenate([conv_states[slot_ids], xbc.astype(conv_states.dtype)], axis=1)
     if candidates:
-        return y, jnp.stack([window[:, j + 1:j + k] for j in range(q)]), ssm
-    return y, conv_states.at[slot_ids].set(window[:, q:]), ssm
+        return y, conv, ssm
+    # The new conv rows reach the slots through one scatter (see the module doc).
+    return y, conv_states.at[slot_ids].set(conv), ssm
