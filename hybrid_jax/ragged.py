@@ -7,13 +7,20 @@ is False) and write the final state back. `decode=True` is the one-token-per-seq
 specialisation (t == b). Kernels come from `pallas_kernels` under its one impl switch.
 Cached decoding through this path reproduces the full forward token for token.
 
+Mamba2 decode and verification run the layer's whole recurrent core (conv, split, dt,
+SSM update) as one fused kernel, `mamba2_step`, when its shapes allow (power-of-2 head
+and state dims); otherwise, and for prefill, the separate conv and SSM kernels.
+
 `forward_verify` is the speculative-decoding variant: every sequence has the same q
 tokens (the last sampled token and q - 1 drafts). Attention takes the q-token queries
-through the paged decode kernel's multi-query form; recurrent layers (conv, SSM, RG-LRU, short conv) run
-the one-token decode kernels q times on the sequences' gathered states and keep the
-state after EACH position (`Candidates`, [q, b, ...]) instead of writing it back: once
-the acceptance is known, `choose` writes the state after the last accepted position
-into the slots. A rejected token's effect never reaches a slot.
+through the paged decode kernel's multi-query form; Mamba2 takes all q tokens in one
+`mamba2_step` call (Mamba2 shapes the fused kernel does not take run the one-token decode
+kernels q times on the sequences' gathered states); the RG-LRU's and short conv's convs
+and the RG-LRU scan run as small elementwise XLA over the q positions (k shifted
+multiply-adds; the scan unrolled over q). All keep the state after EACH position
+(`Candidates`, [q, b, ...]) instead of writing it back: once the acceptance is known,
+`choose` writes the state after the last accepted position into the slots. A rejected
+token's effect never reaches a slot.
 """
 
 from __future__ import annotations
@@ -43,6 +50,8 @@ from pallas_kernels import (
     conv1d_ragged,
     linear_scan_decode,
     linear_scan_ragged,
+    mamba2_step,
+    mamba2_step_fits,
     paged_attention_decode,
     paged_attention_prefill,
     ssd_ragged,
@@ -95,12 +104,71 @@ def _positions(q: int, step: Callable, xs: tuple[jax.Array, ...], states: tuple[
     return out, tuple(jnp.stack(c) for c in zip(*cands, strict=True))
 
 
+def _conv_positions(x: jax.Array, w: jax.Array, bias: jax.Array | None, conv: jax.Array,
+                    slot_ids: jax.Array, q: int) -> tuple[jax.Array, jax.Array]:
+    """Causal depthwise conv (no activation) over q positions per sequence, in XLA.
+
+    x [t = b * q, c] (sequence-major); w [c, k]; conv [num_slots, k-1, c] (not written).
+    Returns (y [t, c] in x.dtype, candidates [q, b, k-1, c]: the conv state after each
+    position). Rounds as q `conv1d_decode` calls would: past inputs as the state stores
+    them (conv.dtype), the current input as given.
+    """
+    b, c = slot_ids.shape[0], x.shape[-1]
+    k = w.shape[1]
+    f32 = jnp.float32
+    xs = x.reshape(b, q, c)
+    seq = jnp.concatenate([conv[slot_ids], xs.astype(conv.dtype)], axis=1)  # [b, k-1+q, c]
+    past, wf = seq.astype(f32), w.astype(f32)
+    y = jnp.zeros((b, q, c), f32) if bias is None else jnp.broadcast_to(bias.astype(f32), (b, q, c))
+    for i in range(k - 1):  # tap i of position j reads input j + i of `seq`
+        y = y + wf[:, i] * past[:, i:i + q]
+    y = y + wf[:, k - 1] * xs.astype(f32)
+    cands = jnp.stack([seq[:, j + 1:j + k] for j in range(q)])
+    return y.reshape(b * q, c).astype(x.dtype), cands
+
+
+def _scan_positions(a: jax.Array, x: jax.Array, states: jax.Array, slot_ids: jax.Array,
+                    q: int) -> tuple[jax.Array, jax.Array]:
+    """h_j = a_j h_{j-1} + x_j over q positions per sequence, in XLA (elementwise, unrolled).
+
+    a, x [t = b * q, c]; states [num_slots, c] (not written). Returns (h [t, c] in x.dtype,
+    candidates [q, b, c] in states.dtype); h is stored between positions as
+    `linear_scan_decode` stores it.
+    """
+    b, c = slot_ids.shape[0], x.shape[-1]
+    a, x = a.reshape(b, q, c).astype(jnp.float32), x.reshape(b, q, c)
+    h, outs, cands = states[slot_ids], [], []
+    for j in range(q):
+        v = a[:, j] * h.astype(jnp.float32) + x[:, j].astype(jnp.float32)
+        h = v.astype(states.dtype)
+        outs.append(v.astype(x.dtype))
+        cands.append(h)
+    return jnp.stack(outs, 1).reshape(b * q, c), jnp.stack(cands)
+
+
+def _mamba_step(layer: Mamba2Mixer, x: jax.Array, batch: RaggedBatch, st: Mamba2State,
+                q: int) -> tuple[jax.Array, Mamba2State]:
+    """Decode (q == 0: one token per sequence, slots advanced) or verification (q > 0:
+    candidates) through the fused kernel; tokens are sequence-major, t = b * max(q, 1)."""
+    cfg = layer.cfg
+    z, xbc, dt = layer.project(x)
+    b, n = batch.slot_ids.shape[0], max(q, 1)
+    y, conv, ssm = mamba2_step(
+        xbc.reshape(b, n, -1), dt.reshape(b, n, -1), layer.conv_weight[...],
+        layer.conv_bias_value(), layer.A(), layer.D[...], layer.dt_bias[...], st.conv, st.ssm,
+        batch.slot_ids, n_groups=cfg.n_groups, head_dim=cfg.head_dim, dt_limit=cfg.dt_limit,
+        candidates=q > 0)
+    return layer.output(y.reshape(b * n, cfg.num_heads, cfg.head_dim), z, x.dtype), Mamba2State(conv, ssm)
+
+
 def _mamba(layer: Mamba2Mixer, x: jax.Array, batch: RaggedBatch, st: Mamba2State,
            decode: bool, q: int = 0) -> tuple[jax.Array, Mamba2State]:
     cfg = layer.cfg
+    if (decode or q) and mamba2_step_fits(cfg.head_dim, cfg.state_size):
+        return _mamba_step(layer, x, batch, st, q)
     z, xbc, dt = layer.project(x)
     w, bias = layer.conv_weight[...], layer.conv_bias_value()
-    if q:
+    if q:  # shapes the fused kernel does not take: q one-token steps
         A, D, dt_bias = layer.A(), layer.D[...], layer.dt_bias[...]
 
         def step(xbc_j, dt_j, local, rows):
@@ -132,15 +200,10 @@ def _recurrent(layer: RecurrentBlock, x: jax.Array, batch: RaggedBatch, st: RGLR
     y, u = layer.branches(x)
     w, bias = layer.conv_weight[...], layer.conv_bias[...]
     if q:
-        def step(u_j, pos_j, local, rows):
-            conv, hs = local
-            v, conv = conv1d_decode(u_j, w, bias, conv, rows, activation=None)
-            a, xt = layer.gates(v, pos_j)
-            h, hs = linear_scan_decode(a, xt, hs, rows)
-            return h, (conv, hs)
-
-        h, cands = _positions(q, step, (u, batch.positions), (st.conv, st.h), batch.slot_ids)
-        return layer.output(h, y), RGLRUState(*cands)
+        v, conv = _conv_positions(u, w, bias, st.conv, batch.slot_ids, q)
+        a, xt = layer.gates(v, batch.positions)
+        h, hs = _scan_positions(a, xt, st.h, batch.slot_ids, q)
+        return layer.output(h, y), RGLRUState(conv, hs)
     if decode:
         u, conv = conv1d_decode(u, w, bias, st.conv, batch.slot_ids, activation=None)
     else:
@@ -160,13 +223,8 @@ def _short_conv(layer: ShortConv, x: jax.Array, batch: RaggedBatch, st: ShortCon
     bx, C = layer.gates(x)
     w, bias = layer.conv_weight[...], layer.conv_bias_value()
     if q:
-        def step(bx_j, local, rows):
-            (conv,) = local
-            y, conv = conv1d_decode(bx_j, w, bias, conv, rows, activation=None)
-            return y, (conv,)
-
-        y, cands = _positions(q, step, (bx,), (st.conv,), batch.slot_ids)
-        return layer.output(y, C), ShortConvState(*cands)
+        y, conv = _conv_positions(bx, w, bias, st.conv, batch.slot_ids, q)
+        return layer.output(y, C), ShortConvState(conv)
     if decode:
         y, conv = conv1d_decode(bx, w, bias, st.conv, batch.slot_ids, activation=None)
     else:

@@ -18,6 +18,7 @@ from pallas_kernels.linear_scan import (
     linear_scan_ragged,
     linear_scan_ragged_reference,
 )
+from pallas_kernels.mamba_step import mamba2_step, mamba2_step_fits, mamba2_step_reference
 from pallas_kernels.paged_attention import (
     paged_attention_decode,
     paged_attention_prefill,
@@ -42,6 +43,9 @@ __all__ = [
     "linear_scan_decode_reference",
     "linear_scan_ragged",
     "linear_scan_ragged_reference",
+    "mamba2_step",
+    "mamba2_step_fits",
+    "mamba2_step_reference",
     "paged_attention_decode",
     "paged_attention_decode_reference",
     "paged_attention_prefill",

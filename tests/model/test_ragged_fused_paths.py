@@ -1,0 +1,117 @@
+"""The serving path's fused decode/verification pieces equal the per-token kernels they replace.
+
+`ragged._mamba` in decode (one token per sequence, slots advanced) and verification
+(q candidates) runs `mamba2_step` (the Pallas kernel, interpret mode) and is compared
+with the same layer through the unfused path (conv1d_decode -> split -> ssm_decode,
+their references), forced by declaring the shapes unfit. The layer has two groups,
+conv bias, Falcon-H1's muP multipliers and a dt limit, so the [x | B | C] channel
+order, dt and the gate are the layer's own.
+
+The RG-LRU / short-conv verification conv and scan (XLA over the q positions) equal
+q one-token `conv1d_decode` / `linear_scan_decode` calls (`ragged._positions`), bf16
+conv states included (stored between positions as the decode calls store them).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from hybrid_jax import ragged
+from hybrid_jax.cache import Mamba2State, RaggedBatch
+from hybrid_jax.config import Mamba2Config
+from hybrid_jax.layers.mamba2 import Mamba2Mixer
+from pallas_kernels import conv1d_decode, linear_scan_decode, mamba2_step
+
+DIM, SLOTS = 32, 6
+CFG = Mamba2Config(4, 16, 16, n_groups=2, dt_limit=(0.0, 3.0),
+                   in_proj_multipliers=(1.0, 0.5, 2.0, 1.5, 0.7))
+
+
+def _layer() -> Mamba2Mixer:
+    layer = Mamba2Mixer(DIM, CFG, dtype=jnp.float32, rngs=nnx.Rngs(0))
+    rng = np.random.default_rng(1)
+    h, c = CFG.num_heads, CFG.conv_dim
+    layer.conv_bias.value = jnp.asarray(0.3 * rng.standard_normal(c), jnp.float32)
+    layer.dt_bias.value = jnp.asarray(rng.standard_normal(h), jnp.float32)
+    layer.D.value = jnp.asarray(rng.standard_normal(h), jnp.float32)
+    return layer
+
+
+def _batch(slots: np.ndarray, t: int) -> RaggedBatch:
+    """Only slot_ids matter to the Mamba2 decode/verify core; the rest is well-formed filler."""
+    b = len(slots)
+    zeros = jnp.zeros(t, jnp.int32)
+    return RaggedBatch(zeros, zeros, jnp.arange(b + 1, dtype=jnp.int32) * (t // b),
+                       jnp.ones(b, jnp.int32), jnp.asarray(slots), jnp.ones(b, bool), (), (),
+                       jnp.arange(b, dtype=jnp.int32))
+
+
+def _run(monkeypatch, fused: bool, x, slots, st, decode, q):
+    with monkeypatch.context() as m:
+        if fused:
+            m.setattr(ragged, "mamba2_step", functools.partial(mamba2_step, impl="interpret"))
+        else:
+            m.setattr(ragged, "mamba2_step_fits", lambda *_: False)
+        return ragged._mamba(_layer(), x, _batch(slots, x.shape[0]), st, decode, q)
+
+
+@pytest.mark.parametrize("state_dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("q", [0, 3])
+def test_fused_equals_unfused(monkeypatch, state_dtype, q):
+    rng = np.random.default_rng(q)
+    slots = np.array([3, 1, 5, 0], np.int32)  # the last row is padding on dummy slot 0
+    b = len(slots)
+    k = CFG.conv_kernel
+    st = Mamba2State(
+        jnp.asarray(rng.standard_normal((SLOTS, k - 1, CFG.conv_dim)), jnp.float32),
+        jnp.asarray(rng.standard_normal((SLOTS, CFG.num_heads, CFG.head_dim, CFG.state_size)),
+                    state_dtype))
+    x = jnp.asarray(rng.standard_normal((b * max(q, 1), DIM)), jnp.float32)
+    got = _run(monkeypatch, True, x, slots, st, q == 0, q)
+    want = _run(monkeypatch, False, x, slots, st, q == 0, q)
+    tol = 1e-5 if state_dtype == jnp.float32 else 1e-2
+    live = slice(None, -1) if q else slots[:-1]  # candidates are [q, b, ...]; slots by id
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert g.shape == w.shape and g.dtype == w.dtype
+        g, w = np.asarray(g.astype(jnp.float32)), np.asarray(w.astype(jnp.float32))
+        if g.ndim == 2:  # the layer output [t, d]: padding rows are not compared
+            g, w = g[: (b - 1) * max(q, 1)], w[: (b - 1) * max(q, 1)]
+        elif q:
+            g, w = g[:, live], w[:, live]
+        else:
+            g, w = g[live], w[live]
+        np.testing.assert_allclose(g, w, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("state_dtype", [jnp.float32, jnp.bfloat16])  # of the conv state
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_conv_and_scan_positions_equal_decode_steps(state_dtype, with_bias):
+    rng = np.random.default_rng(int(with_bias))
+    q, c, k = 3, 24, 4
+    slots = np.array([4, 2, 0], np.int32)
+    b = len(slots)
+    r = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)
+    x, w, bias = r(b * q, c), r(c, k), r(c) if with_bias else None
+    conv, hs = r(SLOTS, k - 1, c).astype(state_dtype), r(SLOTS, c)  # scan states are f32
+    a = jax.nn.sigmoid(r(b * q, c))
+
+    def step(x_j, a_j, local, rows):
+        conv_l, h_l = local
+        v, conv_l = conv1d_decode(x_j, w, bias, conv_l, rows, activation=None)
+        h, h_l = linear_scan_decode(a_j, v.astype(jnp.float32), h_l, rows)
+        return (v, h), (conv_l, h_l)
+
+    (want_v, want_h), (want_conv, want_hs) = ragged._positions(
+        q, step, (x, a), (conv, hs), jnp.asarray(slots))
+    v, got_conv = ragged._conv_positions(x, w, bias, conv, jnp.asarray(slots), q)
+    h, got_hs = ragged._scan_positions(a, v.astype(jnp.float32), hs, jnp.asarray(slots), q)
+    for g, want in ((v, want_v), (got_conv, want_conv), (h, want_h), (got_hs, want_hs)):
+        assert g.shape == want.shape and g.dtype == want.dtype
+        np.testing.assert_allclose(np.asarray(g.astype(jnp.float32)),
+                                   np.asarray(want.astype(jnp.float32)), rtol=1e-5, atol=1e-5)
