@@ -165,6 +165,36 @@ def mamba2_step_reference(xbc, dt, conv_w, conv_b, A, D, dt_bias, conv_states, s
     return y, conv, ssm
 
 
+def _conv_tokens(xbc_ref, conv_ref, w_ref, bias_ref, s, slot, cols, *, q: int, k: int):
+    """silu(conv) of channels `cols` of sequence s for its q tokens: (q f32 vectors rounded
+    to the input dtype as the unfused path stores them, the k-1+q inputs [state, tokens]
+    as the conv state stores them; a token is stored before it is reused)."""
+    f32 = jnp.float32
+    raw = [xbc_ref[s, j, cols] for j in range(q)]
+    seq = [conv_ref[slot, i, cols].astype(f32) for i in range(k - 1)]
+    seq += [v.astype(conv_ref.dtype).astype(f32) for v in raw]
+    w = [w_ref[i, cols] for i in range(k)]
+    out = []
+    for j in range(q):
+        window = seq[j:j + k - 1] + [raw[j].astype(f32)]  # Python lists: no value slicing
+        acc = bias_ref[cols]
+        for i in range(k):
+            acc = acc + w[i] * window[i]
+        out.append(silu(acc).astype(xbc_ref.dtype).astype(f32))
+    return out, seq
+
+
+def _store_conv_rows(cv_out, seq, s, cols, *, q: int, k: int, candidates: bool):
+    """The conv state (last k-1 inputs) after each position (candidates) or the last one."""
+    for j in range(q) if candidates else (q - 1,):
+        for i in range(k - 1):
+            v = seq[j + 1 + i].astype(cv_out.dtype)
+            if candidates:
+                cv_out[j, s, i, cols] = v
+            else:
+                cv_out[s, i, cols] = v
+
+
 def _step_body(slot_ref, dt_ref, a_ref, d_ref, dtb_ref, w_ref, bias_ref, xbc_ref, conv_ref,
                st_ref, y_ref, cv_out, st_out, *, q: int, k: int, hpg: int, bp: int, dt_limit,
                evict: str | None):
@@ -178,51 +208,24 @@ def _step_body(slot_ref, dt_ref, a_ref, d_ref, dtb_ref, w_ref, bias_ref, xbc_ref
     """
     pb, hd, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     h, p, n = st_ref.shape[1:]
-    g = h // hpg
+    g, gi = h // hpg, hd // hpg
     candidates = len(st_out.shape) == 5
     f32 = jnp.float32
     slot = slot_ref[s]
-    gi = hd // hpg
     rows = pl.ds(pb * bp, bp)
-
-    def conv(cols):
-        """silu(conv) of channels `cols` for the q tokens (q f32 vectors, rounded as the
-        unfused path stores them) and the k-1+q inputs [state, tokens] as stored."""
-        raw = [xbc_ref[s, j, cols] for j in range(q)]
-        # Past inputs as the conv state holds them (a token is stored before it is reused).
-        seq = [conv_ref[slot, i, cols].astype(f32) for i in range(k - 1)]
-        seq += [v.astype(conv_ref.dtype).astype(f32) for v in raw]
-        w = [w_ref[i, cols] for i in range(k)]
-        out = []
-        for j in range(q):
-            window = seq[j:j + k - 1] + [raw[j].astype(f32)]
-            acc = bias_ref[cols]
-            for i in range(k):
-                acc = acc + w[i] * window[i]
-            out.append(silu(acc).astype(xbc_ref.dtype).astype(f32))
-        return out, seq
-
-    def write_conv(cols, seq):
-        """The conv state after each position (candidates) or after the last one."""
-        for j in range(q) if candidates else (q - 1,):
-            for i in range(k - 1):
-                v = seq[j + 1 + i].astype(cv_out.dtype)
-                if candidates:
-                    cv_out[j, s, i, cols] = v
-                else:
-                    cv_out[s, i, cols] = v
-
+    conv = functools.partial(_conv_tokens, xbc_ref, conv_ref, w_ref, bias_ref, s, slot, q=q, k=k)
+    store_rows = functools.partial(_store_conv_rows, cv_out, s=s, q=q, k=k, candidates=candidates)
     x_cols = pl.ds(hd * p + pb * bp, bp)
     b_cols, c_cols = pl.ds(h * p + gi * n, n), pl.ds(h * p + (g + gi) * n, n)
     xs, x_seq = conv(x_cols)  # q x [bp]
     Bs, b_seq = conv(b_cols)  # q x [n]
     Cs, c_seq = conv(c_cols)
-    write_conv(x_cols, x_seq)
+    store_rows(x_seq, cols=x_cols)
 
     @pl.when((hd % hpg == 0) & (pb == 0))
     def _():
-        write_conv(b_cols, b_seq)
-        write_conv(c_cols, c_seq)
+        store_rows(b_seq, cols=b_cols)
+        store_rows(c_seq, cols=c_cols)
 
     a, dv, dtb = a_ref[hd], d_ref[hd], dtb_ref[hd]
     block = (slot, hd, rows, slice(None))
