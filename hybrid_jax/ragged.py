@@ -7,9 +7,12 @@ is False) and write the final state back. `decode=True` is the one-token-per-seq
 specialisation (t == b). Kernels come from `pallas_kernels` under its one impl switch.
 Cached decoding through this path reproduces the full forward token for token.
 
-Mamba2 decode and verification run the layer's whole recurrent core (conv, split, dt,
-SSM update) as one fused kernel, `mamba2_step`, when its shapes allow (power-of-2 head
-and state dims); otherwise, and for prefill, the separate conv and SSM kernels.
+Mamba2 verification runs the layer's whole recurrent core (conv, split, dt, SSM update)
+for the q tokens as one fused kernel, `mamba2_step`, when its shapes allow (power-of-2
+head and state dims). Decode (one token) keeps the separate conv and SSM kernels: on
+the H100 the fused kernel plus its conv-state scatter measured ~0.1 ms per step slower
+than conv1d_decode + ssm_decode (native-1b-parallel, batch 1 and 64; docs/benchmarks.md);
+`FUSED_MAMBA_DECODE` switches decode to it. Prefill uses the separate kernels.
 
 `forward_verify` is the speculative-decoding variant: every sequence has the same q
 tokens (the last sampled token and q - 1 drafts). Attention takes the q-token queries
@@ -146,6 +149,10 @@ def _scan_positions(a: jax.Array, x: jax.Array, states: jax.Array, slot_ids: jax
     return jnp.stack(outs, 1).reshape(b * q, c), jnp.stack(cands)
 
 
+# Decode through the fused kernel too (see the module doc: measured slower on the H100).
+FUSED_MAMBA_DECODE = False
+
+
 def _mamba_step(layer: Mamba2Mixer, x: jax.Array, batch: RaggedBatch, st: Mamba2State,
                 q: int) -> tuple[jax.Array, Mamba2State]:
     """Decode (q == 0: one token per sequence, slots advanced) or verification (q > 0:
@@ -164,7 +171,7 @@ def _mamba_step(layer: Mamba2Mixer, x: jax.Array, batch: RaggedBatch, st: Mamba2
 def _mamba(layer: Mamba2Mixer, x: jax.Array, batch: RaggedBatch, st: Mamba2State,
            decode: bool, q: int = 0) -> tuple[jax.Array, Mamba2State]:
     cfg = layer.cfg
-    if (decode or q) and mamba2_step_fits(cfg.head_dim, cfg.state_size):
+    if (q or (decode and FUSED_MAMBA_DECODE)) and mamba2_step_fits(cfg.head_dim, cfg.state_size):
         return _mamba_step(layer, x, batch, st, q)
     z, xbc, dt = layer.project(x)
     w, bias = layer.conv_weight[...], layer.conv_bias_value()

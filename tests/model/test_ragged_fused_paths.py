@@ -56,6 +56,7 @@ def _run(monkeypatch, fused: bool, x, slots, st, decode, q):
     with monkeypatch.context() as m:
         if fused:
             m.setattr(ragged, "mamba2_step", functools.partial(mamba2_step, impl="interpret"))
+            m.setattr(ragged, "FUSED_MAMBA_DECODE", True)  # off by default: slower on the H100
         else:
             m.setattr(ragged, "mamba2_step_fits", lambda *_: False)
         return ragged._mamba(_layer(), x, _batch(slots, x.shape[0]), st, decode, q)
