@@ -99,9 +99,10 @@ def decode_row_floor() -> int:
 def compile_options() -> dict[str, object]:
     """XLA options for the step executables.
 
-    dot-merger (the pass name has a hyphen) is off: it merges the projections that share an input (q/k/v and the
-    Mamba2 in_proj of a hybrid layer) by concatenating their WEIGHTS inside the step, a
-    full copy of them on every call (0.43 ms per step on the H100 for native-1b-parallel).
+    dot-merger (the pass name has a hyphen) is off: it merges the projections that share
+    an input (q/k/v and the Mamba2 in_proj of a hybrid layer) by concatenating their
+    WEIGHTS inside the step, a full copy of them on every call (0.47 ms per step on the
+    H100 for native-1b-parallel at batch 64).
     HYBRID_JAX_XLA_OPTIONS (JSON) adds or overrides options, for experiments.
     """
     opts: dict[str, object] = {"xla_disable_hlo_passes": "dot-merger"}

@@ -109,7 +109,8 @@ def _model_batch(res, cfg, name, lm, wbytes, batch, contexts, args, out, deadlin
             history.append((c, run.prefill_s))
             point = _point(name, cfg, run, wbytes, args, res["copy_bandwidth_Bps"], engine)
             if shared:  # the prefill figures cover the batch's own tokens (and the prefix once)
-                point |= {"shared_prefix": shared, "prefix_cache_hit_tokens": run.stats.get("prefix_cache_hit_tokens"),
+                point |= {"shared_prefix": shared,
+                          "prefix_cache_hit_tokens": run.stats.get("prefix_cache_hit_tokens"),
                           "prefill_tok_s": (batch * (c - shared) + shared) / run.prefill_s}
             res["points"].append(point)
             if scopes and "profile" not in res and tracer.state == "done":
