@@ -82,7 +82,10 @@ class DraftModelDrafter:
             lm.model, num_pages=tuple(g.pool.capacity + 1 for g in self.groups), page_size=sc.page_size,
             num_slots=2 * self.max_seqs + 1, ring_widths=tuple(g.width for g in self.groups),
             max_num_seqs=self.max_seqs, max_num_batched_tokens=max(self.budget, self.max_seqs),
-            seq_sizes=cfg.seq_buckets, token_sizes=cfg.token_buckets,
+            # The geometric token ladder whatever the target's: a catch-up step carries about
+            # k + 1 tokens per sequence, which a target-sized bucket (e.g. one 512-token
+            # chunk) would pad to a prompt chunk's cost.
+            seq_sizes=cfg.seq_buckets, token_sizes=None,
             state_dtype=DTYPES[cfg.ssm_state_dtype])
         self._copy = jax.jit(_copy_slots, donate_argnums=(0,))
         self.entries: dict[str, _Entry] = {}
