@@ -13,7 +13,7 @@ import json, sys
 for line in sys.stdin:
     r = json.loads(line)
     print(r['method'], r['model'], 'B', r['batch'], 'tok/s %.0f' % r['decode_tok_s'], 'tpot %.2f ms' % r['tpot_ms'],
-          'accept %s' % r.get('acceptance_rate'), 'len %s' % r.get('mean_accepted_length'), 'speedup %s' % r.get('speedup'))"; }
+          'accept %s' % r.get('acceptance_rate'), 'len %s' % r.get('mean_accepted_length'), 'speedup %s' % r.get('speedup'), 'outputs==off %s' % r.get('outputs_equal_off'))"; }
 case "${1:-ngram}" in
   ngram)
     run --method ngram --batches 1,8,64

@@ -109,8 +109,8 @@ def _window(a: argparse.Namespace, lm, eng: LLMEngine, b: int, spec: bool, profi
     """Serve one batch of the prompts; figures over the steps where the whole batch decodes."""
     params = SamplingParams(temperature=0.0, max_tokens=a.output_len, ignore_eos=True)
     gc.collect()
-    for p in prompts(lm, b, a.prompt_len):
-        eng.add_request(prompt_token_ids=p, params=params)
+    rids = [eng.add_request(prompt_token_ids=p, params=params) for p in prompts(lm, b, a.prompt_len)]
+    tokens: dict[str, list[int]] = {rid: [] for rid in rids}
     counts: dict[str, int] = {}
     t_open = None
     window_tokens, steps = 0, 0
@@ -119,6 +119,8 @@ def _window(a: argparse.Namespace, lm, eng: LLMEngine, b: int, spec: bool, profi
     while eng.has_unfinished():
         deltas = eng.step()
         te = time.perf_counter()
+        for d in deltas:
+            tokens[d.request_id] += d.token_ids
         if any(d.finished for d in deltas):
             break  # the batch is no longer full: the window closed before this step
         for d in deltas:
@@ -142,7 +144,9 @@ def _window(a: argparse.Namespace, lm, eng: LLMEngine, b: int, spec: bool, profi
            "decode_tok_s": window_tokens / dt, "tpot_ms": 1e3 * dt / (window_tokens / b),
            "steps": steps, "tokens": window_tokens}
     while eng.has_unfinished():  # finish the batch: the next window starts from an idle engine
-        eng.step()
+        for d in eng.step():
+            tokens[d.request_id] += d.token_ids
+    row["outputs"] = [tokens[rid] for rid in rids]  # greedy: speculation must not change them
     if spec:  # window figures: differences of the cumulative counters
         d = {k: s[k] - before[k] for k in ("spec_proposed_tokens", "spec_accepted_tokens",
                                            "spec_verify_steps", "spec_plain_steps",
@@ -179,6 +183,8 @@ def main() -> None:
         off = measure(a, lm, b, spec=False)
         on = measure(a, lm, b, spec=True)
         on["speedup"] = on["decode_tok_s"] / off["decode_tok_s"]
+        same = [x == y for x, y in zip(off.pop("outputs"), on.pop("outputs"), strict=True)]
+        on["outputs_equal_off"] = f"{sum(same)}/{len(same)}"  # greedy outputs, request by request
         for row in (off, on):
             line = json.dumps(row)
             print(line, flush=True)
