@@ -98,6 +98,8 @@ def measure(a: argparse.Namespace, lm, b: int, spec: bool) -> dict[str, object]:
     rates = sorted(r["decode_tok_s"] for r in runs)
     row = min(runs, key=lambda r: abs(r["decode_tok_s"] - statistics.median(rates)))  # the median run
     row |= {"startup_s": startup, "repeats": a.repeats, "decode_tok_s_runs": rates}
+    if "trace" in runs[0]:  # --profile traces the first run only
+        row["trace"] = runs[0]["trace"]
     if spec and a.method == "draft":
         row["draft_model"] = a.draft_model
     del eng
@@ -111,7 +113,6 @@ def _window(a: argparse.Namespace, lm, eng: LLMEngine, b: int, spec: bool, profi
     gc.collect()
     rids = [eng.add_request(prompt_token_ids=p, params=params) for p in prompts(lm, b, a.prompt_len)]
     tokens: dict[str, list[int]] = {rid: [] for rid in rids}
-    counts: dict[str, int] = {}
     t_open = None
     window_tokens, steps = 0, 0
     before = {}
@@ -123,13 +124,12 @@ def _window(a: argparse.Namespace, lm, eng: LLMEngine, b: int, spec: bool, profi
             tokens[d.request_id] += d.token_ids
         if any(d.finished for d in deltas):
             break  # the batch is no longer full: the window closed before this step
-        for d in deltas:
-            counts[d.request_id] = counts.get(d.request_id, 0) + len(d.token_ids)
         if t_open is None:
-            if len(counts) == b and all(c > 0 for c in counts.values()) and profile and not traced:
-                traced = _profile(eng, profile)
+            every = all(tokens.values())  # every sequence has its first token
+            if every and profile and not traced:
+                traced = _profile(eng, profile, tokens)
                 continue
-            if len(counts) == b and all(c > 0 for c in counts.values()):
+            if every:
                 t_open = te  # every sequence has its first token: decoding from here
                 before = eng.stats()
             continue
@@ -162,13 +162,20 @@ def _window(a: argparse.Namespace, lm, eng: LLMEngine, b: int, spec: bool, profi
     return row
 
 
-def _profile(eng: LLMEngine, n: int) -> dict[str, object]:
-    """Trace n engine steps: wall ms per step, GPU kernel ms and kernels per step, top kernels."""
+def _profile(eng: LLMEngine, n: int, tokens: dict[str, list[int]]) -> dict[str, object]:
+    """Trace n engine steps: wall ms per step, GPU kernel ms and kernels per step, top kernels.
+    The steps' tokens are added to `tokens` (the outputs compared with speculation off)."""
     from benchmarks.step_anatomy import trace_kernels
+
+    def step():
+        deltas = eng.step()
+        for d in deltas:
+            tokens[d.request_id] += d.token_ids
+        return deltas
 
     verify0 = eng.stats().get("spec_verify_steps", 0)
     t0 = time.perf_counter()
-    kernel_ms, kernels, top = trace_kernels(eng.step, n)
+    kernel_ms, kernels, top = trace_kernels(step, n)
     wall = (time.perf_counter() - t0) / (n + 2)  # trace_kernels runs two warm-up steps
     return {"steps": n, "wall_ms_per_step": 1e3 * wall, "kernel_ms_per_step": kernel_ms,
             "kernels_per_step": kernels,

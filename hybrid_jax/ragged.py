@@ -114,7 +114,8 @@ def _conv_positions(x: jax.Array, w: jax.Array, bias: jax.Array | None, conv: ja
     x [t = b * q, c] (sequence-major); w [c, k]; conv [num_slots, k-1, c] (not written).
     Returns (y [t, c] in x.dtype, candidates [q, b, k-1, c]: the conv state after each
     position). Rounds as q `conv1d_decode` calls would: past inputs as the state stores
-    them (conv.dtype), the current input as given.
+    them (conv.dtype), the current input as given; `recurrence.causal_conv1d` (the
+    full-sequence reference) rounds the state to the input dtype instead, hence not reused.
     """
     b, c = slot_ids.shape[0], x.shape[-1]
     k = w.shape[1]

@@ -140,10 +140,7 @@ def _shared_prefix(args, cfg, context: int) -> int:
     if not args.shared_prefix or any(s.kind.has_attention and s.window is None for s in cfg.layers):
         return 0  # global attention: every page is in the window, so none may be shared
     own = max([s.window or 0 for s in cfg.layers] + [args.page_size])
-    own = max(own, context - args.shared_prefix)
-    if own >= context:
-        return 0
-    return context - own
+    return max(0, min(args.shared_prefix, context - own))
 
 
 def _null():
