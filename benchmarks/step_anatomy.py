@@ -54,7 +54,7 @@ def floor_bytes(engine: LLMEngine, batch: int, context: int) -> dict[str, int]:
     return {"weights": weights, "kv": kv, "state": state, "total": weights + kv + state}
 
 
-def trace_kernels(fn, n: int) -> tuple[float, float, list[tuple[str, float, int]]]:
+def trace_kernels(fn, n: int, keep: int = 150) -> tuple[float, float, list[tuple[str, float, int]]]:
     """Run fn() n times under the profiler: (kernel ms per step, kernels per step, top kernels)."""
     d = tempfile.mkdtemp()
     fn()
@@ -66,12 +66,43 @@ def trace_kernels(fn, n: int) -> tuple[float, float, list[tuple[str, float, int]
     jax.profiler.stop_trace()
     total, count = 0.0, 0
     by_name: dict[str, list[float]] = collections.defaultdict(list)
+    spans: list[tuple[float, float, str]] = []
     for _, ev in gpu_kernel_events(d):
         total += ev.duration_ns
         count += 1
         by_name[ev.name[:80]].append(ev.duration_ns)
+        spans.append((ev.start_ns, ev.end_ns, ev.name[:80]))
     top = sorted(((k, sum(v) / 1e6 / n, len(v) // n) for k, v in by_name.items()), key=lambda r: -r[1])
-    return total / 1e6 / n, count / n, top[:150]
+    GAPS.clear()
+    GAPS.update(idle_gaps(spans, n))
+    return total / 1e6 / n, count / n, (top[:keep] if keep else top)
+
+
+GAPS: dict[str, object] = {}
+
+
+def _kind(name: str) -> str:
+    """A kernel's family: its name without XLA's numeric suffix."""
+    return name.rstrip("0123456789").rstrip("_.") or name
+
+
+def idle_gaps(spans: list[tuple[float, float, str]], n: int) -> dict[str, object]:
+    """Idle GPU time between consecutive kernels (one stream), per step, charged to the
+    kernel that starts after the gap; gaps over 50 us (between calls) are left out."""
+    spans.sort()
+    by_next: dict[str, list[float]] = collections.defaultdict(list)
+    small = big = 0.0
+    for (_, end, _), (start, _, name) in zip(spans, spans[1:], strict=False):
+        gap = max(0.0, start - end)
+        if gap > 50e3:
+            big += gap
+            continue
+        small += gap
+        by_next[_kind(name)].append(gap)
+    rows = sorted(((k, sum(v) / 1e6 / n, len(v) / n, sum(v) / len(v) / 1e3) for k, v in by_next.items()),
+                  key=lambda r: -r[1])
+    return {"idle_ms_per_step": small / 1e6 / n, "between_calls_ms": big / 1e6 / n,
+            "idle_before": [[k, round(ms, 4), cnt, round(us, 2)] for k, ms, cnt, us in rows[:40]]}
 
 
 def hlo_stats(text: str) -> dict[str, object]:
@@ -121,6 +152,10 @@ def timed(obj, name: str, acc: dict[str, float]) -> None:
 
 
 def run(a: argparse.Namespace) -> dict:
+    if a.fused_mamba_decode:
+        from hybrid_jax import ragged
+        ragged.FUSED_MAMBA_DECODE = True
+        os.environ["HYBRID_JAX_FUSED_MAMBA_DECODE"] = "1"  # keys the executable store apart
     lm = load_model(a.model, dtype=a.dtype)
     # Early sequences decode while later ones prefill: enough tokens that none finishes first.
     extra = 264 + 2 * -(-a.batch * a.prompt_len // max(a.chunk, a.batch))
@@ -232,7 +267,7 @@ def run(a: argparse.Namespace) -> dict:
         with open(a.dump, "w") as f:
             f.write(text)
     print("hlo:", json.dumps(hlo))
-    kernel_ms, kernels, top = trace_kernels(call, 10)
+    kernel_ms, kernels, top = trace_kernels(call, 10, a.top)
     r.caches, r.stats, r.last_tokens = state["caches"], state["stats"], state["last"]
     bw = copy_bandwidth()
     context = a.prompt_len + a.steps // 2
@@ -247,6 +282,7 @@ def run(a: argparse.Namespace) -> dict:
         "floor_bytes": fb, "floor_ms": 1e3 * fb["total"] / bw, "top_kernels": top,
         "xla_flags": os.environ.get("XLA_FLAGS", ""), "hlo": hlo,
         "host_ms_per_step": {k: 1e3 * v / a.steps for k, v in host.items()},
+        "gaps": dict(GAPS), "fused_mamba_decode": a.fused_mamba_decode,
     }
     res["engine_over_floor"] = res["engine_ms"] / res["floor_ms"]
     return res
@@ -266,6 +302,9 @@ def main() -> None:
     p.add_argument("--out", default=None)
     p.add_argument("--sync", action="store_true", help="async_scheduling=False (the synchronous loop)")
     p.add_argument("--dump", default=None, help="write the decode executable's optimised HLO here")
+    p.add_argument("--fused-mamba-decode", action="store_true",
+                   help="decode Mamba2 layers with the fused mamba2_step kernel (ragged.FUSED_MAMBA_DECODE)")
+    p.add_argument("--top", type=int, default=150, help="kernels kept in the JSON, by time (0: all)")
     a = p.parse_args()
     res = run(a)
     cols = ["batch_run", "context", "state_dtype", "loop", "engine_ms", "compiled_ms", "enqueue_ms",
@@ -275,6 +314,11 @@ def main() -> None:
     print("host ms per step:", " ".join(f"{k}={v:.2f}" for k, v in res["host_ms_per_step"].items()))
     for name, ms, n in res["top_kernels"][:25]:
         print(f"  {ms:8.3f} ms  x{n:<4d} {name}")
+    g = res["gaps"]
+    print(f"idle between kernels: {g['idle_ms_per_step']:.3f} ms/step; "
+          "before (kernel family, ms, per step, mean us):")
+    for name, ms, cnt, us in g["idle_before"][:15]:
+        print(f"  {ms:8.3f} ms  x{cnt:<6.1f} {us:6.2f} us  {name}")
     if a.out:
         with open(a.out, "a") as f:
             f.write(json.dumps(res) + "\n")

@@ -103,9 +103,15 @@ def compile_options() -> dict[str, object]:
     an input (q/k/v and the Mamba2 in_proj of a hybrid layer) by concatenating their
     WEIGHTS inside the step, a full copy of them on every call (0.47 ms per step on the
     H100 for native-1b-parallel at batch 64).
+
+    Triton GEMM fusions are off: XLA then emits the step's matmuls as cuBLAS calls. The
+    Triton GEMMs cost the same kernel time, but inside the step's CUDA graph the GPU
+    idled ~8.7 us before each of them (1.9 ms per step for 216 GEMMs of
+    native-1b-parallel, H100, batch 64; 0.15 ms idle in the whole step with cuBLAS;
+    `benchmarks/step_anatomy.py` prints the idle time per kernel family).
     HYBRID_JAX_XLA_OPTIONS (JSON) adds or overrides options, for experiments.
     """
-    opts: dict[str, object] = {"xla_disable_hlo_passes": "dot-merger"}
+    opts: dict[str, object] = {"xla_disable_hlo_passes": "dot-merger", "xla_gpu_enable_triton_gemm": False}
     extra = os.environ.get("HYBRID_JAX_XLA_OPTIONS")
     if extra:
         opts |= json.loads(extra)
