@@ -67,11 +67,13 @@ def trace_kernels(fn, n: int, keep: int = 150) -> tuple[float, float, list[tuple
     total, count = 0.0, 0
     by_name: dict[str, list[float]] = collections.defaultdict(list)
     spans: list[tuple[float, float, str]] = []
-    for _, ev in gpu_kernel_events(d):
+    for _, ev in gpu_kernel_events(d, memcpy=True):
+        spans.append((ev.start_ns, ev.end_ns, ev.name[:80]))
+        if "memcpy" in ev.name.lower():
+            continue
         total += ev.duration_ns
         count += 1
         by_name[ev.name[:80]].append(ev.duration_ns)
-        spans.append((ev.start_ns, ev.end_ns, ev.name[:80]))
     top = sorted(((k, sum(v) / 1e6 / n, len(v) // n) for k, v in by_name.items()), key=lambda r: -r[1])
     GAPS.clear()
     GAPS.update(idle_gaps(spans, n))
@@ -88,21 +90,25 @@ def _kind(name: str) -> str:
 
 def idle_gaps(spans: list[tuple[float, float, str]], n: int) -> dict[str, object]:
     """Idle GPU time between consecutive kernels (one stream), per step, charged to the
-    kernel that starts after the gap; gaps over 50 us (between calls) are left out."""
+    kernel (or memcpy) that starts after the gap; gaps over 50 us are counted apart
+    (`between_calls_ms`, with the event that ends them in `long_gaps_before`)."""
     spans.sort()
     by_next: dict[str, list[float]] = collections.defaultdict(list)
+    long_before: dict[str, list[float]] = collections.defaultdict(list)
     small = big = 0.0
     for (_, end, _), (start, _, name) in zip(spans, spans[1:], strict=False):
         gap = max(0.0, start - end)
         if gap > 50e3:
             big += gap
+            long_before[_kind(name)].append(gap)
             continue
         small += gap
         by_next[_kind(name)].append(gap)
     rows = sorted(((k, sum(v) / 1e6 / n, len(v) / n, sum(v) / len(v) / 1e3) for k, v in by_next.items()),
                   key=lambda r: -r[1])
     return {"idle_ms_per_step": small / 1e6 / n, "between_calls_ms": big / 1e6 / n,
-            "idle_before": [[k, round(ms, 4), cnt, round(us, 2)] for k, ms, cnt, us in rows[:40]]}
+            "idle_before": [[k, round(ms, 4), cnt, round(us, 2)] for k, ms, cnt, us in rows[:40]],
+            "long_gaps_before": {k: [round(sum(v) / 1e6 / n, 3), len(v)] for k, v in long_before.items()}}
 
 
 def hlo_stats(text: str) -> dict[str, object]:
@@ -225,6 +231,11 @@ def run(a: argparse.Namespace) -> dict:
         d.update(orig_d)
     engine.runner.dispatch = orig
     assert all(ran), f"a measured step was not a full-batch decode: {ran} {engine.stats()}"
+    engine_gaps = None
+    if a.trace_engine:  # the engine loop's own GPU timeline (idle between kernels and steps)
+        trace_kernels(engine.step, 10, 0)
+        engine_gaps = dict(GAPS)
+        print("engine loop gaps:", json.dumps(engine_gaps)[:2000])
     # The compiled decode executable alone, every input on the device.
     r = engine.runner
     arrays, sampling = captured["args"]
@@ -282,7 +293,7 @@ def run(a: argparse.Namespace) -> dict:
         "floor_bytes": fb, "floor_ms": 1e3 * fb["total"] / bw, "top_kernels": top,
         "xla_flags": os.environ.get("XLA_FLAGS", ""), "hlo": hlo,
         "host_ms_per_step": {k: 1e3 * v / a.steps for k, v in host.items()},
-        "gaps": dict(GAPS), "fused_mamba_decode": a.fused_mamba_decode,
+        "gaps": dict(GAPS), "engine_gaps": engine_gaps, "fused_mamba_decode": a.fused_mamba_decode,
     }
     res["engine_over_floor"] = res["engine_ms"] / res["floor_ms"]
     return res
@@ -304,6 +315,8 @@ def main() -> None:
     p.add_argument("--dump", default=None, help="write the decode executable's optimised HLO here")
     p.add_argument("--fused-mamba-decode", action="store_true",
                    help="decode Mamba2 layers with the fused mamba2_step kernel (ragged.FUSED_MAMBA_DECODE)")
+    p.add_argument("--trace-engine", action="store_true",
+                   help="also trace 10 LLMEngine.step() calls: idle GPU time within and between steps")
     p.add_argument("--top", type=int, default=150, help="kernels kept in the JSON, by time (0: all)")
     a = p.parse_args()
     res = run(a)
@@ -319,6 +332,7 @@ def main() -> None:
           "before (kernel family, ms, per step, mean us):")
     for name, ms, cnt, us in g["idle_before"][:15]:
         print(f"  {ms:8.3f} ms  x{cnt:<6.1f} {us:6.2f} us  {name}")
+    print(f"gaps over 50 us: {g['between_calls_ms']:.3f} ms/step, before: {g['long_gaps_before']}")
     if a.out:
         with open(a.out, "a") as f:
             f.write(json.dumps(res) + "\n")

@@ -35,6 +35,7 @@ from serving.schedule import PENDING, Schedule, flatten
 from serving.scheduler import Scheduler, SpecPlan
 from serving.sequence import FinishReason, Sequence
 from serving.speculative import NgramDrafter, SpecCounters
+from serving.step_fns import decode_row_floor
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +102,8 @@ class LLMEngine:
         free = [device_free_bytes(d) for d in mesh.devices.flat]
         self.plan: PoolPlan = plan_pools(
             lm.config, self.config, free_bytes=None if None in free else min(free),
-            weight_bytes=weights, dtype=DTYPES[self.config.dtype], draft=draft)
+            weight_bytes=weights, dtype=DTYPES[self.config.dtype], draft=draft,
+            min_slots=decode_row_floor() + 1)
         sc = self.plan.scheduler
         self.scheduler = Scheduler(sc, eos_token_ids=lm.config.eos_token_ids)
         self.runner = ModelRunner(

@@ -183,8 +183,12 @@ def draft_bytes(draft: ModelConfig, cfg: EngineConfig, max_len: int, dtype) -> i
 
 
 def plan_pools(model: ModelConfig, cfg: EngineConfig, *, free_bytes: int | None,
-               weight_bytes: int, dtype, draft: tuple[ModelConfig, int] | None = None) -> PoolPlan:
+               weight_bytes: int, dtype, draft: tuple[ModelConfig, int] | None = None,
+               min_slots: int = 1) -> PoolPlan:
     """Choose page and slot counts; ValueError when one max-length sequence cannot fit.
+
+    `min_slots` (dummy included): slots allocated even when max_num_seqs needs fewer, if
+    the budget allows (the engine asks for decode_row_floor() + 1: see there why).
 
     With tensor parallelism every byte is per device: `free_bytes` and `weight_bytes` of
     one device, pages and states of its shard (its KV heads, its SSM heads).
@@ -215,11 +219,15 @@ def plan_pools(model: ModelConfig, cfg: EngineConfig, *, free_bytes: int | None,
     per_seq = sum(h * b for h, b in zip(held, page_bytes, strict=True)) + slot_bytes
     extra_bytes = sum(e * b for e, b in zip(extra, page_bytes, strict=True))
     max_seqs = cfg.max_num_seqs
+    spare = max(0, min_slots - 1 - max_seqs)  # slots beyond max_num_seqs + 1 (never admitted)
     if cfg.num_pages is not None:
         pages = [cfg.num_pages] * len(need)
     else:
         budget = cfg.memory_fraction * ((free_bytes or CPU_MEMORY_BYTES) - weight_bytes)
         budget -= ckpts * ckpt_bytes
+        if spare and budget - spare * slot_bytes < one_seq:
+            spare = 0  # memory first goes to a sequence of max_model_len
+        budget -= spare * slot_bytes
         # Speculative verification keeps the state after each of q positions for every
         # verified sequence until the acceptance is known (candidates, inside the step).
         spec_bytes = cfg.spec_q * cfg.spec_max_seqs * ckpt_bytes
@@ -260,7 +268,7 @@ def plan_pools(model: ModelConfig, cfg: EngineConfig, *, free_bytes: int | None,
         if p - 1 < n:
             raise ValueError(f"num_pages={p} cannot hold one sequence of max_model_len={max_len} "
                              f"({n} pages): raise num_pages or lower max_model_len")
-    slots = cfg.num_slots or max_seqs + 1
+    slots = cfg.num_slots or max_seqs + 1 + spare
     if slots - 1 < max_seqs:
         log.warning("max_num_seqs=%d lowered to %d: num_slots=%d", max_seqs, slots - 1, slots)
         max_seqs = slots - 1

@@ -92,7 +92,15 @@ def decode_row_floor() -> int:
     projections with fewer rows to reduction fusions at ~45% of bandwidth and with 8 to
     Triton GEMMs (H100, native-1b-parallel at batch 1: 4.21 ms per engine step in an
     8-row bucket against 5.51 ms in a 1-row one; docs/benchmarks.md). So one sequence
-    (`hybrid-jax generate`, max_num_seqs=1) decodes in padded 8-row steps there."""
+    (`hybrid-jax generate`, max_num_seqs=1) decodes in padded 8-row steps there.
+
+    The engine also allocates at least this many slots (plus the dummy) when the memory
+    budget allows: with max_num_seqs=1 (2 slots) the overlapped loop's host enqueue of
+    each step took 7.7 ms against 1.3 ms with 9 slots, same executable shape otherwise
+    (H100, native-1b-parallel, one sequence: engine step 10.4 ms against 3.25 ms;
+    `num_slots=9` alone makes the difference, `num_pages` does not). The enqueue is
+    XLA's: every call re-records most of the step's CUDA graph (the same cost as the
+    step launched without graphs); why the slot count decides it is not known."""
     return GPU_MIN_DECODE_ROWS if jax.default_backend() == "gpu" else 1
 
 

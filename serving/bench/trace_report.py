@@ -44,9 +44,10 @@ def summarize(directory: str | Path, scopes: list[str]) -> dict:
     }
 
 
-def gpu_kernel_events(directory: str | Path):
+def gpu_kernel_events(directory: str | Path, memcpy: bool = False):
     """(device plane name, event) for every GPU kernel of the newest xplane trace under
-    `directory` (stream lines only, memcpys skipped), as jax.profiler.ProfileData reads it."""
+    `directory` (stream lines only; memcpys only if `memcpy`), as jax.profiler.ProfileData
+    reads it."""
     import os
 
     from jax.profiler import ProfileData
@@ -61,5 +62,5 @@ def gpu_kernel_events(directory: str | Path):
             if "stream" not in low or "#" not in low:
                 continue
             for ev in line.events:
-                if "memcpy" not in ev.name.lower():
+                if memcpy or "memcpy" not in ev.name.lower():
                     yield plane.name, ev

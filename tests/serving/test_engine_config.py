@@ -25,6 +25,28 @@ def test_budget_gives_pages_for_every_sequence():
     assert [g.window for g in sc.groups] == [64]
 
 
+def test_spare_slots_up_to_min_slots_within_the_budget():
+    """One sequence still gets the decode bucket's slot count (never admitted beyond
+    max_num_seqs) when the budget has room; not at the cost of the sequence itself."""
+    cfg = EngineConfig(max_num_seqs=1, max_model_len=256, memory_fraction=0.5)
+    base = plan(cfg, free=1 << 30)
+    spare = plan_pools(MODEL, cfg, free_bytes=1 << 30, weight_bytes=1 << 20, dtype=jnp.float32,
+                       min_slots=9)
+    assert base.scheduler.num_slots == 2 and spare.scheduler.num_slots == 9
+    assert spare.scheduler.max_num_seqs == 1
+    assert spare.state_bytes == 9 * base.state_bytes // 2
+    assert spare.kv_bytes + spare.state_bytes <= 0.5 * ((1 << 30) - (1 << 20))
+    # max_num_seqs >= min_slots - 1: nothing added.
+    eight = EngineConfig(max_num_seqs=8, max_model_len=256, memory_fraction=0.5)
+    assert plan_pools(MODEL, eight, free_bytes=1 << 30, weight_bytes=1 << 20, dtype=jnp.float32,
+                      min_slots=9).scheduler.num_slots == 9
+    # A budget that holds one sequence but not the spare slots: no spare slots.
+    one = base.kv_bytes + base.state_bytes
+    tight = plan_pools(MODEL, cfg, free_bytes=(1 << 20) + int(one / 0.5) + 64, weight_bytes=1 << 20,
+                       dtype=jnp.float32, min_slots=64)
+    assert tight.scheduler.num_slots == 2
+
+
 def test_config_that_cannot_fit_one_sequence_is_refused():
     with pytest.raises(ValueError, match="lower max_model_len"):
         plan(EngineConfig(max_model_len=256), free=(1 << 20) + 1000)
