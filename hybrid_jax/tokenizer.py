@@ -44,6 +44,10 @@ class Tokenizer:
     def decode(self, ids: list[int], *, skip_special_tokens: bool = True) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def decode_batch(self, seqs: list[list[int]], *, skip_special_tokens: bool = True) -> list[str]:
+        """`decode` of each list, in one call into the Rust library."""
+        return self.tok.decode_batch([list(x) for x in seqs], skip_special_tokens=skip_special_tokens)
+
 
 def byte_level_tokenizer() -> tokenizers.Tokenizer:
     """Specials <pad>=0, <bos>=1, <eos>=2, then one token per byte (ids 3..258)."""

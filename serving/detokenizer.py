@@ -28,9 +28,34 @@ class IncrementalDetokenizer:
 
     def add(self, token_ids: list[int]) -> str:
         """Append tokens; return the newly visible text (possibly empty)."""
+        done, window = self._extend(token_ids)
+        return self._accept(self.tokenizer.decode(done), self.tokenizer.decode(window))
+
+    @staticmethod
+    def add_batch(items: list[tuple[IncrementalDetokenizer, list[int]]]) -> list[str]:
+        """`add` for several requests: one `decode_batch` call per tokenizer instead of two
+        `decode` calls per request (host time per step at large batches)."""
+        out: list[str] = [""] * len(items)
+        groups: dict[int, list[int]] = {}
+        for i, (d, _) in enumerate(items):
+            groups.setdefault(id(d.tokenizer), []).append(i)
+        for idx in groups.values():
+            windows = [items[i][0]._extend(items[i][1]) for i in idx]
+            tok = items[idx[0]][0].tokenizer
+            flat = [w for pair in windows for w in pair]
+            batch = getattr(tok, "decode_batch", None)
+            texts = batch(flat) if batch is not None else [tok.decode(w) for w in flat]
+            for j, i in enumerate(idx):
+                out[i] = items[i][0]._accept(texts[2 * j], texts[2 * j + 1])
+        return out
+
+    def _extend(self, token_ids: list[int]) -> tuple[list[int], list[int]]:
+        """Append tokens; the windows to decode: emitted tokens, and all of them."""
         self.ids += token_ids
-        prefix_text = self.tokenizer.decode(self.ids[self.prefix:self.read])
-        full = self.tokenizer.decode(self.ids[self.prefix:])
+        return self.ids[self.prefix:self.read], self.ids[self.prefix:]
+
+    def _accept(self, prefix_text: str, full: str) -> str:
+        """The newly visible text, given the two windows of `_extend` decoded."""
         if full.endswith(REPLACEMENT) or len(full) < len(prefix_text):
             return ""  # wait for the rest of a split character
         new = full[len(prefix_text):]

@@ -361,8 +361,13 @@ class LLMEngine:
             raise EngineFatal(f"fetching a step's results failed: {err}") from err
         schedule, rows = launched.schedule, launched.rows
         outputs = self.scheduler.update(schedule, result.tokens.tolist())
-        return [self._delta(out.seq, out.new_token_ids, result, rows[out.seq.request_id])
-                for out in outputs]
+        # Every request's new token detokenized in one call (see IncrementalDetokenizer.add_batch).
+        one = [(i, self.requests[o.seq.request_id].detok) for i, o in enumerate(outputs)
+               if len(o.new_token_ids) <= 1 and self.requests[o.seq.request_id].detok is not None]
+        texts = dict(zip((i for i, _ in one), IncrementalDetokenizer.add_batch(
+            [(d, outputs[i].new_token_ids) for i, d in one]), strict=True))
+        return [self._delta(out.seq, out.new_token_ids, result, rows[out.seq.request_id], texts.get(i))
+                for i, out in enumerate(outputs)]
 
     def _sampling(self, schedule: Schedule) -> tuple[SamplingArrays, bool]:
         """Per-row sampling arrays, and whether any row needs the full sampler.
@@ -406,14 +411,18 @@ class LLMEngine:
                 return text, tokens[:i + 1]
         return text, tokens
 
-    def _delta(self, seq: Sequence, tokens: list[int], result: StepResult | None, row: int) -> RequestDelta:
+    def _delta(self, seq: Sequence, tokens: list[int], result: StepResult | None, row: int,
+               text: str | None = None) -> RequestDelta:
+        """`text`: the tokens already detokenized (by `_resolve`'s batch), if they were."""
         req = self.requests[seq.request_id]
-        text = ""
-        if req.detok is not None:
+        if req.detok is None:
+            text = ""
+        elif text is None:
             if len(tokens) > 1:  # a verification step's accepted run may hold a stop string
                 text, tokens = self._add_run(seq, req.detok, tokens)
             else:
                 text = req.detok.add(tokens)
+        if req.detok is not None:
             if req.detok.stopped_on is not None and not seq.is_finished:
                 self.scheduler.finish(seq, FinishReason.STOP, req.detok.stopped_on)
             if seq.is_finished:

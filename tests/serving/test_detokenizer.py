@@ -39,3 +39,21 @@ def test_flush_emits_an_incomplete_tail():
     assert d.add(TOK.encode("ok")[:1]) == "o"
     assert d.add(TOK.encode("é")[:1]) == ""  # first byte of a two-byte character
     assert d.flush() == "\ufffd"
+
+
+def test_add_batch_equals_add_per_request():
+    """The engine's batched path (one decode_batch call per step) gives each request the
+    pieces that `add` gives it alone: split characters, stop strings, a finished request."""
+    texts = ["a 世界 🙂 é!", "hello STOP world", "xx ab cd", "plain text", "🙂🙂"]
+    stops = [(), ("STOP",), ("cd", "b c"), ("zz",), ()]
+    ids = [TOK.encode(t) for t in texts]
+    alone = [stream(t, s)[0][:-1] for t, s in zip(texts, stops, strict=True)]
+    ds = [IncrementalDetokenizer(TOK, [1] + TOK.encode("prompt "), s) for s in stops]
+    batched: list[list[str]] = [[] for _ in texts]
+    for k in range(max(map(len, ids))):
+        live = [i for i in range(len(texts)) if k < len(ids[i])]
+        out = IncrementalDetokenizer.add_batch([(ds[i], [ids[i][k]]) for i in live])
+        for i, piece in zip(live, out, strict=True):
+            batched[i].append(piece)
+    assert batched == alone
+    assert [d.stopped_on for d in ds] == [None, "STOP", "b c", None, None]
