@@ -123,7 +123,11 @@ def paged_attention_decode(
     _check_kernel_shapes(k_pages)
     # Measured on H100 (docs/benchmarks.md): 32 KiB K + V tiles, no cp.async
     # pipelining (num_stages=1) so several programs share an SM, beat deeper stages.
-    tile = _fit(16384 // _row_bytes(k_pages), 16, 128)
+    # With fewer than ~4 programs per SM (batch x KV heads < 528) 16 KiB tiles do better
+    # (native-1b-parallel, batch 64, context 612: 55 us against 67 us per layer;
+    # benchmarks/paged_decode_sweep.py).
+    tile_bytes = 8192 if queries == 1 and b * k_pages.shape[0] < 4 * 132 else 16384
+    tile = _fit(tile_bytes // _row_bytes(k_pages), 16, 128)
     cfg = _tile_config(k_pages, page_table, window, softcap, scale, tile_tokens=tile)
     max_keys = page_table.shape[1] * cfg.page_size if window is None else window + queries - 1
     splits = default_splits(b, k_pages.shape[0], -(-max_keys // cfg.tile_tokens))
