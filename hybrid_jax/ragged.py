@@ -59,6 +59,7 @@ from pallas_kernels import (
     paged_attention_prefill,
     ssd_ragged,
     ssm_decode,
+    ssm_decode_packed,
     write_kv,
 )
 
@@ -174,8 +175,17 @@ def _mamba(layer: Mamba2Mixer, x: jax.Array, batch: RaggedBatch, st: Mamba2State
     cfg = layer.cfg
     if (q or (decode and FUSED_MAMBA_DECODE)) and mamba2_step_fits(cfg.head_dim, cfg.state_size):
         return _mamba_step(layer, x, batch, st, q)
-    z, xbc, dt = layer.project(x)
     w, bias = layer.conv_weight[...], layer.conv_bias_value()
+    if decode and not q:  # the kernels read the in_proj output in place: no slices, no dt/A glue
+        zxbcdt = layer.projection(x)
+        xbc, conv = conv1d_decode(zxbcdt, w, bias, st.conv, batch.slot_ids, activation="silu",
+                                  col0=cfg.d_inner)
+        y, ssm = ssm_decode_packed(
+            xbc, zxbcdt, layer.A_log[...], layer.D[...], layer.dt_bias[...], st.ssm, batch.slot_ids,
+            num_heads=cfg.num_heads, head_dim=cfg.head_dim, n_groups=cfg.n_groups,
+            dt_col0=cfg.d_inner + cfg.conv_dim, dt_limit=cfg.dt_limit)
+        return layer.output(y, zxbcdt[..., :cfg.d_inner], x.dtype), Mamba2State(conv, ssm)
+    z, xbc, dt = layer.project(x)
     if q:  # shapes the fused kernel does not take: q one-token steps
         A, D, dt_bias = layer.A(), layer.D[...], layer.dt_bias[...]
 
@@ -188,18 +198,12 @@ def _mamba(layer: Mamba2Mixer, x: jax.Array, batch: RaggedBatch, st: Mamba2State
 
         y, cands = _positions(q, step, (xbc, dt), (st.conv, st.ssm), batch.slot_ids)
         return layer.output(y, z, x.dtype), Mamba2State(*cands)
-    if decode:
-        xbc, conv = conv1d_decode(xbc, w, bias, st.conv, batch.slot_ids, activation="silu")
-    else:
-        xbc, conv = conv1d_ragged(xbc, w, bias, batch.cu_seqlens, st.conv, batch.slot_ids,
-                                         batch.has_initial, activation="silu")
+    xbc, conv = conv1d_ragged(xbc, w, bias, batch.cu_seqlens, st.conv, batch.slot_ids,
+                              batch.has_initial, activation="silu")
     xs, B, C = layer.split_xbc(xbc)
-    args = (xs, dt, layer.A(), B, C, layer.D[...], layer.dt_bias[...])
-    if decode:
-        y, ssm = ssm_decode(*args, st.ssm, batch.slot_ids, dt_limit=cfg.dt_limit)
-    else:
-        y, ssm = ssd_ragged(*args, batch.cu_seqlens, st.ssm, batch.slot_ids, batch.has_initial,
-                                dt_limit=cfg.dt_limit, chunk_size=cfg.chunk_size)
+    y, ssm = ssd_ragged(xs, dt, layer.A(), B, C, layer.D[...], layer.dt_bias[...], batch.cu_seqlens,
+                        st.ssm, batch.slot_ids, batch.has_initial, dt_limit=cfg.dt_limit,
+                        chunk_size=cfg.chunk_size)
     return layer.output(y, z, x.dtype), Mamba2State(conv, ssm)
 
 

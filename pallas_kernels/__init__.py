@@ -29,7 +29,7 @@ from pallas_kernels.paged_attention_ref import (
     paged_attention_prefill_reference,
 )
 from pallas_kernels.ssd import ssd_ragged, ssd_ragged_reference
-from pallas_kernels.ssm_decode import ssm_decode, ssm_decode_reference
+from pallas_kernels.ssm_decode import ssm_decode, ssm_decode_packed, ssm_decode_reference
 
 __all__ = [
     "IMPLS",
@@ -54,6 +54,7 @@ __all__ = [
     "ssd_ragged",
     "ssd_ragged_reference",
     "ssm_decode",
+    "ssm_decode_packed",
     "ssm_decode_reference",
     "write_kv",
 ]

@@ -18,6 +18,7 @@ slots are allocated (slot 0 is the dummy for padding).
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -69,16 +70,26 @@ def conv1d_ragged(x, weight, bias, cu_seqlens, conv_states, slot_ids, has_initia
 
 
 def conv1d_decode(x, weight, bias, conv_states, slot_ids, *, activation="silu",
-                  impl: Impl | None = None):
-    """One token per sequence: x [b, c]; returns (y [b, c], conv_states rolled by one)."""
+                  impl: Impl | None = None, col0: int = 0):
+    """One token per sequence: x [b, c]; returns (y [b, c], conv_states rolled by one).
+
+    `col0`: x may be wider than c, its channels then being columns [col0, col0 + c)
+    (e.g. the xBC part of a Mamba2 in_proj output, read in place: no slice copy).
+    """
     impl = resolve_impl(impl)
-    _check(x, weight, bias, conv_states, activation)
-    bias = jnp.zeros((x.shape[1],), jnp.float32) if bias is None else bias
+    c = weight.shape[0] if weight.ndim == 2 else -1
+    if x.ndim == 2 and (col0 or x.shape[1] != c):
+        if not 0 <= col0 <= x.shape[1] - c:
+            raise ValueError(f"{col0=}: columns [{col0}, {col0 + c}) outside x of width {x.shape[1]}")
+        if impl == "reference":
+            x, col0 = x[:, col0:col0 + c], 0
+    _check(x[:, :c] if x.ndim == 2 else x, weight, bias, conv_states, activation)
     if impl == "reference":
+        bias = jnp.zeros((c,), jnp.float32) if bias is None else bias
         return conv1d_decode_reference(x, weight, bias, conv_states, slot_ids,
                                        activation=activation)
     return _decode_pallas(x, weight, bias, conv_states, slot_ids.astype(jnp.int32),
-                          activation=activation, impl=impl)
+                          activation=activation, impl=impl, col0=col0)
 
 
 @functools.partial(jax.jit, static_argnames=("activation", "impl"))
@@ -188,32 +199,36 @@ def _ragged_pallas(x, weight, bias, cu, conv_states, slot_ids, has_initial, *, a
     return y, flat.reshape(conv_states.shape)
 
 
-def _conv_decode_kernel(slot_ref, x_ref, w_ref, bias_ref, st_ref, y_ref, st_out, *, k, cb,
-                        activation):
+def _conv_decode_kernel(slot_ref, x_ref, w_ref, *refs, k, cb, col0, activation, has_bias):
+    # The weight [c, k] and bias [c] come in their stored dtype and layout: converting
+    # them in XLA would be two more kernels per layer and step.
+    bias_ref, st_ref, y_ref, st_out = refs if has_bias else (None, *refs)
     s, ci = pl.program_id(0), pl.program_id(1)
     cols = pl.ds(ci * cb, cb)
     slot = slot_ref[s]
     window = [st_ref[slot * (k - 1) + i, cols].astype(jnp.float32) for i in range(k - 1)]
-    window.append(x_ref[s, cols].astype(jnp.float32))
-    acc = bias_ref[cols]
+    window.append(x_ref[s, pl.ds(col0 + ci * cb, cb)].astype(jnp.float32))
+    acc = bias_ref[cols].astype(jnp.float32) if has_bias else jnp.zeros((cb,), jnp.float32)
     for j in range(k):
-        acc = acc + w_ref[j, cols] * window[j]
+        acc = acc + w_ref[cols, j].astype(jnp.float32) * window[j]
     y_ref[s, cols] = _act(acc, activation).astype(y_ref.dtype)
     for i in range(k - 1):
         st_out[slot * (k - 1) + i, cols] = window[i + 1].astype(st_out.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("activation", "impl"))
-def _decode_pallas(x, weight, bias, conv_states, slot_ids, *, activation, impl):
-    b, c = x.shape
-    k = weight.shape[1]
-    cb = channel_block(c)
+@functools.partial(jax.jit, static_argnames=("activation", "impl", "col0"))
+def _decode_pallas(x, weight, bias, conv_states, slot_ids, *, activation, impl, col0=0):
+    b = x.shape[0]
+    c, k = weight.shape
+    cb = channel_block(math.gcd(c, col0) if col0 else c)  # blocks aligned to col0 too
     flat = conv_states.reshape(-1, c)
+    args = (slot_ids, x, weight) + ((bias,) if bias is not None else ()) + (flat,)
     y, flat = launch(
-        functools.partial(_conv_decode_kernel, k=k, cb=cb, activation=activation),
+        functools.partial(_conv_decode_kernel, k=k, cb=cb, col0=col0, activation=activation,
+                          has_bias=bias is not None),
         impl=impl, grid=(b, c // cb),
-        out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype),
+        out_shape=[jax.ShapeDtypeStruct((b, c), x.dtype),
                    jax.ShapeDtypeStruct(flat.shape, flat.dtype)],
-        aliases={4: 1}, name="conv1d_decode",
-    )(slot_ids, x, weight.astype(jnp.float32).T, bias.astype(jnp.float32), flat)
+        aliases={len(args) - 1: 1}, name="conv1d_decode",
+    )(*args)
     return y, flat.reshape(conv_states.shape)

@@ -37,6 +37,10 @@ DECODE_TUNING = {
 }
 
 
+# `_decode_body`'s packed layout: (head_dim, h * head_dim, g * n, n, dt_col0, dt_limit).
+Packed = tuple[int, int, int, int, int, tuple[float, float]]
+
+
 def ssm_decode(
     x, dt, A, B, C, D, dt_bias, states, slot_ids, *,
     z=None, dt_limit=(0.0, float("inf")), impl: Impl | None = None,
@@ -92,17 +96,22 @@ def ssm_decode_reference(
 
 
 def _decode_body(*refs, hpg: int, bp: int, hb: int, loops: int, order: str,
-                 evict: str | None, gated: bool):
+                 evict: str | None, gated: bool, packed: Packed | None = None):
     """One program: heads [h0, h0 + hb) x rows [pb * loops * bp, + loops * bp) of one sequence.
 
     order "shp": grid (b, h / hb, p / rows), the sequence varies fastest across programs;
     "phs": grid (p / rows, h / hb, b), consecutive programs walk one slot's contiguous state.
     loops > 1 walks the rows in `loops` blocks of bp with a fori_loop (Triton may pipeline).
+    `packed` (hb = 1): x, B and C are read from one activated xBC row [b, conv_dim], the raw
+    dt from columns of the in_proj output, dt's softplus and A = -exp(A_log) are computed
+    here (see `ssm_decode_packed`).
     """
     if gated:
         slot_ref, dt_ref, a_ref, d_ref, x_ref, b_ref, c_ref, st_ref, z_ref, y_ref, st_out = refs
-    else:
+    elif packed is None:
         slot_ref, dt_ref, a_ref, d_ref, x_ref, b_ref, c_ref, st_ref, y_ref, st_out = refs
+    else:
+        slot_ref, dt_ref, a_ref, d_ref, bias_ref, x_ref, st_ref, y_ref, st_out = refs
     if order == "shp":
         s, hp, pb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     else:
@@ -113,11 +122,20 @@ def _decode_body(*refs, hpg: int, bp: int, hb: int, loops: int, order: str,
     g = h0 // hpg  # hb divides hpg: every head of the program reads one group
     f32 = jnp.float32
     # Per-program values, read once: dt, decay, D per head; the group's B and C.
-    dt = dt_ref[s, heads]  # [hb]
-    decay = jnp.exp(dt * a_ref[heads])[:, None, None]
+    if packed is None:
+        dt = dt_ref[s, heads]  # [hb]
+        decay = jnp.exp(dt * a_ref[heads])[:, None, None]
+        bv = b_ref[s, g, :].astype(f32)[None, None, :]  # [1, 1, n]
+        cv = c_ref[s, g, :].astype(f32)[None, None, :]
+    else:
+        head_dim, width, gn, n, dt_col0, (lo, hi) = packed
+        v = dt_ref[s, pl.ds(dt_col0 + h0, hb)].astype(f32) + bias_ref[heads].astype(f32)
+        dt = jnp.maximum(v, 0.0) + jnp.log(1.0 + jnp.exp(-jnp.abs(v)))  # softplus
+        dt = jnp.minimum(jnp.maximum(dt, lo), hi)
+        decay = jnp.exp(-dt * jnp.exp(a_ref[heads].astype(f32)))[:, None, None]
+        bv = x_ref[s, pl.ds(width + g * n, n)].astype(f32)[None, None, :]
+        cv = x_ref[s, pl.ds(width + gn + g * n, n)].astype(f32)[None, None, :]
     dv = d_ref[heads][:, None]
-    bv = b_ref[s, g, :].astype(f32)[None, None, :]  # [1, 1, n]
-    cv = c_ref[s, g, :].astype(f32)[None, None, :]
 
     def step(i, carry):
         rows = pl.ds((pb * loops + i) * bp, bp)
@@ -126,7 +144,11 @@ def _decode_body(*refs, hpg: int, bp: int, hb: int, loops: int, order: str,
         else:
             state = plgpu.load(st_ref.at[slot, heads, rows, :], eviction_policy=evict)
         state = state.astype(f32)  # [hb, bp, n]
-        x = x_ref[s, heads, rows].astype(f32)  # [hb, bp]
+        if packed is None:
+            x = x_ref[s, heads, rows].astype(f32)  # [hb, bp]
+        else:
+            start = h0 * head_dim + (pb * loops + i) * bp
+            x = x_ref[s, pl.ds(start, bp)].astype(f32)[None, :]  # [1, bp]
         state = decay * state + (dt[:, None] * x)[:, :, None] * bv
         y = jnp.sum(state * cv, axis=2) + dv * x
         if gated:
@@ -174,3 +196,58 @@ def _decode_pallas(x, dte, A, B, C, D, states, slot_ids, z, *, impl, block_p, nu
         num_warps=num_warps, num_stages=num_stages, name="ssm_decode",
     )
     return call(*args)
+
+
+def ssm_decode_packed(
+    xbc, zxbcdt, A_log, D, dt_bias, states, slot_ids, *, num_heads: int, head_dim: int,
+    n_groups: int, dt_col0: int, dt_limit=(0.0, float("inf")), impl: Impl | None = None,
+):
+    """`ssm_decode` reading its inputs where a Mamba2 layer has them, with no XLA glue.
+
+    xbc [b, h * p + 2 * g * n]: the activated conv output (x, then B, then C);
+    zxbcdt [b, >= dt_col0 + h]: the in_proj output, the raw dt in columns
+    [dt_col0, dt_col0 + h); A_log [h] (A = -exp(A_log)); D, dt_bias [h]; states
+    [num_slots, h, p, n]. Returns (y [b, h, p] in xbc.dtype, states updated), equal to
+    `ssm_decode` on the split, activated inputs: the slices, dt's softplus and A are
+    computed inside the kernel instead of by four to six small XLA kernels per layer.
+    """
+    impl = resolve_impl(impl)
+    b = xbc.shape[0]
+    h, p = num_heads, head_dim
+    gn = (xbc.shape[1] - h * p) // 2
+    if xbc.ndim != 2 or gn <= 0 or xbc.shape[1] != h * p + 2 * gn or gn % n_groups:
+        raise ValueError(f"{xbc.shape=} must be [b, {h}*{p} + 2*g*n] with g={n_groups}")
+    n = gn // n_groups
+    if zxbcdt.ndim != 2 or zxbcdt.shape[0] != b or zxbcdt.shape[1] < dt_col0 + h:
+        raise ValueError(f"{zxbcdt.shape=} must be [{b}, >= {dt_col0 + h}] (dt columns from {dt_col0=})")
+    if impl == "reference" or not (is_pow2(p) and is_pow2(n)):
+        x = xbc[:, :h * p].reshape(b, h, p)
+        B = xbc[:, h * p:h * p + gn].reshape(b, n_groups, n)
+        C = xbc[:, h * p + gn:].reshape(b, n_groups, n)
+        A = -jnp.exp(A_log.astype(jnp.float32))
+        return ssm_decode(x, zxbcdt[:, dt_col0:dt_col0 + h], A, B, C, D, dt_bias, states, slot_ids,
+                          dt_limit=dt_limit, impl=impl)
+    tuning = dict(DECODE_TUNING[jnp.dtype(states.dtype).name])
+    tuning["block_p"] = channel_block(p, tuning["block_p"])
+    packed = (p, h * p, gn, n, dt_col0, tuple(map(float, dt_limit)))
+    return _decode_packed_pallas(xbc, zxbcdt, A_log, D, dt_bias, states, slot_ids.astype(jnp.int32),
+                                 impl=impl, packed=packed, **tuning)
+
+
+@functools.partial(jax.jit, static_argnames=("impl", "packed", "block_p", "num_warps", "order", "evict"))
+def _decode_packed_pallas(xbc, zxbcdt, A_log, D, dt_bias, states, slot_ids, *, impl, packed,
+                          block_p, num_warps, order="shp", evict=None):
+    b = xbc.shape[0]
+    h, p, n = states.shape[1], states.shape[2], states.shape[3]
+    hpg = h // (packed[2] // n)
+    kernel = functools.partial(_decode_body, hpg=hpg, bp=block_p, hb=1, loops=1, order=order,
+                               evict=evict, gated=False, packed=packed)
+    nblk = p // block_p
+    grid = (b, h, nblk) if order == "shp" else (nblk, h, b)
+    call = launch(
+        kernel, impl=impl, grid=grid,
+        out_shape=[jax.ShapeDtypeStruct((b, h, p), xbc.dtype),
+                   jax.ShapeDtypeStruct(states.shape, states.dtype)],
+        aliases={6: 1}, num_warps=num_warps, name="ssm_decode",
+    )
+    return call(slot_ids, zxbcdt, A_log, D.astype(jnp.float32), dt_bias, xbc, states)

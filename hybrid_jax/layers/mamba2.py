@@ -52,12 +52,16 @@ class Mamba2Mixer(nnx.Module):
     def project(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """x [..., d] -> z [..., d_inner], xBC [..., conv_dim], raw dt [..., h]."""
         cfg = self.cfg
+        z, xbc, dt = jnp.split(self.projection(x), [cfg.d_inner, cfg.d_inner + cfg.conv_dim], axis=-1)
+        return z, xbc, dt
+
+    def projection(self, x: jax.Array) -> jax.Array:
+        """x [..., d] -> the unsplit in_proj output [..., d_inner + conv_dim + h] (z, xBC, dt)."""
         zxbcdt = self.in_proj(x)
         mup = self._mup_vector()
         if mup is not None:
             zxbcdt = (zxbcdt * mup).astype(zxbcdt.dtype)
-        z, xbc, dt = jnp.split(zxbcdt, [cfg.d_inner, cfg.d_inner + cfg.conv_dim], axis=-1)
-        return z, xbc, dt
+        return zxbcdt
 
     def split_xbc(self, xbc: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Activated xBC [..., conv_dim] -> x [..., h, p], B and C [..., g, n]."""
