@@ -221,11 +221,12 @@ def _skinny_body(x_ref, w_ref, y_ref, *, bm: int, bn: int, bk: int, chunks: int)
     if row_ok is None and col_ok is None:
         out[...] = acc.astype(y_ref.dtype)
         return
-    ok = jnp.ones((bm, bn), jnp.bool_)
-    if row_ok is not None:
-        ok = ok & row_ok[:, None]
-    if col_ok is not None:
-        ok = ok & col_ok[None, :]
+    if row_ok is not None and col_ok is not None:
+        ok = row_ok[:, None] & col_ok[None, :]
+    elif row_ok is not None:
+        ok = jnp.broadcast_to(row_ok[:, None], (bm, bn))
+    else:
+        ok = jnp.broadcast_to(col_ok[None, :], (bm, bn))
     plgpu.store(out, acc.astype(y_ref.dtype), mask=ok)
 
 

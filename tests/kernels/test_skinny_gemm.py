@@ -68,6 +68,7 @@ def test_matches_float64(impl, m, k, n, dtype, x_dtype):
     (8, BF16, _config(16, 16, 1)),  # many column blocks, many chunks per program
     (13, F32, _config(32, 32, 2)),  # split K, masked rows, masked last column block
     (1, BF16, _config(64, 16, 8)),  # split K down to one chunk per program
+    (64, F32, _config(32, 64, 2)),  # no masks at all
 ])
 def test_configs_match_float64(m, dtype, config):
     k, n = 128, 96
