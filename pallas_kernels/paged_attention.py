@@ -123,10 +123,12 @@ def paged_attention_decode(
     _check_kernel_shapes(k_pages)
     # Measured on H100 (docs/benchmarks.md): 32 KiB K + V tiles, no cp.async
     # pipelining (num_stages=1) so several programs share an SM, beat deeper stages.
-    # With fewer than ~4 programs per SM (batch x KV heads < 528) 16 KiB tiles do better
-    # (native-1b-parallel, batch 64, context 612: 55 us against 67 us per layer;
-    # benchmarks/paged_decode_sweep.py).
-    tile_bytes = 8192 if queries == 1 and b * k_pages.shape[0] < 4 * 132 else 16384
+    # With one to four programs per SM (132 <= batch x KV heads < 528) 16 KiB tiles do
+    # better (native-1b-parallel, batch 64, context 612: 55 us against 67 us per layer;
+    # benchmarks/paged_decode_sweep.py); with fewer, splits fill the GPU and they do not
+    # (batch 8, in the step: 0.58 ms against 0.52 ms).
+    programs = b * k_pages.shape[0]
+    tile_bytes = 8192 if queries == 1 and 132 <= programs < 4 * 132 else 16384
     tile = _fit(tile_bytes // _row_bytes(k_pages), 16, 128)
     cfg = _tile_config(k_pages, page_table, window, softcap, scale, tile_tokens=tile)
     max_keys = page_table.shape[1] * cfg.page_size if window is None else window + queries - 1

@@ -7,10 +7,16 @@ with a mesh axis name: a row-parallel Linear sums its partial products over the 
 (`gather_axis`), a vocabulary-parallel Embed looks up its own rows and sums
 (`shard_axis`). Unmarked (the default) they are plain single-device layers.
 
-On a GPU, a Linear whose input has few rows (decode: rows = the decode batch) runs the
+On a GPU, a Linear whose input has few rows (decode: rows = the decode batch) can run the
 Pallas skinny GEMM (pallas_kernels/skinny_gemm.py): cuBLAS streams bf16 weights at
 ~55-60% of HBM bandwidth at those sizes, and XLA's own Triton GEMMs, though faster per
 kernel, are disabled in the step executables (the CUDA graph idles ~9 us before each).
+It is OFF by default (HYBRID_JAX_SKINNY_GEMM_MAX_ROWS=0): in the engine's step the
+weights are slices of one flat parameter buffer, and XLA copies each slice into its own
+buffer before a custom call (216 device copies per step for native-1b-parallel), which
+costs more than the kernel saves (H100, batch 64: GEMM kernels 1.29 ms against cuBLAS's
+1.76 ms, compiled step 6.55 ms against 4.85 ms; docs/benchmarks.md). Reading the weights
+in place from the flat buffer would make it pay.
 The switch is static (shapes are known at trace time) and local to the matmul: under
 tensor parallelism the psum / all_gather that follow are unchanged.
 """
@@ -29,7 +35,7 @@ from pallas_kernels.skinny_gemm import skinny_fits, skinny_matmul
 
 
 def _max_rows_from_env() -> int:
-    text = os.environ.get("HYBRID_JAX_SKINNY_GEMM_MAX_ROWS", "256")
+    text = os.environ.get("HYBRID_JAX_SKINNY_GEMM_MAX_ROWS", "0")
     try:
         rows = int(text)
     except ValueError:
@@ -40,7 +46,8 @@ def _max_rows_from_env() -> int:
 
 
 # Inputs with at most this many rows (all leading axes flattened) take the skinny GEMM on
-# a GPU; 0 turns it off. The kernel itself takes at most 256 rows.
+# a GPU; 0 (the default, see the module docstring) turns it off. The kernel itself takes
+# at most 256 rows.
 SKINNY_GEMM_MAX_ROWS = _max_rows_from_env()
 # None: the skinny GEMM on GPU backends only, with the process-wide kernel impl. Tests set
 # "interpret" to run it (interpret mode) on any backend.

@@ -81,8 +81,9 @@ def test_configs_match_float64(m, dtype, config):
 def test_gradients_are_the_reference_gradients():
     x, w = _case(5, 13, 64, 48, F32)
     loss = lambda f: lambda a, b: jnp.sum(jnp.sin(f(a, b)))
-    got = jax.grad(loss(lambda a, b: skinny_matmul(a, b, impl=KERNEL_IMPL)), (0, 1))(x, w)
-    want = jax.grad(loss(skinny_matmul_reference), (0, 1))(x, w)
+    with jax.default_matmul_precision("float32"):  # the reference's dots: not TF32 on GPUs
+        got = jax.grad(loss(lambda a, b: skinny_matmul(a, b, impl=KERNEL_IMPL)), (0, 1))(x, w)
+        want = jax.grad(loss(skinny_matmul_reference), (0, 1))(x, w)
     for g, r in zip(got, want, strict=True):
         np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-5, atol=1e-5)
 

@@ -71,6 +71,7 @@ def test_skinny_path_matches_plain_forward(monkeypatch):
 def test_row_limit_and_dtype_gate(monkeypatch):
     calls = _counting(monkeypatch)
     monkeypatch.setattr(linear, "SKINNY_GEMM_IMPL", KERNEL_IMPL)
+    monkeypatch.setattr(linear, "SKINNY_GEMM_MAX_ROWS", 256)  # the default is off
     w = jnp.ones((32, 16), jnp.bfloat16)
     x = jnp.ones((2, 5, 32), jnp.bfloat16)  # 10 rows
     assert linear.matmul(x, w).shape == (2, 5, 16) and len(calls) == 1
@@ -87,7 +88,7 @@ def test_max_rows_from_environment(monkeypatch):
     monkeypatch.setenv("HYBRID_JAX_SKINNY_GEMM_MAX_ROWS", "64")
     assert linear._max_rows_from_env() == 64
     monkeypatch.delenv("HYBRID_JAX_SKINNY_GEMM_MAX_ROWS")
-    assert linear._max_rows_from_env() == 256
+    assert linear._max_rows_from_env() == 0  # off by default (see linear.py)
     for bad in ("-1", "lots"):
         monkeypatch.setenv("HYBRID_JAX_SKINNY_GEMM_MAX_ROWS", bad)
         with pytest.raises(ValueError, match="HYBRID_JAX_SKINNY_GEMM_MAX_ROWS"):
