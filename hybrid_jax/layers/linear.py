@@ -13,10 +13,9 @@ Pallas skinny GEMM (pallas_kernels/skinny_gemm.py): cuBLAS streams bf16 weights 
 kernel, are disabled in the step executables (the CUDA graph idles ~9 us before each).
 It is OFF by default (HYBRID_JAX_SKINNY_GEMM_MAX_ROWS=0): in the engine's step the
 weights are slices of one flat parameter buffer, and XLA copies each slice into its own
-buffer before a custom call (216 device copies per step for native-1b-parallel), which
-costs more than the kernel saves (H100, batch 64: GEMM kernels 1.29 ms against cuBLAS's
-1.76 ms, compiled step 6.55 ms against 4.85 ms; docs/benchmarks.md). Reading the weights
-in place from the flat buffer would make it pay.
+buffer before a custom call (216 device copies per step for native-1b-parallel:
+compiled step 6.55 ms against 4.85 ms at batch 64 on the H100), and read in place from
+HBM the kernel is no faster than cuBLAS at these shapes (docs/kernels.md).
 The switch is static (shapes are known at trace time) and local to the matmul: under
 tensor parallelism the psum / all_gather that follow are unchanged.
 """
