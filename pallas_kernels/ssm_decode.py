@@ -220,6 +220,10 @@ def ssm_decode_packed(
     n = gn // n_groups
     if zxbcdt.ndim != 2 or zxbcdt.shape[0] != b or zxbcdt.shape[1] < dt_col0 + h:
         raise ValueError(f"{zxbcdt.shape=} must be [{b}, >= {dt_col0 + h}] (dt columns from {dt_col0=})")
+    # The split views' shapes, checked as `ssm_decode` checks its arguments.
+    view = lambda *shape: jax.ShapeDtypeStruct(shape, xbc.dtype)  # noqa: E731
+    check_mamba_args(view(b, h, p), view(b, h), A_log, view(b, n_groups, n), view(b, n_groups, n), D,
+                     dt_bias, states, slot_ids, None, dt_limit)
     if impl == "reference" or not (is_pow2(p) and is_pow2(n)):
         x = xbc[:, :h * p].reshape(b, h, p)
         B = xbc[:, h * p:h * p + gn].reshape(b, n_groups, n)

@@ -135,3 +135,18 @@ def test_packed_decode_lowers_to_triton():
                                              impl="pallas"))
     text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("__gpu$xla.gpu.triton") == 1
+
+
+def test_packed_decode_rejects_bad_shapes():
+    z = lambda *s: jnp.zeros(s)  # noqa: E731
+    args = dict(num_heads=4, head_dim=32, n_groups=1, impl=KERNEL_IMPL)
+    slots = jnp.zeros((2,), jnp.int32)
+    with pytest.raises(ValueError, match="states.shape"):
+        ssm_decode_packed(z(2, 4 * 32 + 2 * 16), z(2, 70), z(4), z(4), z(4), z(3, 4, 32, 8), slots,
+                          dt_col0=60, **args)
+    with pytest.raises(ValueError, match="zxbcdt"):
+        ssm_decode_packed(z(2, 4 * 32 + 2 * 16), z(2, 70), z(4), z(4), z(4), z(3, 4, 32, 16), slots,
+                          dt_col0=68, **args)
+    with pytest.raises(ValueError, match="xbc.shape"):
+        ssm_decode_packed(z(2, 4 * 32 + 2 * 16 + 1), z(2, 70), z(4), z(4), z(4), z(3, 4, 32, 16), slots,
+                          dt_col0=60, **args)
