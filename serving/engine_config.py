@@ -225,9 +225,6 @@ def plan_pools(model: ModelConfig, cfg: EngineConfig, *, free_bytes: int | None,
     else:
         budget = cfg.memory_fraction * ((free_bytes or CPU_MEMORY_BYTES) - weight_bytes)
         budget -= ckpts * ckpt_bytes
-        if spare and budget - spare * slot_bytes < one_seq:
-            spare = 0  # memory first goes to a sequence of max_model_len
-        budget -= spare * slot_bytes
         # Speculative verification keeps the state after each of q positions for every
         # verified sequence until the acceptance is known (candidates, inside the step).
         spec_bytes = cfg.spec_q * cfg.spec_max_seqs * ckpt_bytes
@@ -258,6 +255,10 @@ def plan_pools(model: ModelConfig, cfg: EngineConfig, *, free_bytes: int | None,
                 f"pages and state{per_device(cfg)}, but the budget is {max(budget, 0) / 2**20:.1f} "
                 f"MiB: lower max_model_len or max_prefill_chunk, or raise memory_fraction"
                 f"{' or tensor_parallel_size' if cfg.tensor_parallel_size > 1 else ''}")
+        # Spare slots only from memory that max_num_seqs sequences do not need.
+        if spare and (budget - spare * slot_bytes - extra_bytes) // per_seq < max_seqs:
+            spare = 0
+        budget -= spare * slot_bytes
         fit = max(1, int((budget - extra_bytes) // per_seq))
         if fit < max_seqs:
             log.warning("max_num_seqs=%d lowered to %d: that many sequences fit the memory budget",

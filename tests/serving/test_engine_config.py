@@ -40,11 +40,17 @@ def test_spare_slots_up_to_min_slots_within_the_budget():
     eight = EngineConfig(max_num_seqs=8, max_model_len=256, memory_fraction=0.5)
     assert plan_pools(MODEL, eight, free_bytes=1 << 30, weight_bytes=1 << 20, dtype=jnp.float32,
                       min_slots=9).scheduler.num_slots == 9
-    # A budget that holds one sequence but not the spare slots: no spare slots.
+    # A budget that holds max_num_seqs sequences but not the spare slots too: none are
+    # added, and max_num_seqs is not lowered for them.
     one = base.kv_bytes + base.state_bytes
     tight = plan_pools(MODEL, cfg, free_bytes=(1 << 20) + int(one / 0.5) + 64, weight_bytes=1 << 20,
                        dtype=jnp.float32, min_slots=64)
-    assert tight.scheduler.num_slots == 2
+    assert tight.scheduler.num_slots == 2 and tight.scheduler.max_num_seqs == 1
+    four = EngineConfig(max_num_seqs=4, max_model_len=256, memory_fraction=0.5)
+    need = plan(four, free=1 << 30)
+    snug = plan_pools(MODEL, four, free_bytes=(1 << 20) + int((need.kv_bytes + need.state_bytes) / 0.5) + 64,
+                      weight_bytes=1 << 20, dtype=jnp.float32, min_slots=9)
+    assert snug.scheduler.max_num_seqs == 4 and snug.scheduler.num_slots == 5
 
 
 def test_config_that_cannot_fit_one_sequence_is_refused():
