@@ -70,7 +70,7 @@ def conv1d_ragged(x, weight, bias, cu_seqlens, conv_states, slot_ids, has_initia
 
 
 def conv1d_decode(x, weight, bias, conv_states, slot_ids, *, activation="silu",
-                  impl: Impl | None = None, col0: int = 0):
+                  impl: Impl | None = None, col0: int | None = None):
     """One token per sequence: x [b, c]; returns (y [b, c], conv_states rolled by one).
 
     `col0`: x may be wider than c, its channels then being columns [col0, col0 + c)
@@ -78,18 +78,18 @@ def conv1d_decode(x, weight, bias, conv_states, slot_ids, *, activation="silu",
     """
     impl = resolve_impl(impl)
     c = weight.shape[0] if weight.ndim == 2 else -1
-    if x.ndim == 2 and (col0 or x.shape[1] != c):
+    if col0 is not None and x.ndim == 2:
         if not 0 <= col0 <= x.shape[1] - c:
             raise ValueError(f"{col0=}: columns [{col0}, {col0 + c}) outside x of width {x.shape[1]}")
-        if impl == "reference":
-            x, col0 = x[:, col0:col0 + c], 0
-    _check(x[:, :c] if x.ndim == 2 else x, weight, bias, conv_states, activation)
+        if impl == "reference" or x.shape[1] == c:
+            x, col0 = x[:, col0:col0 + c], None
+    _check(x if col0 is None or x.ndim != 2 else x[:, col0:col0 + c], weight, bias, conv_states, activation)
     if impl == "reference":
         bias = jnp.zeros((c,), jnp.float32) if bias is None else bias
         return conv1d_decode_reference(x, weight, bias, conv_states, slot_ids,
                                        activation=activation)
     return _decode_pallas(x, weight, bias, conv_states, slot_ids.astype(jnp.int32),
-                          activation=activation, impl=impl, col0=col0)
+                          activation=activation, impl=impl, col0=col0 or 0)
 
 
 @functools.partial(jax.jit, static_argnames=("activation", "impl"))

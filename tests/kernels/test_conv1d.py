@@ -128,6 +128,9 @@ def test_conv_decode_reads_columns_of_a_wider_input(impl, with_bias):
     with pytest.raises(ValueError, match="col0"):
         conv1d_decode(jnp.asarray(wide), w, bias, jnp.asarray(states), jnp.asarray(slots),
                       activation="silu", impl=impl, col0=col0 + 25)
+    with pytest.raises(ValueError, match="weight.shape"):  # wider x without col0: a mismatch
+        conv1d_decode(jnp.asarray(wide), w, bias, jnp.asarray(states), jnp.asarray(slots),
+                      activation="silu", impl=impl)
 
 
 def test_conv_decode_lowers_to_triton():
