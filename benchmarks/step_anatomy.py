@@ -54,8 +54,9 @@ def floor_bytes(engine: LLMEngine, batch: int, context: int) -> dict[str, int]:
     return {"weights": weights, "kv": kv, "state": state, "total": weights + kv + state}
 
 
-def trace_kernels(fn, n: int, keep: int = 150) -> tuple[float, float, list[tuple[str, float, int]]]:
-    """Run fn() n times under the profiler: (kernel ms per step, kernels per step, top kernels)."""
+def trace_kernels(fn, n: int, keep: int = 150) -> tuple[float, float, list[tuple[str, float, int]], dict]:
+    """Run fn() n times under the profiler: (kernel ms per step, kernels per step, top kernels,
+    idle time between them: `idle_gaps`)."""
     d = tempfile.mkdtemp()
     fn()
     jax.block_until_ready(fn())
@@ -75,12 +76,7 @@ def trace_kernels(fn, n: int, keep: int = 150) -> tuple[float, float, list[tuple
         count += 1
         by_name[ev.name[:80]].append(ev.duration_ns)
     top = sorted(((k, sum(v) / 1e6 / n, len(v) // n) for k, v in by_name.items()), key=lambda r: -r[1])
-    GAPS.clear()
-    GAPS.update(idle_gaps(spans, n))
-    return total / 1e6 / n, count / n, (top[:keep] if keep else top)
-
-
-GAPS: dict[str, object] = {}
+    return total / 1e6 / n, count / n, (top[:keep] if keep else top), idle_gaps(spans, n)
 
 
 def _kind(name: str) -> str:
@@ -233,8 +229,7 @@ def run(a: argparse.Namespace) -> dict:
     assert all(ran), f"a measured step was not a full-batch decode: {ran} {engine.stats()}"
     engine_gaps = None
     if a.trace_engine:  # the engine loop's own GPU timeline (idle between kernels and steps)
-        trace_kernels(engine.step, 10, 0)
-        engine_gaps = dict(GAPS)
+        engine_gaps = trace_kernels(engine.step, 10, 0)[3]
         print("engine loop gaps:", json.dumps(engine_gaps)[:2000])
     # The compiled decode executable alone, every input on the device.
     r = engine.runner
@@ -278,7 +273,7 @@ def run(a: argparse.Namespace) -> dict:
         with open(a.dump, "w") as f:
             f.write(text)
     print("hlo:", json.dumps(hlo))
-    kernel_ms, kernels, top = trace_kernels(call, 10, a.top)
+    kernel_ms, kernels, top, gaps = trace_kernels(call, 10, a.top)
     r.caches, r.stats, r.last_tokens = state["caches"], state["stats"], state["last"]
     bw = copy_bandwidth()
     context = a.prompt_len + a.steps // 2
@@ -293,7 +288,7 @@ def run(a: argparse.Namespace) -> dict:
         "floor_bytes": fb, "floor_ms": 1e3 * fb["total"] / bw, "top_kernels": top,
         "xla_flags": os.environ.get("XLA_FLAGS", ""), "hlo": hlo,
         "host_ms_per_step": {k: 1e3 * v / a.steps for k, v in host.items()},
-        "gaps": dict(GAPS), "engine_gaps": engine_gaps, "fused_mamba_decode": a.fused_mamba_decode,
+        "gaps": gaps, "engine_gaps": engine_gaps, "fused_mamba_decode": a.fused_mamba_decode,
     }
     res["engine_over_floor"] = res["engine_ms"] / res["floor_ms"]
     return res

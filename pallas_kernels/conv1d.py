@@ -83,7 +83,9 @@ def conv1d_decode(x, weight, bias, conv_states, slot_ids, *, activation="silu",
             raise ValueError(f"{col0=}: columns [{col0}, {col0 + c}) outside x of width {x.shape[1]}")
         if impl == "reference" or x.shape[1] == c:
             x, col0 = x[:, col0:col0 + c], None
-    _check(x if col0 is None or x.ndim != 2 else x[:, col0:col0 + c], weight, bias, conv_states, activation)
+    # Checked as the [b, c] view it reads (a shape only: no slice in the traced graph).
+    view = x if col0 is None or x.ndim != 2 else jax.ShapeDtypeStruct((x.shape[0], c), x.dtype)
+    _check(view, weight, bias, conv_states, activation)
     if impl == "reference":
         bias = jnp.zeros((c,), jnp.float32) if bias is None else bias
         return conv1d_decode_reference(x, weight, bias, conv_states, slot_ids,

@@ -25,7 +25,7 @@ from pallas_kernels.paged_attention_ref import (
     paged_attention_decode_reference,
     paged_attention_prefill_reference,
 )
-from pallas_kernels.paged_decode import decode_pallas, default_splits
+from pallas_kernels.paged_decode import NUM_SMS, decode_pallas, default_splits
 from pallas_kernels.paged_prefill import prefill_pallas
 from pallas_kernels.paged_tiles import TileConfig
 
@@ -128,7 +128,7 @@ def paged_attention_decode(
     # benchmarks/paged_decode_sweep.py); with fewer, splits fill the GPU and they do not
     # (batch 8, in the step: 0.58 ms against 0.52 ms).
     programs = b * k_pages.shape[0]
-    tile_bytes = 8192 if queries == 1 and 132 <= programs < 4 * 132 else 16384
+    tile_bytes = 8192 if queries == 1 and NUM_SMS <= programs < 4 * NUM_SMS else 16384
     tile = _fit(tile_bytes // _row_bytes(k_pages), 16, 128)
     cfg = _tile_config(k_pages, page_table, window, softcap, scale, tile_tokens=tile)
     max_keys = page_table.shape[1] * cfg.page_size if window is None else window + queries - 1

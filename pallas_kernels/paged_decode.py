@@ -28,6 +28,7 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels.paged_tiles import TileConfig, attend_tiles, finish, init_carry, tile_span
 
 MIN_ROWS = 16  # Triton dots need M >= 16
+NUM_SMS = 132  # H100 SXM: the launch heuristics' idea of a full GPU
 
 
 def _whole(shape) -> pl.BlockSpec:
@@ -121,7 +122,7 @@ def decode_pallas(
     return jnp.swapaxes(out, 1, 2).reshape(t, h, e)
 
 
-def default_splits(batch: int, kv_heads: int, max_tiles: int, num_sms: int = 132) -> int:
+def default_splits(batch: int, kv_heads: int, max_tiles: int, num_sms: int = NUM_SMS) -> int:
     """Split the tile loop only when b x k programs cannot fill the GPU twice."""
     programs = batch * kv_heads
     if programs >= 2 * num_sms:

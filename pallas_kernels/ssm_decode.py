@@ -17,6 +17,7 @@ buffer directly (slot 0 is the dummy for padded rows).
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -37,8 +38,15 @@ DECODE_TUNING = {
 }
 
 
-# `_decode_body`'s packed layout: (head_dim, h * head_dim, g * n, n, dt_col0, dt_limit).
-Packed = tuple[int, int, int, int, int, tuple[float, float]]
+class Packed(NamedTuple):
+    """Where `ssm_decode_packed` finds its inputs (static: part of the jit key)."""
+
+    head_dim: int  # p
+    width: int  # h * p: x's columns in the xBC row; B follows, then C
+    gn: int  # g * n: columns of B (and of C)
+    n: int  # state dim
+    dt_col0: int  # the raw dt's first column in the in_proj row
+    dt_limit: tuple[float, float]
 
 
 def ssm_decode(
@@ -128,8 +136,9 @@ def _decode_body(*refs, hpg: int, bp: int, hb: int, loops: int, order: str,
         bv = b_ref[s, g, :].astype(f32)[None, None, :]  # [1, 1, n]
         cv = c_ref[s, g, :].astype(f32)[None, None, :]
     else:
-        head_dim, width, gn, n, dt_col0, (lo, hi) = packed
-        v = dt_ref[s, pl.ds(dt_col0 + h0, hb)].astype(f32) + bias_ref[heads].astype(f32)
+        width, gn, n = packed.width, packed.gn, packed.n
+        lo, hi = packed.dt_limit
+        v = dt_ref[s, pl.ds(packed.dt_col0 + h0, hb)].astype(f32) + bias_ref[heads].astype(f32)
         dt = jnp.maximum(v, 0.0) + jnp.log(1.0 + jnp.exp(-jnp.abs(v)))  # softplus
         dt = jnp.minimum(jnp.maximum(dt, lo), hi)
         decay = jnp.exp(-dt * jnp.exp(a_ref[heads].astype(f32)))[:, None, None]
@@ -147,7 +156,7 @@ def _decode_body(*refs, hpg: int, bp: int, hb: int, loops: int, order: str,
         if packed is None:
             x = x_ref[s, heads, rows].astype(f32)  # [hb, bp]
         else:
-            start = h0 * head_dim + (pb * loops + i) * bp
+            start = h0 * packed.head_dim + (pb * loops + i) * bp
             x = x_ref[s, pl.ds(start, bp)].astype(f32)[None, :]  # [1, bp]
         state = decay * state + (dt[:, None] * x)[:, :, None] * bv
         y = jnp.sum(state * cv, axis=2) + dv * x
@@ -233,7 +242,7 @@ def ssm_decode_packed(
                           dt_limit=dt_limit, impl=impl)
     tuning = dict(DECODE_TUNING[jnp.dtype(states.dtype).name])
     tuning["block_p"] = channel_block(p, tuning["block_p"])
-    packed = (p, h * p, gn, n, dt_col0, tuple(map(float, dt_limit)))
+    packed = Packed(p, h * p, gn, n, dt_col0, tuple(map(float, dt_limit)))
     return _decode_packed_pallas(xbc, zxbcdt, A_log, D, dt_bias, states, slot_ids.astype(jnp.int32),
                                  impl=impl, packed=packed, **tuning)
 
@@ -243,7 +252,7 @@ def _decode_packed_pallas(xbc, zxbcdt, A_log, D, dt_bias, states, slot_ids, *, i
                           block_p, num_warps, order="shp", evict=None):
     b = xbc.shape[0]
     h, p, n = states.shape[1], states.shape[2], states.shape[3]
-    hpg = h // (packed[2] // n)
+    hpg = h // (packed.gn // n)
     kernel = functools.partial(_decode_body, hpg=hpg, bp=block_p, hb=1, loops=1, order=order,
                                evict=evict, gated=False, packed=packed)
     nblk = p // block_p

@@ -362,10 +362,11 @@ class LLMEngine:
         schedule, rows = launched.schedule, launched.rows
         outputs = self.scheduler.update(schedule, result.tokens.tolist())
         # Every request's new token detokenized in one call (see IncrementalDetokenizer.add_batch).
-        one = [(i, self.requests[o.seq.request_id].detok) for i, o in enumerate(outputs)
-               if len(o.new_token_ids) <= 1 and self.requests[o.seq.request_id].detok is not None]
-        texts = dict(zip((i for i, _ in one), IncrementalDetokenizer.add_batch(
-            [(d, outputs[i].new_token_ids) for i, d in one]), strict=True))
+        detoks = [self.requests[o.seq.request_id].detok for o in outputs]
+        one = [i for i, (o, d) in enumerate(zip(outputs, detoks, strict=True))
+               if d is not None and len(o.new_token_ids) <= 1]
+        texts = dict(zip(one, IncrementalDetokenizer.add_batch(
+            [(detoks[i], outputs[i].new_token_ids) for i in one]), strict=True))
         return [self._delta(out.seq, out.new_token_ids, result, rows[out.seq.request_id], texts.get(i))
                 for i, out in enumerate(outputs)]
 
@@ -417,12 +418,11 @@ class LLMEngine:
         req = self.requests[seq.request_id]
         if req.detok is None:
             text = ""
-        elif text is None:
-            if len(tokens) > 1:  # a verification step's accepted run may hold a stop string
+        else:
+            if text is None and len(tokens) > 1:  # a verification run may hold a stop string
                 text, tokens = self._add_run(seq, req.detok, tokens)
-            else:
+            elif text is None:
                 text = req.detok.add(tokens)
-        if req.detok is not None:
             if req.detok.stopped_on is not None and not seq.is_finished:
                 self.scheduler.finish(seq, FinishReason.STOP, req.detok.stopped_on)
             if seq.is_finished:

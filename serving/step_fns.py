@@ -90,17 +90,17 @@ GPU_MIN_DECODE_ROWS = 8
 def decode_row_floor() -> int:
     """Rows of the smallest decode bucket: 8 on GPUs, where XLA lowers a decode step's
     projections with fewer rows to reduction fusions at ~45% of bandwidth and with 8 to
-    Triton GEMMs (H100, native-1b-parallel at batch 1: 4.21 ms per engine step in an
-    8-row bucket against 5.51 ms in a 1-row one; docs/benchmarks.md). So one sequence
+    GEMMs (H100, native-1b-parallel at batch 1: 4.21 ms per engine step in an 8-row
+    bucket against 5.51 ms in a 1-row one, measured with Triton GEMMs; docs/benchmarks.md). So one sequence
     (`hybrid-jax generate`, max_num_seqs=1) decodes in padded 8-row steps there.
 
     The engine also allocates at least this many slots (plus the dummy) when the memory
     budget allows: with max_num_seqs=1 (2 slots) the overlapped loop's host enqueue of
     each step took 7.7 ms against 1.3 ms with 9 slots, same executable shape otherwise
     (H100, native-1b-parallel, one sequence: engine step 10.4 ms against 3.25 ms;
-    `num_slots=9` alone makes the difference, `num_pages` does not). The enqueue is
-    XLA's: every call re-records most of the step's CUDA graph (the same cost as the
-    step launched without graphs); why the slot count decides it is not known."""
+    `num_slots=9` alone makes the difference, `num_pages` does not). The enqueue then
+    costs what launching the step without CUDA graphs costs (9.6 ms), as if XLA rebuilt
+    the graph on every call; why the slot count decides it is not known."""
     return GPU_MIN_DECODE_ROWS if jax.default_backend() == "gpu" else 1
 
 
@@ -113,10 +113,10 @@ def compile_options() -> dict[str, object]:
     H100 for native-1b-parallel at batch 64).
 
     Triton GEMM fusions are off: XLA then emits the step's matmuls as cuBLAS calls. The
-    Triton GEMMs cost the same kernel time, but inside the step's CUDA graph the GPU
-    idled ~8.7 us before each of them (1.9 ms per step for 216 GEMMs of
-    native-1b-parallel, H100, batch 64; 0.15 ms idle in the whole step with cuBLAS;
-    `benchmarks/step_anatomy.py` prints the idle time per kernel family).
+    Triton kernels were faster (1.40 against 1.82 ms of GEMM time per step), but inside
+    the step's CUDA graph the GPU idled ~8.7 us before each of them (1.9 ms per step for
+    216 GEMMs of native-1b-parallel, H100, batch 64; 0.15 ms idle in the whole step with
+    cuBLAS; `benchmarks/step_anatomy.py` prints the idle time per kernel family).
     HYBRID_JAX_XLA_OPTIONS (JSON) adds or overrides options, for experiments.
     """
     opts: dict[str, object] = {"xla_disable_hlo_passes": "dot-merger", "xla_gpu_enable_triton_gemm": False}
