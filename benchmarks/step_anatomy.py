@@ -35,6 +35,7 @@ from serving.bench.floor import copy_bandwidth
 from serving.bench.trace_report import gpu_kernel_events
 from serving.engine import LLMEngine
 from serving.engine_config import EngineConfig
+from serving.runner import fuse_projections_enabled
 from serving.sampling_params import SamplingParams
 
 
@@ -289,6 +290,7 @@ def run(a: argparse.Namespace) -> dict:
         "xla_flags": os.environ.get("XLA_FLAGS", ""), "hlo": hlo,
         "host_ms_per_step": {k: 1e3 * v / a.steps for k, v in host.items()},
         "gaps": gaps, "engine_gaps": engine_gaps, "fused_mamba_decode": a.fused_mamba_decode,
+        "fuse_projections": fuse_projections_enabled(),
     }
     res["engine_over_floor"] = res["engine_ms"] / res["floor_ms"]
     return res

@@ -164,6 +164,11 @@ class Mamba2Config:
     def conv_dim(self) -> int:
         return self.d_inner + 2 * self.n_groups * self.state_size
 
+    @property
+    def in_proj_width(self) -> int:
+        """Columns of in_proj's output: z, xBC, dt."""
+        return self.d_inner + self.conv_dim + self.num_heads
+
 
 @dataclass(frozen=True)
 class RGLRUConfig:

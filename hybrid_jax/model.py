@@ -60,6 +60,9 @@ class Block(nnx.Module):
         sandwich = cfg.sandwich_norm
         self.post_temporal_norm = norm() if sandwich and self.temporal_norm is not None else None
         self.post_mlp_norm = norm() if sandwich and has_mlp else None
+        # Serving-time fused projections (hybrid_jax/fusion.py); None in a model as built.
+        self.fused_in: Linear | None = nnx.data(None)
+        self.fused_out: Linear | None = nnx.data(None)
         self.spec = spec
         self.cfg = cfg
         self.dtype = dtype
@@ -92,6 +95,9 @@ class Block(nnx.Module):
     def __call__(self, h: jax.Array, positions: jax.Array,
                  shared: jax.Array | None = None) -> jax.Array:
         cfg = self.cfg
+        if self.fused_in is not None or self.fused_out is not None:
+            raise ValueError("a model with fused projections (hybrid_jax/fusion.py) runs the "
+                             "serving path only (hybrid_jax/ragged.py)")
         if self.temporal_norm is None:  # MLP-kind layer
             return self.mix(h, None)
         u = self.norm_input(h, shared)

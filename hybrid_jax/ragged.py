@@ -64,12 +64,18 @@ from pallas_kernels import (
 )
 
 
-def _attention(layer: Attention | DepthAttention, x: jax.Array, batch: RaggedBatch, kv: KVCache, group: int,
-               decode: bool, q_len: int = 0) -> tuple[jax.Array, KVCache]:
+def _attention(layer: Attention | DepthAttention, x: jax.Array | None, batch: RaggedBatch, kv: KVCache,
+               group: int, decode: bool, q_len: int = 0, raw: tuple[jax.Array, ...] | None = None,
+               project_out: bool = True) -> tuple[jax.Array, KVCache]:
     """Paged attention over the ragged tokens. q_len > 0 (verification): every sequence has
     q_len tokens, attended by the decode kernel's multi-query form (one program per
-    sequence and KV head) instead of the prefill kernel."""
-    q, k, v = layer.project(x, batch.positions)
+    sequence and KV head) instead of the prefill kernel.
+
+    raw: the q/k/v projections already computed (a fused layer; x unused). project_out
+    False returns the heads merged [t, h * e] before o_proj (the layer's fused_out takes it).
+    """
+    dtype = (x if raw is None else raw[0]).dtype
+    q, k, v = layer.project(x, batch.positions, raw) if raw is not None else layer.project(x, batch.positions)
     e = q.shape[-1]
     pad = kv.k.shape[-1] - e  # pages may be wider than the head (see cache.kv_head_dim)
     if pad:
@@ -84,7 +90,10 @@ def _attention(layer: Attention | DepthAttention, x: jax.Array, batch: RaggedBat
     else:
         o = paged_attention_prefill(q, k_pages, v_pages, batch.cu_seqlens,
                                                     batch.lengths, table, **common)
-    return layer.output(o[..., :e].astype(x.dtype)), KVCache(k_pages, v_pages)
+    o = o[..., :e].astype(dtype)
+    if not project_out:
+        return o.reshape(*o.shape[:-2], -1), KVCache(k_pages, v_pages)
+    return layer.output(o), KVCache(k_pages, v_pages)
 
 
 def _positions(q: int, step: Callable, xs: tuple[jax.Array, ...], states: tuple[jax.Array, ...],
@@ -155,37 +164,62 @@ def _scan_positions(a: jax.Array, x: jax.Array, states: jax.Array, slot_ids: jax
 FUSED_MAMBA_DECODE = False
 
 
-def _mamba_step(layer: Mamba2Mixer, x: jax.Array, batch: RaggedBatch, st: Mamba2State,
-                q: int) -> tuple[jax.Array, Mamba2State]:
+def _mamba_in(layer: Mamba2Mixer, x: jax.Array | None, proj: jax.Array | None,
+              col: int) -> tuple[jax.Array, int]:
+    """(zxbcdt, c0): the layer's in_proj output (muP multipliers applied) in columns
+    [c0, c0 + width) of zxbcdt. From x, or read in place from a fused layer's projection
+    `proj` at column `col` (a copy when multipliers apply)."""
+    cfg = layer.cfg
+    if proj is None:
+        return layer.projection(x), 0
+    if cfg.in_proj_multipliers is None:
+        return proj, col
+    return layer.projection(None, raw=proj[..., col:col + cfg.in_proj_width]), 0
+
+
+def _split_in(layer: Mamba2Mixer, zxbcdt: jax.Array, c0: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """z, xBC, raw dt from `_mamba_in`'s columns."""
+    cfg = layer.cfg
+    at = (c0, c0 + cfg.d_inner, c0 + cfg.d_inner + cfg.conv_dim, c0 + cfg.in_proj_width)
+    return tuple(zxbcdt[..., lo:hi] for lo, hi in zip(at, at[1:], strict=False))
+
+
+def _mamba_step(layer: Mamba2Mixer, zxbcdt: jax.Array, c0: int, dtype, batch: RaggedBatch,
+                st: Mamba2State, q: int, finish: Callable) -> tuple[jax.Array, Mamba2State]:
     """Decode (q == 0: one token per sequence, slots advanced) or verification (q > 0:
     candidates) through the fused kernel; tokens are sequence-major, t = b * max(q, 1)."""
     cfg = layer.cfg
-    z, xbc, dt = layer.project(x)
+    z, xbc, dt = _split_in(layer, zxbcdt, c0)
     b, n = batch.slot_ids.shape[0], max(q, 1)
     y, conv, ssm = mamba2_step(
         xbc.reshape(b, n, -1), dt.reshape(b, n, -1), layer.conv_weight[...],
         layer.conv_bias_value(), layer.A(), layer.D[...], layer.dt_bias[...], st.conv, st.ssm,
         batch.slot_ids, n_groups=cfg.n_groups, head_dim=cfg.head_dim, dt_limit=cfg.dt_limit,
         candidates=q > 0)
-    return layer.output(y.reshape(b * n, cfg.num_heads, cfg.head_dim), z, x.dtype), Mamba2State(conv, ssm)
+    return finish(y.reshape(b * n, cfg.num_heads, cfg.head_dim), z, dtype), Mamba2State(conv, ssm)
 
 
-def _mamba(layer: Mamba2Mixer, x: jax.Array, batch: RaggedBatch, st: Mamba2State,
-           decode: bool, q: int = 0) -> tuple[jax.Array, Mamba2State]:
+def _mamba(layer: Mamba2Mixer, x: jax.Array | None, batch: RaggedBatch, st: Mamba2State,
+           decode: bool, q: int = 0, proj: jax.Array | None = None, col: int = 0,
+           project_out: bool = True) -> tuple[jax.Array, Mamba2State]:
+    """proj: a fused layer's projection, this layer's in_proj output in its columns
+    [col, col + in_proj_width) (x unused). project_out False returns out_proj's input."""
     cfg = layer.cfg
+    dtype = (x if proj is None else proj).dtype
+    zxbcdt, c0 = _mamba_in(layer, x, proj, col)
+    finish = layer.output if project_out else layer.gated
     if (q or (decode and FUSED_MAMBA_DECODE)) and mamba2_step_fits(cfg.head_dim, cfg.state_size):
-        return _mamba_step(layer, x, batch, st, q)
+        return _mamba_step(layer, zxbcdt, c0, dtype, batch, st, q, finish)
     w, bias = layer.conv_weight[...], layer.conv_bias_value()
     if decode and not q:  # the kernels read the in_proj output in place: no slices, no dt/A glue
-        zxbcdt = layer.projection(x)
         xbc, conv = conv1d_decode(zxbcdt, w, bias, st.conv, batch.slot_ids, activation="silu",
-                                  col0=cfg.d_inner)
+                                  col0=c0 + cfg.d_inner)
         y, ssm = ssm_decode_packed(
             xbc, zxbcdt, layer.A_log[...], layer.D[...], layer.dt_bias[...], st.ssm, batch.slot_ids,
             num_heads=cfg.num_heads, head_dim=cfg.head_dim, n_groups=cfg.n_groups,
-            dt_col0=cfg.d_inner + cfg.conv_dim, dt_limit=cfg.dt_limit)
-        return layer.output(y, zxbcdt[..., :cfg.d_inner], x.dtype), Mamba2State(conv, ssm)
-    z, xbc, dt = layer.project(x)
+            dt_col0=c0 + cfg.d_inner + cfg.conv_dim, dt_limit=cfg.dt_limit)
+        return finish(y, zxbcdt[..., c0:c0 + cfg.d_inner], dtype), Mamba2State(conv, ssm)
+    z, xbc, dt = _split_in(layer, zxbcdt, c0)
     if q:  # shapes the fused kernel does not take: q one-token steps
         A, D, dt_bias = layer.A(), layer.D[...], layer.dt_bias[...]
 
@@ -197,14 +231,14 @@ def _mamba(layer: Mamba2Mixer, x: jax.Array, batch: RaggedBatch, st: Mamba2State
             return y, (conv, ssm)
 
         y, cands = _positions(q, step, (xbc, dt), (st.conv, st.ssm), batch.slot_ids)
-        return layer.output(y, z, x.dtype), Mamba2State(*cands)
+        return finish(y, z, dtype), Mamba2State(*cands)
     xbc, conv = conv1d_ragged(xbc, w, bias, batch.cu_seqlens, st.conv, batch.slot_ids,
                               batch.has_initial, activation="silu")
     xs, B, C = layer.split_xbc(xbc)
     y, ssm = ssd_ragged(xs, dt, layer.A(), B, C, layer.D[...], layer.dt_bias[...], batch.cu_seqlens,
                         st.ssm, batch.slot_ids, batch.has_initial, dt_limit=cfg.dt_limit,
                         chunk_size=cfg.chunk_size)
-    return layer.output(y, z, x.dtype), Mamba2State(conv, ssm)
+    return finish(y, z, dtype), Mamba2State(conv, ssm)
 
 
 def _recurrent(layer: RecurrentBlock, x: jax.Array, batch: RaggedBatch, st: RGLRUState,
@@ -268,13 +302,35 @@ def block_ragged(block: Block, h: jax.Array, batch: RaggedBatch, cache: LayerCac
     u = block.norm_input(h, shared)
     out = jnp.zeros_like(u)
     kv, mamba, rglru, short_conv = cache
+    # Fused projections (hybrid_jax/fusion.py): one GEMM for the mixers' input projections
+    # (their input multipliers are equal), read in place by column; one for o_proj + out_proj.
+    proj, col, merged = None, 0, []
+    if block.fused_in is not None:
+        proj = block.fused_in(_scale(u, cfg.attention_in_multiplier if block.attention is not None
+                                     else cfg.ssm_in_multiplier))
+    project_out = block.fused_out is None
     if block.attention is not None:
-        a, kv = _attention(block.attention, _scale(u, cfg.attention_in_multiplier), batch, kv,
-                           group, decode, q)
-        out = out + a * cfg.attention_out_multiplier
+        raw = None
+        if proj is not None:
+            acfg = block.attention.cfg
+            qw, kw = acfg.num_heads * acfg.head_dim, acfg.num_kv_heads * acfg.head_dim
+            raw = proj[..., :qw], proj[..., qw:qw + kw], proj[..., qw + kw:qw + 2 * kw]
+            col = qw + 2 * kw
+        x = None if raw is not None else _scale(u, cfg.attention_in_multiplier)
+        a, kv = _attention(block.attention, x, batch, kv, group, decode, q, raw, project_out)
+        if project_out:
+            out = out + a * cfg.attention_out_multiplier
+        else:
+            merged.append(a)
     if block.mamba is not None:
-        m, mamba = _mamba(block.mamba, _scale(u, cfg.ssm_in_multiplier), batch, mamba, decode, q)
-        out = out + m * cfg.ssm_out_multiplier
+        x = None if proj is not None else _scale(u, cfg.ssm_in_multiplier)
+        m, mamba = _mamba(block.mamba, x, batch, mamba, decode, q, proj, col, project_out)
+        if project_out:
+            out = out + m * cfg.ssm_out_multiplier
+        else:
+            merged.append(m)
+    if not project_out:  # multipliers 1: the sum of both projections is one GEMM
+        out = out + block.fused_out(jnp.concatenate(merged, axis=-1))
     if block.recurrent is not None:
         r, rglru = _recurrent(block.recurrent, u, batch, rglru, decode, q)
         out = out + r

@@ -37,6 +37,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from hybrid_jax import tensor_parallel as tp
 from hybrid_jax.cache import RaggedBatch, init_caches
+from hybrid_jax.fusion import fuse_projections
 from hybrid_jax.model import CausalLM
 from serving.host_pack import HostLayout, host_layout
 from serving.packing import pack, pack_host, plan_layout
@@ -58,6 +59,16 @@ from serving.step_fns import (  # noqa: F401  (Bucket, make_buckets, _states: im
 )
 
 log = logging.getLogger(__name__)
+
+
+def fuse_projections_enabled() -> bool:
+    """Fused projections on the single-device path (hybrid_jax/fusion.py): on unless
+    HYBRID_JAX_FUSE_PROJECTIONS=0 (for A/B measurements; the executable store keys on it).
+    Tensor-parallel runners never fuse (a fused matrix's column shards would mix heads)."""
+    text = os.environ.get("HYBRID_JAX_FUSE_PROJECTIONS", "1")
+    if text not in ("0", "1"):
+        raise ValueError(f"HYBRID_JAX_FUSE_PROJECTIONS={text!r} must be 0 or 1")
+    return text == "1"
 
 
 class StepResult(NamedTuple):
@@ -107,9 +118,13 @@ class ModelRunner:
         # HYBRID_JAX_SHARDED_RUNNER=1 runs the tensor-parallel path (packed shards, shard_map,
         # explicit shardings) on a one-device mesh: the TP step checked on one GPU.
         if n == 1 and os.environ.get("HYBRID_JAX_SHARDED_RUNNER", "0") != "1":
+            if fuse_projections_enabled():  # one GEMM per shared input (hybrid_jax/fusion.py)
+                model = fuse_projections(model)
             self.graphdef, params = nnx.split(model)
+            del model  # a fused copy's concatenated weights go once packed
             # One flat buffer per dtype (serving/packing.py: hundreds of arguments cost ms per call).
             self.layout, self.params = pack(jax.device_put(params, self.replicated))
+            del params
             zeros = lambda tree: jax.device_put(
                 jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), tree), self.replicated)
             self.caches = zeros(cache_shapes)

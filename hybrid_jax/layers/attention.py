@@ -64,13 +64,21 @@ class Attention(nnx.Module):
         self.cfg = cfg
         self.window = window
 
-    def project(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """x [..., t, d], positions [..., t] -> q [..., t, h, e], k and v [..., t, k, e]."""
+    def project(self, x: jax.Array | None, positions: jax.Array,
+                raw: tuple[jax.Array, jax.Array, jax.Array] | None = None
+                ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """x [..., t, d], positions [..., t] -> q [..., t, h, e], k and v [..., t, k, e].
+
+        raw: the q/k/v projections of x already computed (biases included; a layer whose
+        projections were fused with its neighbours', hybrid_jax/fusion.py); x is unused then.
+        """
         cfg = self.cfg
-        lead = x.shape[:-1]
-        q = self.q_proj(x).reshape(*lead, cfg.num_heads, cfg.head_dim)
-        k = self.k_proj(x).reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
-        v = self.v_proj(x).reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
+        if raw is None:
+            raw = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        lead = raw[0].shape[:-1]
+        q = raw[0].reshape(*lead, cfg.num_heads, cfg.head_dim)
+        k = raw[1].reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
+        v = raw[2].reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
         if cfg.key_multiplier != 1.0:
             k = k * cfg.key_multiplier
         if self.q_norm is not None:

@@ -55,9 +55,13 @@ class Mamba2Mixer(nnx.Module):
         z, xbc, dt = jnp.split(self.projection(x), [cfg.d_inner, cfg.d_inner + cfg.conv_dim], axis=-1)
         return z, xbc, dt
 
-    def projection(self, x: jax.Array) -> jax.Array:
-        """x [..., d] -> the unsplit in_proj output [..., d_inner + conv_dim + h] (z, xBC, dt)."""
-        zxbcdt = self.in_proj(x)
+    def projection(self, x: jax.Array | None, raw: jax.Array | None = None) -> jax.Array:
+        """x [..., d] -> the unsplit in_proj output [..., d_inner + conv_dim + h] (z, xBC, dt).
+
+        raw: in_proj(x) already computed (fused with other projections, hybrid_jax/fusion.py);
+        x is unused then. The muP multipliers (if any) apply to it here.
+        """
+        zxbcdt = self.in_proj(x) if raw is None else raw
         mup = self._mup_vector()
         if mup is not None:
             zxbcdt = (zxbcdt * mup).astype(zxbcdt.dtype)
@@ -76,14 +80,19 @@ class Mamba2Mixer(nnx.Module):
     def A(self) -> jax.Array:
         return -jnp.exp(self.A_log[...].astype(jnp.float32))
 
-    def output(self, y: jax.Array, z: jax.Array, dtype: jnp.dtype) -> jax.Array:
-        """SSM output y [..., h, p] (f32) and gate z [..., d_inner] -> [..., d]."""
+    def gated(self, y: jax.Array, z: jax.Array, dtype: jnp.dtype) -> jax.Array:
+        """SSM output y [..., h, p] (f32) and gate z [..., d_inner] -> out_proj's input
+        [..., d_inner] in `dtype`."""
         y = y.reshape(*y.shape[:-2], -1)
         if self.norm is not None:
             y = self.norm(y, z)
         else:
             y = y * jax.nn.silu(z.astype(jnp.float32))
-        return self.out_proj(y.astype(dtype))
+        return y.astype(dtype)
+
+    def output(self, y: jax.Array, z: jax.Array, dtype: jnp.dtype) -> jax.Array:
+        """SSM output y [..., h, p] (f32) and gate z [..., d_inner] -> [..., d]."""
+        return self.out_proj(self.gated(y, z, dtype))
 
     def conv_bias_value(self) -> jax.Array | None:
         return None if self.conv_bias is None else self.conv_bias[...]
