@@ -32,7 +32,7 @@ import numpy as np
 
 from hybrid_jax.loading import load_model
 from serving.bench.floor import copy_bandwidth
-from serving.bench.trace_report import gpu_kernel_events
+from serving.bench.trace_report import gpu_kernel_events, host_event_totals
 from serving.engine import LLMEngine
 from serving.engine_config import EngineConfig
 from serving.runner import fuse_projections_enabled
@@ -229,6 +229,16 @@ def run(a: argparse.Namespace) -> dict:
     engine.runner.dispatch = orig
     assert all(ran), f"a measured step was not a full-batch decode: {ran} {engine.stats()}"
     engine_gaps = None
+    host_events = None
+    if a.trace_host:  # where the host's time goes inside engine.step() (TraceMe scopes)
+        d = tempfile.mkdtemp()
+        jax.profiler.start_trace(d)
+        for _ in range(10):
+            engine.step()
+        jax.profiler.stop_trace()
+        host_events = host_event_totals(d, 10, 40)
+        for thread, name, ms, calls in host_events:
+            print(f"  host {ms:8.3f} ms/step x{calls:<6} {thread:<28} {name}")
     if a.trace_engine:  # the engine loop's own GPU timeline (idle between kernels and steps)
         engine_gaps = trace_kernels(engine.step, 10, 0)[3]
         print("engine loop gaps:", json.dumps(engine_gaps)[:2000])
@@ -290,7 +300,7 @@ def run(a: argparse.Namespace) -> dict:
         "xla_flags": os.environ.get("XLA_FLAGS", ""), "hlo": hlo,
         "host_ms_per_step": {k: 1e3 * v / a.steps for k, v in host.items()},
         "gaps": gaps, "engine_gaps": engine_gaps, "fused_mamba_decode": a.fused_mamba_decode,
-        "fuse_projections": fuse_projections_enabled(),
+        "fuse_projections": fuse_projections_enabled(), "host_events": host_events,
     }
     res["engine_over_floor"] = res["engine_ms"] / res["floor_ms"]
     return res
@@ -312,6 +322,8 @@ def main() -> None:
     p.add_argument("--dump", default=None, help="write the decode executable's optimised HLO here")
     p.add_argument("--fused-mamba-decode", action="store_true",
                    help="decode Mamba2 layers with the fused mamba2_step kernel (ragged.FUSED_MAMBA_DECODE)")
+    p.add_argument("--trace-host", action="store_true",
+                   help="trace 10 engine steps and print the host's TraceMe scopes by time")
     p.add_argument("--trace-engine", action="store_true",
                    help="also trace 10 LLMEngine.step() calls: idle GPU time within and between steps")
     p.add_argument("--top", type=int, default=150, help="kernels kept in the JSON, by time (0: all)")

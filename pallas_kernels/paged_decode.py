@@ -29,6 +29,11 @@ from pallas_kernels.paged_tiles import TileConfig, attend_tiles, finish, init_ca
 
 MIN_ROWS = 16  # Triton dots need M >= 16
 NUM_SMS = 132  # H100 SXM: the launch heuristics' idea of a full GPU
+# Splits of the tile loop (few programs: small batches): at least 2 tiles each, at most 32.
+# In the engine's step on the H100 (native-1b-parallel, context 2012) this beat 4 / 16:
+# paged_decode 0.313 -> 0.280 ms per step at batch 1, 0.501 -> 0.457 ms at batch 8.
+MIN_TILES_PER_SPLIT = 2
+MAX_SPLITS = 32
 
 
 def _whole(shape) -> pl.BlockSpec:
@@ -128,4 +133,4 @@ def default_splits(batch: int, kv_heads: int, max_tiles: int, num_sms: int = NUM
     if programs >= 2 * num_sms:
         return 1
     want = -(-2 * num_sms // programs)
-    return max(1, min(want, max_tiles // 4, 16))
+    return max(1, min(want, max_tiles // MIN_TILES_PER_SPLIT, MAX_SPLITS))

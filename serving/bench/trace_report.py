@@ -64,3 +64,27 @@ def gpu_kernel_events(directory: str | Path, memcpy: bool = False):
             for ev in line.events:
                 if memcpy or "memcpy" not in ev.name.lower():
                     yield plane.name, ev
+
+
+def host_event_totals(directory: str | Path, steps: int, top: int = 30) -> list[list]:
+    """Host-side trace events (TraceMe scopes: JAX dispatch, PJRT execute, command-buffer
+    update and submit, ...) of the newest xplane trace under `directory`: per (thread,
+    name) the ms per step and calls per step, largest first. Nested scopes each count."""
+    import os
+
+    from jax.profiler import ProfileData
+
+    path = next(os.path.join(r, f) for r, _, fs in os.walk(directory) for f in fs
+                if f.endswith(".xplane.pb"))
+    totals: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0.0, 0])
+    for plane in ProfileData.from_file(path).planes:
+        if "host" not in plane.name.lower():
+            continue
+        for line in plane.lines:
+            for ev in line.events:
+                t = totals[(line.name[:40], ev.name[:90])]
+                t[0] += ev.duration_ns
+                t[1] += 1
+    rows = sorted(totals.items(), key=lambda kv: -kv[1][0])[:top]
+    return [[thread, name, round(ns / 1e6 / steps, 4), round(n / steps, 2)]
+            for (thread, name), (ns, n) in rows]
