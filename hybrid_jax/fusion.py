@@ -19,6 +19,9 @@ four (58 -> 81% of the copy-bandwidth floor at 8 rows, 57 -> 77% at 64).
   [o | y] @ [[W_o], [W_out]] gives o @ W_o + y @ W_out with one rounding instead of two.
 - a gated MLP's gate_proj and up_proj as its `gate_up_proj` (gate first), the fused form
   GatedMLP already has (Granite's checkpoints store it so).
+- the Mamba2 layers' A_log, D, dt_bias, conv weight and bias stacked into one array each,
+  shared by the layers (`Mamba2Mixer.stack_row`): the decode kernels read their row in
+  place instead of XLA copying each layer's slices before the custom calls.
 
 The mixers' other parameters are untouched; q/k/v, in_proj, o_proj and out_proj become
 None in the layers that were fused. Only the serving path (hybrid_jax/ragged.py) runs a
@@ -120,7 +123,37 @@ def fuse_projections(model: CausalLM) -> CausalLM:
                 and (mlp.gate_proj.bias is None) == (mlp.up_proj.bias is None)):
             mlp.gate_up_proj = nnx.data(_concat([mlp.gate_proj, mlp.up_proj], axis=1))
             mlp.gate_proj = mlp.up_proj = None
+    _stack_mamba_params(fused)
     return fused
+
+
+MAMBA_STACKED = ("A_log", "D", "dt_bias", "conv_weight", "conv_bias")
+
+
+def _stack_mamba_params(model: CausalLM) -> None:
+    """One array per Mamba2 parameter for all layers (MAMBA_STACKED), shared by them.
+
+    The decode kernels read their layer's row in place; each layer's own small arrays
+    would be sliced out of the step's packed parameters and copied before every custom
+    call (five small kernels per layer and step, 120 for native-1b-parallel).
+    """
+    mixers = [b.mamba for b in model.layers if b.mamba is not None]
+    if len(mixers) < 2:
+        return
+    for name in MAMBA_STACKED:
+        values = [getattr(m, name) for m in mixers]
+        if all(v is None for v in values):
+            continue
+        if any(v is None for v in values) or len({(v.shape, jnp.dtype(v.dtype)) for v in values}) != 1:
+            return  # layers that differ keep their own arrays (checked before anything is set)
+    for name in MAMBA_STACKED:
+        if getattr(mixers[0], name) is None:
+            continue
+        stack = nnx.Param(jnp.stack([getattr(m, name)[...] for m in mixers]))
+        for m in mixers:
+            setattr(m, name, stack)
+    for i, m in enumerate(mixers):
+        m.stack_row = i
 
 
 def is_fused(model: CausalLM) -> bool:

@@ -192,8 +192,8 @@ def _mamba_step(layer: Mamba2Mixer, zxbcdt: jax.Array, c0: int, dtype, batch: Ra
     z, xbc, dt = _split_in(layer, zxbcdt, c0)
     b, n = batch.slot_ids.shape[0], max(q, 1)
     y, conv, ssm = mamba2_step(
-        xbc.reshape(b, n, -1), dt.reshape(b, n, -1), layer.conv_weight[...],
-        layer.conv_bias_value(), layer.A(), layer.D[...], layer.dt_bias[...], st.conv, st.ssm,
+        xbc.reshape(b, n, -1), dt.reshape(b, n, -1), layer.param("conv_weight"),
+        layer.conv_bias_value(), layer.A(), layer.param("D"), layer.param("dt_bias"), st.conv, st.ssm,
         batch.slot_ids, n_groups=cfg.n_groups, head_dim=cfg.head_dim, dt_limit=cfg.dt_limit,
         candidates=q > 0)
     return finish(y.reshape(b * n, cfg.num_heads, cfg.head_dim), z, dtype), Mamba2State(conv, ssm)
@@ -210,18 +210,22 @@ def _mamba(layer: Mamba2Mixer, x: jax.Array | None, batch: RaggedBatch, st: Mamb
     finish = layer.output if project_out else layer.gated
     if (q or (decode and FUSED_MAMBA_DECODE)) and mamba2_step_fits(cfg.head_dim, cfg.state_size):
         return _mamba_step(layer, zxbcdt, c0, dtype, batch, st, q, finish)
-    w, bias = layer.conv_weight[...], layer.conv_bias_value()
-    if decode and not q:  # the kernels read the in_proj output in place: no slices, no dt/A glue
+    if decode and not q:
+        # The kernels read the in_proj output in place (no slices, no dt/A glue) and, in a
+        # fused model, their parameters at this layer's row of the stacks (no copies).
+        (w, row), (bias, _) = layer.stacked("conv_weight"), layer.stacked("conv_bias")
         xbc, conv = conv1d_decode(zxbcdt, w, bias, st.conv, batch.slot_ids, activation="silu",
-                                  col0=c0 + cfg.d_inner)
+                                  col0=c0 + cfg.d_inner, row=row)
         y, ssm = ssm_decode_packed(
-            xbc, zxbcdt, layer.A_log[...], layer.D[...], layer.dt_bias[...], st.ssm, batch.slot_ids,
-            num_heads=cfg.num_heads, head_dim=cfg.head_dim, n_groups=cfg.n_groups,
-            dt_col0=c0 + cfg.d_inner + cfg.conv_dim, dt_limit=cfg.dt_limit)
+            xbc, zxbcdt, layer.stacked("A_log")[0], layer.stacked("D")[0], layer.stacked("dt_bias")[0],
+            st.ssm, batch.slot_ids, num_heads=cfg.num_heads, head_dim=cfg.head_dim,
+            n_groups=cfg.n_groups, dt_col0=c0 + cfg.d_inner + cfg.conv_dim, dt_limit=cfg.dt_limit,
+            row=row)
         return finish(y, zxbcdt[..., c0:c0 + cfg.d_inner], dtype), Mamba2State(conv, ssm)
+    w, bias = layer.param("conv_weight"), layer.conv_bias_value()
     z, xbc, dt = _split_in(layer, zxbcdt, c0)
     if q:  # shapes the fused kernel does not take: q one-token steps
-        A, D, dt_bias = layer.A(), layer.D[...], layer.dt_bias[...]
+        A, D, dt_bias = layer.A(), layer.param("D"), layer.param("dt_bias")
 
         def step(xbc_j, dt_j, local, rows):
             conv, ssm = local
@@ -235,7 +239,7 @@ def _mamba(layer: Mamba2Mixer, x: jax.Array | None, batch: RaggedBatch, st: Mamb
     xbc, conv = conv1d_ragged(xbc, w, bias, batch.cu_seqlens, st.conv, batch.slot_ids,
                               batch.has_initial, activation="silu")
     xs, B, C = layer.split_xbc(xbc)
-    y, ssm = ssd_ragged(xs, dt, layer.A(), B, C, layer.D[...], layer.dt_bias[...], batch.cu_seqlens,
+    y, ssm = ssd_ragged(xs, dt, layer.A(), B, C, layer.param("D"), layer.param("dt_bias"), batch.cu_seqlens,
                         st.ssm, batch.slot_ids, batch.has_initial, dt_limit=cfg.dt_limit,
                         chunk_size=cfg.chunk_size)
     return finish(y, z, dtype), Mamba2State(conv, ssm)

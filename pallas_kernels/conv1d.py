@@ -70,13 +70,32 @@ def conv1d_ragged(x, weight, bias, cu_seqlens, conv_states, slot_ids, has_initia
 
 
 def conv1d_decode(x, weight, bias, conv_states, slot_ids, *, activation="silu",
-                  impl: Impl | None = None, col0: int | None = None):
+                  impl: Impl | None = None, col0: int | None = None, row: int | None = None):
     """One token per sequence: x [b, c]; returns (y [b, c], conv_states rolled by one).
 
     `col0`: x may be wider than c, its channels then being columns [col0, col0 + c)
     (e.g. the xBC part of a Mamba2 in_proj output, read in place: no slice copy).
+    `row`: weight [L, c, k] and bias [L, c] are stacks (every layer's, hybrid_jax/fusion.py)
+    and the kernel reads row `row` of them in place: slicing them out in XLA would copy
+    both before the custom call, two small kernels per layer and step.
     """
     impl = resolve_impl(impl)
+    if row is not None:
+        if weight.ndim != 3 or not 0 <= row < weight.shape[0] or (
+                bias is not None and bias.shape != weight.shape[:2]):
+            raise ValueError(f"{row=}: weight {weight.shape} must be [L > row, c, k] and bias "
+                             f"{None if bias is None else bias.shape} [L, c]")
+        if impl == "reference":
+            weight, bias, row = weight[row], None if bias is None else bias[row], None
+        else:
+            c = weight.shape[1]
+            view = x if col0 is None or x.ndim != 2 else jax.ShapeDtypeStruct((x.shape[0], c), x.dtype)
+            if col0 is not None and x.ndim == 2 and not 0 <= col0 <= x.shape[1] - c:
+                raise ValueError(f"{col0=}: columns [{col0}, {col0 + c}) outside x of width {x.shape[1]}")
+            shape = lambda a: None if a is None else jax.ShapeDtypeStruct(a.shape[1:], a.dtype)  # noqa: E731
+            _check(view, shape(weight), shape(bias), conv_states, activation)
+            return _decode_pallas(x, weight, bias, conv_states, slot_ids.astype(jnp.int32),
+                                  activation=activation, impl=impl, col0=col0 or 0, row=row)
     c = weight.shape[0] if weight.ndim == 2 else -1
     if col0 is not None and x.ndim == 2:
         if not 0 <= col0 <= x.shape[1] - c:
@@ -201,33 +220,35 @@ def _ragged_pallas(x, weight, bias, cu, conv_states, slot_ids, has_initial, *, a
     return y, flat.reshape(conv_states.shape)
 
 
-def _conv_decode_kernel(slot_ref, x_ref, w_ref, *refs, k, cb, col0, activation, has_bias):
-    # The weight [c, k] and bias [c] come in their stored dtype and layout: converting
-    # them in XLA would be two more kernels per layer and step.
+def _conv_decode_kernel(slot_ref, x_ref, w_ref, *refs, k, cb, col0, activation, has_bias, row):
+    # The weight [L, c, k] and bias [L, c] (L = 1 for one layer's) come in their stored
+    # dtype and layout: converting or slicing them in XLA would be more kernels per layer.
     bias_ref, st_ref, y_ref, st_out = refs if has_bias else (None, *refs)
     s, ci = pl.program_id(0), pl.program_id(1)
     cols = pl.ds(ci * cb, cb)
     slot = slot_ref[s]
     window = [st_ref[slot * (k - 1) + i, cols].astype(jnp.float32) for i in range(k - 1)]
     window.append(x_ref[s, pl.ds(col0 + ci * cb, cb)].astype(jnp.float32))
-    acc = bias_ref[cols].astype(jnp.float32) if has_bias else jnp.zeros((cb,), jnp.float32)
+    acc = bias_ref[row, cols].astype(jnp.float32) if has_bias else jnp.zeros((cb,), jnp.float32)
     for j in range(k):
-        acc = acc + w_ref[cols, j].astype(jnp.float32) * window[j]
+        acc = acc + w_ref[row, cols, j].astype(jnp.float32) * window[j]
     y_ref[s, cols] = _act(acc, activation).astype(y_ref.dtype)
     for i in range(k - 1):
         st_out[slot * (k - 1) + i, cols] = window[i + 1].astype(st_out.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("activation", "impl", "col0"))
-def _decode_pallas(x, weight, bias, conv_states, slot_ids, *, activation, impl, col0=0):
+@functools.partial(jax.jit, static_argnames=("activation", "impl", "col0", "row"))
+def _decode_pallas(x, weight, bias, conv_states, slot_ids, *, activation, impl, col0=0, row=None):
     b = x.shape[0]
-    c, k = weight.shape
+    if row is None:  # one layer's [c, k] / [c]: a stack of one (reshapes: no copies)
+        weight, bias, row = weight[None], None if bias is None else bias[None], 0
+    _, c, k = weight.shape
     cb = channel_block(math.gcd(c, col0) if col0 else c)  # blocks aligned to col0 too
     flat = conv_states.reshape(-1, c)
     args = (slot_ids, x, weight) + ((bias,) if bias is not None else ()) + (flat,)
     y, flat = launch(
         functools.partial(_conv_decode_kernel, k=k, cb=cb, col0=col0, activation=activation,
-                          has_bias=bias is not None),
+                          has_bias=bias is not None, row=row),
         impl=impl, grid=(b, c // cb),
         out_shape=[jax.ShapeDtypeStruct((b, c), x.dtype),
                    jax.ShapeDtypeStruct(flat.shape, flat.dtype)],

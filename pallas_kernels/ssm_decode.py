@@ -47,6 +47,7 @@ class Packed(NamedTuple):
     n: int  # state dim
     dt_col0: int  # the raw dt's first column in the in_proj row
     dt_limit: tuple[float, float]
+    row: int = 0  # A_log, D, dt_bias are stacks [L, h]: this layer's row
 
 
 def ssm_decode(
@@ -138,13 +139,14 @@ def _decode_body(*refs, hpg: int, bp: int, hb: int, loops: int, order: str,
     else:
         width, gn, n = packed.width, packed.gn, packed.n
         lo, hi = packed.dt_limit
-        v = dt_ref[s, pl.ds(packed.dt_col0 + h0, hb)].astype(f32) + bias_ref[heads].astype(f32)
+        r = packed.row
+        v = dt_ref[s, pl.ds(packed.dt_col0 + h0, hb)].astype(f32) + bias_ref[r, heads].astype(f32)
         dt = jnp.maximum(v, 0.0) + jnp.log(1.0 + jnp.exp(-jnp.abs(v)))  # softplus
         dt = jnp.minimum(jnp.maximum(dt, lo), hi)
-        decay = jnp.exp(-dt * jnp.exp(a_ref[heads].astype(f32)))[:, None, None]
+        decay = jnp.exp(-dt * jnp.exp(a_ref[r, heads].astype(f32)))[:, None, None]
         bv = x_ref[s, pl.ds(width + g * n, n)].astype(f32)[None, None, :]
         cv = x_ref[s, pl.ds(width + gn + g * n, n)].astype(f32)[None, None, :]
-    dv = d_ref[heads][:, None]
+    dv = (d_ref[heads] if packed is None else d_ref[packed.row, heads].astype(f32))[:, None]
 
     def step(i, carry):
         rows = pl.ds((pb * loops + i) * bp, bp)
@@ -210,6 +212,7 @@ def _decode_pallas(x, dte, A, B, C, D, states, slot_ids, z, *, impl, block_p, nu
 def ssm_decode_packed(
     xbc, zxbcdt, A_log, D, dt_bias, states, slot_ids, *, num_heads: int, head_dim: int,
     n_groups: int, dt_col0: int, dt_limit=(0.0, float("inf")), impl: Impl | None = None,
+    row: int | None = None,
 ):
     """`ssm_decode` reading its inputs where a Mamba2 layer has them, with no XLA glue.
 
@@ -219,8 +222,13 @@ def ssm_decode_packed(
     [num_slots, h, p, n]. Returns (y [b, h, p] in xbc.dtype, states updated), equal to
     `ssm_decode` on the split, activated inputs: the slices, dt's softplus and A are
     computed inside the kernel instead of by four to six small XLA kernels per layer.
+    `row`: A_log, D and dt_bias are stacks [L, h] (every layer's, hybrid_jax/fusion.py),
+    read at row `row` in place (slices would be copied before the custom call).
     """
     impl = resolve_impl(impl)
+    if row is not None and any(a.ndim != 2 or not 0 <= row < a.shape[0] for a in (A_log, D, dt_bias)):
+        raise ValueError(f"{row=}: A_log {A_log.shape}, D {D.shape}, dt_bias {dt_bias.shape} "
+                         "must be stacks [L > row, h]")
     b = xbc.shape[0]
     h, p = num_heads, head_dim
     gn = (xbc.shape[1] - h * p) // 2
@@ -231,9 +239,12 @@ def ssm_decode_packed(
         raise ValueError(f"{zxbcdt.shape=} must be [{b}, >= {dt_col0 + h}] (dt columns from {dt_col0=})")
     # The split views' shapes, checked as `ssm_decode` checks its arguments.
     view = lambda *shape: jax.ShapeDtypeStruct(shape, xbc.dtype)  # noqa: E731
-    check_mamba_args(view(b, h, p), view(b, h), A_log, view(b, n_groups, n), view(b, n_groups, n), D,
-                     dt_bias, states, slot_ids, None, dt_limit)
+    one = (lambda a: a) if row is None else (lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype))
+    check_mamba_args(view(b, h, p), view(b, h), one(A_log), view(b, n_groups, n), view(b, n_groups, n),
+                     one(D), one(dt_bias), states, slot_ids, None, dt_limit)
     if impl == "reference" or not (is_pow2(p) and is_pow2(n)):
+        if row is not None:
+            A_log, D, dt_bias = A_log[row], D[row], dt_bias[row]
         x = xbc[:, :h * p].reshape(b, h, p)
         B = xbc[:, h * p:h * p + gn].reshape(b, n_groups, n)
         C = xbc[:, h * p + gn:].reshape(b, n_groups, n)
@@ -242,7 +253,9 @@ def ssm_decode_packed(
                           dt_limit=dt_limit, impl=impl)
     tuning = dict(DECODE_TUNING[jnp.dtype(states.dtype).name])
     tuning["block_p"] = channel_block(p, tuning["block_p"])
-    packed = Packed(p, h * p, gn, n, dt_col0, tuple(map(float, dt_limit)))
+    if row is None:  # one layer's [h] vectors: a stack of one (reshapes: no copies)
+        A_log, D, dt_bias, row = A_log[None], D[None], dt_bias[None], 0
+    packed = Packed(p, h * p, gn, n, dt_col0, tuple(map(float, dt_limit)), row)
     return _decode_packed_pallas(xbc, zxbcdt, A_log, D, dt_bias, states, slot_ids.astype(jnp.int32),
                                  impl=impl, packed=packed, **tuning)
 
@@ -263,4 +276,4 @@ def _decode_packed_pallas(xbc, zxbcdt, A_log, D, dt_bias, states, slot_ids, *, i
                    jax.ShapeDtypeStruct(states.shape, states.dtype)],
         aliases={6: 1}, num_warps=num_warps, name="ssm_decode",
     )
-    return call(slot_ids, zxbcdt, A_log, D.astype(jnp.float32), dt_bias, xbc, states)
+    return call(slot_ids, zxbcdt, A_log, D, dt_bias, xbc, states)

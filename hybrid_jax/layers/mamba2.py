@@ -38,6 +38,9 @@ class Mamba2Mixer(nnx.Module):
                                   norm_before_gate=cfg.norm_before_gate, dtype=dtype)
                      if cfg.gated_norm else None)
         self.out_proj = Linear(cfg.d_inner, dim, bias=cfg.out_proj_bias, dtype=dtype, rngs=rngs)
+        # A fused model (hybrid_jax/fusion.py) stacks A_log, D, dt_bias and the conv weight
+        # and bias of all its Mamba2 layers, shared by them: this layer's row (None: its own).
+        self.stack_row: int | None = None
         self.cfg = cfg
 
     def _mup_vector(self) -> jax.Array | None:
@@ -77,8 +80,21 @@ class Mamba2Mixer(nnx.Module):
                 B.reshape(*lead, cfg.n_groups, cfg.state_size),
                 C.reshape(*lead, cfg.n_groups, cfg.state_size))
 
+    def param(self, name: str) -> jax.Array | None:
+        """This layer's A_log, D, dt_bias, conv_weight or conv_bias (None: absent bias)."""
+        v = getattr(self, name)
+        if v is None:
+            return None
+        return v[...] if self.stack_row is None else v[self.stack_row]
+
+    def stacked(self, name: str) -> tuple[jax.Array | None, int | None]:
+        """(array, row): the whole stack and this layer's row in it, or (own array, None);
+        for kernels that read their row in place (`row=` of conv1d_decode, ssm_decode_packed)."""
+        v = getattr(self, name)
+        return (None if v is None else v[...]), self.stack_row
+
     def A(self) -> jax.Array:
-        return -jnp.exp(self.A_log[...].astype(jnp.float32))
+        return -jnp.exp(self.param("A_log").astype(jnp.float32))
 
     def gated(self, y: jax.Array, z: jax.Array, dtype: jnp.dtype) -> jax.Array:
         """SSM output y [..., h, p] (f32) and gate z [..., d_inner] -> out_proj's input
@@ -95,14 +111,14 @@ class Mamba2Mixer(nnx.Module):
         return self.out_proj(self.gated(y, z, dtype))
 
     def conv_bias_value(self) -> jax.Array | None:
-        return None if self.conv_bias is None else self.conv_bias[...]
+        return self.param("conv_bias")
 
     def __call__(self, x: jax.Array) -> jax.Array:
         cfg = self.cfg
         z, xbc, dt = self.project(x)
-        xbc = jax.nn.silu(causal_conv1d(xbc, self.conv_weight[...], self.conv_bias_value())
+        xbc = jax.nn.silu(causal_conv1d(xbc, self.param("conv_weight"), self.conv_bias_value())
                           .astype(jnp.float32)).astype(xbc.dtype)
         xs, B, C = self.split_xbc(xbc)
-        dt = process_dt(dt, self.dt_bias[...], cfg.dt_limit)
-        y, _ = ssd_chunked(xs, dt, self.A(), B, C, self.D[...], chunk_size=cfg.chunk_size)
+        dt = process_dt(dt, self.param("dt_bias"), cfg.dt_limit)
+        y, _ = ssd_chunked(xs, dt, self.A(), B, C, self.param("D"), chunk_size=cfg.chunk_size)
         return self.output(y, z, x.dtype)

@@ -105,10 +105,12 @@ def test_conv_rejects_bad_activation():
 
 
 @pytest.mark.parametrize("impl", [KERNEL_IMPL, "reference"])
-@pytest.mark.parametrize("with_bias", [True, False])
-def test_conv_decode_reads_columns_of_a_wider_input(impl, with_bias):
+@pytest.mark.parametrize("with_bias,stacked", [(True, False), (False, False), (True, True),
+                                               (False, True)])
+def test_conv_decode_reads_columns_of_a_wider_input(impl, with_bias, stacked):
     """`col0`: the channels are columns [col0, col0 + C) of a wider x (the Mamba2 in_proj
-    output, read in place), with bf16 weights and bias as stored: same as the slice."""
+    output, read in place), with bf16 weights and bias as stored: same as the slice.
+    `row`: the weight and bias are row 1 of stacks [3, C, K] / [3, C] (other rows junk)."""
     rng = np.random.default_rng(11 + with_bias)
     b, num_slots, col0 = 3, 5, 32
     slots = np.array([2, 4, 0], np.int32)
@@ -116,8 +118,15 @@ def test_conv_decode_reads_columns_of_a_wider_input(impl, with_bias):
     wide = rng.standard_normal((b, col0 + C + 24)).astype(np.float32)
     w = jnp.asarray(rng.standard_normal((C, K)), jnp.bfloat16)
     bias = jnp.asarray(rng.standard_normal(C), jnp.bfloat16) if with_bias else None
-    y, st = conv1d_decode(jnp.asarray(wide), w, bias, jnp.asarray(states), jnp.asarray(slots),
-                          activation="silu", impl=impl, col0=col0)
+    kw = {}
+    ws, bs = w, bias
+    if stacked:
+        junk = lambda a: jnp.asarray(rng.standard_normal(a.shape) * 100, a.dtype)  # noqa: E731
+        ws = jnp.stack([junk(w), w, junk(w)])
+        bs = None if bias is None else jnp.stack([junk(bias), bias, junk(bias)])
+        kw = dict(row=1)
+    y, st = conv1d_decode(jnp.asarray(wide), ws, bs, jnp.asarray(states), jnp.asarray(slots),
+                          activation="silu", impl=impl, col0=col0, **kw)
     x = wide[:, col0:col0 + C]
     wf = np.asarray(w.astype(jnp.float32), np.float64)
     bf = np.asarray(bias.astype(jnp.float32), np.float64) if with_bias else 0.0
@@ -126,8 +135,12 @@ def test_conv_decode_reads_columns_of_a_wider_input(impl, with_bias):
     assert rel_err(np.asarray(y)[:-1], (v / (1 + np.exp(-v)))[:-1]) < 1e-5
     assert np.array_equal(np.asarray(st)[slots[:-1]], window[:-1, 1:].astype(np.float32))
     with pytest.raises(ValueError, match="col0"):
-        conv1d_decode(jnp.asarray(wide), w, bias, jnp.asarray(states), jnp.asarray(slots),
-                      activation="silu", impl=impl, col0=col0 + 25)
+        conv1d_decode(jnp.asarray(wide), ws, bs, jnp.asarray(states), jnp.asarray(slots),
+                      activation="silu", impl=impl, col0=col0 + 25, **kw)
+    if stacked:
+        with pytest.raises(ValueError, match="row"):
+            conv1d_decode(jnp.asarray(wide), ws, bs, jnp.asarray(states), jnp.asarray(slots),
+                          activation="silu", impl=impl, col0=col0, row=3)
     with pytest.raises(ValueError, match="weight.shape"):  # wider x without col0: a mismatch
         conv1d_decode(jnp.asarray(wide), w, bias, jnp.asarray(states), jnp.asarray(slots),
                       activation="silu", impl=impl)

@@ -87,11 +87,13 @@ def test_decode_rejects_bad_state():
 
 
 @pytest.mark.parametrize("impl", [KERNEL_IMPL, "reference"])
-@pytest.mark.parametrize("state_dtype,g,dt_limit", [(jnp.float32, 1, (0.0, float("inf"))),
-                                                    (jnp.bfloat16, 2, (0.05, 2.0))])
-def test_packed_decode_matches_loop(impl, state_dtype, g, dt_limit):
+@pytest.mark.parametrize("state_dtype,g,dt_limit,stacked", [
+    (jnp.float32, 1, (0.0, float("inf")), False), (jnp.bfloat16, 2, (0.05, 2.0), False),
+    (jnp.float32, 2, (0.05, 2.0), True)])
+def test_packed_decode_matches_loop(impl, state_dtype, g, dt_limit, stacked):
     """`ssm_decode_packed` reads x/B/C from one xBC row and the raw dt from columns of a
-    wider in_proj row, takes A_log, and gives the float64 loop's outputs."""
+    wider in_proj row, takes A_log, and gives the float64 loop's outputs. `stacked`: A_log,
+    D and dt_bias are row 2 of stacks [3, h] (`row=2`; the other rows junk)."""
     b, h, p, n, num_slots = 5, 4, 32, 16, 8
     args, states, slots, _ = _case(zlib.crc32(f"packed{impl}{g}".encode()), b, h, g, p, n, num_slots)
     rng = np.random.default_rng(3)
@@ -104,10 +106,15 @@ def test_packed_decode_matches_loop(impl, state_dtype, g, dt_limit):
     want_y, want_s = _oracle(args, states_q, slots, None)
     if dt_limit != (0.0, float("inf")):  # the oracle's dt, clamped
         want_y, want_s = _oracle_clamped(args, states_q, slots, dt_limit)
-    y, st = ssm_decode_packed(jnp.asarray(xbc), jnp.asarray(zxbcdt), jnp.asarray(A_log),
-                              jnp.asarray(args["D"]), jnp.asarray(args["dt_bias"]),
+    coeffs = [jnp.asarray(a, jnp.float32) for a in (A_log, args["D"], args["dt_bias"])]
+    kw = {}
+    if stacked:
+        coeffs = [jnp.stack([a + 7.0, a - 3.0, a]) for a in coeffs]
+        kw = dict(row=2)
+    y, st = ssm_decode_packed(jnp.asarray(xbc), jnp.asarray(zxbcdt), *coeffs,
                               jnp.asarray(states, state_dtype), jnp.asarray(slots), num_heads=h,
-                              head_dim=p, n_groups=g, dt_col0=dt_col0, dt_limit=dt_limit, impl=impl)
+                              head_dim=p, n_groups=g, dt_col0=dt_col0, dt_limit=dt_limit, impl=impl,
+                              **kw)
     y, st = np.asarray(y), np.asarray(st.astype(jnp.float32))
     live = slots[:-1]
     assert rel_err(y[:-1], want_y[:-1]) < TOL[state_dtype]
@@ -150,3 +157,6 @@ def test_packed_decode_rejects_bad_shapes():
     with pytest.raises(ValueError, match="xbc.shape"):
         ssm_decode_packed(z(2, 4 * 32 + 2 * 16 + 1), z(2, 70), z(4), z(4), z(4), z(3, 4, 32, 16), slots,
                           dt_col0=60, **args)
+    with pytest.raises(ValueError, match="row"):  # stacks of 2 rows: row 2 is outside
+        ssm_decode_packed(z(2, 4 * 32 + 2 * 16), z(2, 70), z(2, 4), z(2, 4), z(2, 4), z(3, 4, 32, 16),
+                          slots, dt_col0=60, row=2, **args)

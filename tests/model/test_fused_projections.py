@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
 from hybrid_jax.config import AttentionConfig, LayerSpec, Mamba2Config, MLPConfig, ModelConfig
-from hybrid_jax.fusion import fuse_projections, is_fused
+from hybrid_jax.fusion import MAMBA_STACKED, fuse_projections, is_fused
 from hybrid_jax.generate import greedy_generate
 from hybrid_jax.model import CausalLM
 from tests.model.test_ragged_forward import MAX_LEN, Harness, all_kinds_config, serve_greedy
@@ -88,6 +89,18 @@ def test_fused_weights_are_the_originals(case):
                 [orig.attention.o_proj.kernel[...], orig.mamba.out_proj.kernel[...]], axis=0))
         np.testing.assert_array_equal(new.mlp.gate_up_proj.kernel[...], jnp.concatenate(
             [orig.mlp.gate_proj.kernel[...], orig.mlp.up_proj.kernel[...]], axis=1))
+    # Mamba2 parameters: one stack per name, shared by the layers, row i = layer i's.
+    mixers = [(o.mamba, n.mamba) for o, n in zip(model.layers, fused.layers, strict=True)
+              if o.mamba is not None]
+    for name in MAMBA_STACKED:
+        if getattr(mixers[0][0], name) is None:
+            continue
+        assert len({id(getattr(n, name)) for _, n in mixers}) == 1  # one shared Variable
+        for i, (o, n) in enumerate(mixers):
+            assert n.stack_row == i
+            np.testing.assert_array_equal(n.param(name), getattr(o, name)[...])
+    leaves = jax.tree.leaves(nnx.state(fused))
+    assert len(leaves) == len({id(x) for x in leaves})  # shared stacks appear once
 
 
 def test_argument_model_unchanged_and_fused_refuses_full_forward(case):
