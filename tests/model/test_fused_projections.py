@@ -116,9 +116,9 @@ PROMPTS = [np.random.default_rng(n).integers(0, 64, n).tolist() for n in (1, 9, 
 NEW = 8
 
 
-@pytest.mark.parametrize("case", ["qkv_bias_muP", "all_kinds"], indirect=True)
+@pytest.mark.parametrize("case", ["qkv_bias_muP"], indirect=True)
 def test_fused_serving_matches_unfused_full_forward(case):
-    """Greedy tokens in chunked prefill + decode, two configurations (CI time; the logits
+    """Greedy tokens in chunked prefill + decode, one configuration (CI time; the logits
     test below covers every one, and the engine's parity tests run fused models)."""
     _, model, fused = case
     reference = [greedy_generate(model, p, NEW) for p in PROMPTS]
