@@ -1,0 +1,48 @@
+"""The runner serves a fused copy of the model (hybrid_jax/fusion.py) unless
+HYBRID_JAX_FUSE_PROJECTIONS=0; the model handed to it is left as it was, and a value
+other than 0 / 1 is refused naming the variable."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from hybrid_jax.fusion import is_fused
+from hybrid_jax.model import CausalLM
+from serving.packing import unpack
+from serving.runner import ModelRunner
+from tests.model.test_fused_projections import CONFIGS
+
+
+def _runner(model):
+    return ModelRunner(model, num_pages=(9,) * len(model.cfg.windows), page_size=8, num_slots=3,
+                       ring_widths=(4,) * len(model.cfg.windows), max_num_seqs=2,
+                       max_num_batched_tokens=16)
+
+
+@pytest.mark.parametrize("env,fused", [(None, True), ("1", True), ("0", False)])
+def test_runner_fuses_unless_switched_off(monkeypatch, env, fused):
+    if env is None:
+        monkeypatch.delenv("HYBRID_JAX_FUSE_PROJECTIONS", raising=False)
+    else:
+        monkeypatch.setenv("HYBRID_JAX_FUSE_PROJECTIONS", env)
+    model = CausalLM(CONFIGS["hybrid"], rngs=nnx.Rngs(0))
+    runner = _runner(model)
+    served = nnx.merge(runner.graphdef, unpack(runner.layout, runner.params))
+    assert is_fused(served) == fused
+    assert not is_fused(model) and model.layers[0].attention.q_proj is not None
+    # The packed parameters hold the same numbers either way (fusion moves, never changes).
+    total = sum(float(jnp.sum(jnp.abs(x.astype(jnp.float32)))) for x in
+                jax.tree.leaves(nnx.state(model)))
+    packed = sum(float(jnp.sum(jnp.abs(x.astype(jnp.float32)))) for x in
+                 jax.tree.leaves(nnx.state(served)))
+    np.testing.assert_allclose(packed, total, rtol=1e-6)
+
+
+def test_runner_refuses_a_bad_switch(monkeypatch):
+    monkeypatch.setenv("HYBRID_JAX_FUSE_PROJECTIONS", "yes")
+    with pytest.raises(ValueError, match="HYBRID_JAX_FUSE_PROJECTIONS"):
+        _runner(CausalLM(CONFIGS["hybrid"], rngs=nnx.Rngs(0)))
