@@ -22,6 +22,7 @@ The runner knows nothing of requests or scheduling policy.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import time
@@ -125,6 +126,7 @@ class ModelRunner:
             # One flat buffer per dtype (serving/packing.py: hundreds of arguments cost ms per call).
             self.layout, self.params = pack(jax.device_put(params, self.replicated))
             del params
+            gc.collect()  # the fused copy's concatenations, before the pools are allocated
             zeros = lambda tree: jax.device_put(
                 jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), tree), self.replicated)
             self.caches = zeros(cache_shapes)
