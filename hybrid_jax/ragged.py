@@ -308,7 +308,7 @@ def block_ragged(block: Block, h: jax.Array, batch: RaggedBatch, cache: LayerCac
     kv, mamba, rglru, short_conv = cache
     # Fused projections (hybrid_jax/fusion.py): one GEMM for the mixers' input projections
     # (their input multipliers are equal), read in place by column; one for o_proj + out_proj.
-    proj, col, merged = None, 0, []
+    proj, col, branches = None, 0, []  # branches: (output, or out-projection input; multiplier)
     if block.fused_in is not None:
         proj = block.fused_in(_scale(u, cfg.attention_in_multiplier if block.attention is not None
                                      else cfg.ssm_in_multiplier))
@@ -322,19 +322,16 @@ def block_ragged(block: Block, h: jax.Array, batch: RaggedBatch, cache: LayerCac
             col = qw + 2 * kw
         x = None if raw is not None else _scale(u, cfg.attention_in_multiplier)
         a, kv = _attention(block.attention, x, batch, kv, group, decode, q, raw, project_out)
-        if project_out:
-            out = out + a * cfg.attention_out_multiplier
-        else:
-            merged.append(a)
+        branches.append((a, cfg.attention_out_multiplier))
     if block.mamba is not None:
         x = None if proj is not None else _scale(u, cfg.ssm_in_multiplier)
         m, mamba = _mamba(block.mamba, x, batch, mamba, decode, q, proj, col, project_out)
-        if project_out:
-            out = out + m * cfg.ssm_out_multiplier
-        else:
-            merged.append(m)
-    if not project_out:  # multipliers 1: the sum of both projections is one GEMM
-        out = out + block.fused_out(jnp.concatenate(merged, axis=-1))
+        branches.append((m, cfg.ssm_out_multiplier))
+    if project_out:
+        for y, multiplier in branches:
+            out = out + y * multiplier
+    else:  # multipliers 1: the sum of both out-projections is one GEMM over the stacked rows
+        out = out + block.fused_out(jnp.concatenate([y for y, _ in branches], axis=-1))
     if block.recurrent is not None:
         r, rglru = _recurrent(block.recurrent, u, batch, rglru, decode, q)
         out = out + r
