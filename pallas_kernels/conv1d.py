@@ -87,16 +87,11 @@ def conv1d_decode(x, weight, bias, conv_states, slot_ids, *, activation="silu",
                              f"{None if bias is None else bias.shape} [L, c]")
         if impl == "reference":
             weight, bias, row = weight[row], None if bias is None else bias[row], None
-        else:
-            c = weight.shape[1]
-            view = x if col0 is None or x.ndim != 2 else jax.ShapeDtypeStruct((x.shape[0], c), x.dtype)
-            if col0 is not None and x.ndim == 2 and not 0 <= col0 <= x.shape[1] - c:
-                raise ValueError(f"{col0=}: columns [{col0}, {col0 + c}) outside x of width {x.shape[1]}")
-            shape = lambda a: None if a is None else jax.ShapeDtypeStruct(a.shape[1:], a.dtype)  # noqa: E731
-            _check(view, shape(weight), shape(bias), conv_states, activation)
-            return _decode_pallas(x, weight, bias, conv_states, slot_ids.astype(jnp.int32),
-                                  activation=activation, impl=impl, col0=col0 or 0, row=row)
-    c = weight.shape[0] if weight.ndim == 2 else -1
+    # One layer's weight and bias as shapes (a stack's row: no slice in the traced graph).
+    one = (lambda a: a) if row is None else (
+        lambda a: None if a is None else jax.ShapeDtypeStruct(a.shape[1:], a.dtype))
+    w1, b1 = one(weight), one(bias)
+    c = w1.shape[0] if w1.ndim == 2 else -1
     if col0 is not None and x.ndim == 2:
         if not 0 <= col0 <= x.shape[1] - c:
             raise ValueError(f"{col0=}: columns [{col0}, {col0 + c}) outside x of width {x.shape[1]}")
@@ -104,13 +99,13 @@ def conv1d_decode(x, weight, bias, conv_states, slot_ids, *, activation="silu",
             x, col0 = x[:, col0:col0 + c], None
     # Checked as the [b, c] view it reads (a shape only: no slice in the traced graph).
     view = x if col0 is None or x.ndim != 2 else jax.ShapeDtypeStruct((x.shape[0], c), x.dtype)
-    _check(view, weight, bias, conv_states, activation)
+    _check(view, w1, b1, conv_states, activation)
     if impl == "reference":
         bias = jnp.zeros((c,), jnp.float32) if bias is None else bias
         return conv1d_decode_reference(x, weight, bias, conv_states, slot_ids,
                                        activation=activation)
     return _decode_pallas(x, weight, bias, conv_states, slot_ids.astype(jnp.int32),
-                          activation=activation, impl=impl, col0=col0 or 0)
+                          activation=activation, impl=impl, col0=col0 or 0, row=row)
 
 
 @functools.partial(jax.jit, static_argnames=("activation", "impl"))
