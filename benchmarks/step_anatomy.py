@@ -33,7 +33,7 @@ import numpy as np
 from hybrid_jax.loading import load_model
 from serving.bench.floor import copy_bandwidth
 from serving.bench.trace_report import gpu_kernel_events, host_event_totals
-from serving.engine import LLMEngine
+from serving.engine import LLMEngine, freeze_heap
 from serving.engine_config import EngineConfig
 from serving.runner import fuse_projections_enabled
 from serving.sampling_params import SamplingParams
@@ -172,6 +172,7 @@ def run(a: argparse.Namespace) -> dict:
     t0 = time.perf_counter()
     engine = LLMEngine(lm, cfg, show_progress=False)
     startup = time.perf_counter() - t0
+    freeze_heap()  # as `serve` does: one engine for the process's life
     rng = np.random.default_rng(0)
     params = SamplingParams(temperature=0.0, max_tokens=a.steps + extra - 32, ignore_eos=True)
     for _ in range(a.batch):

@@ -46,7 +46,8 @@ class Tokenizer:
 
     def decode_batch(self, seqs: list[list[int]], *, skip_special_tokens: bool = True) -> list[str]:
         """`decode` of each list, in one call into the Rust library."""
-        return self.tok.decode_batch([list(x) for x in seqs], skip_special_tokens=skip_special_tokens)
+        seqs = [x if isinstance(x, list) else list(x) for x in seqs]
+        return self.tok.decode_batch(seqs, skip_special_tokens=skip_special_tokens)
 
 
 def byte_level_tokenizer() -> tokenizers.Tokenizer:

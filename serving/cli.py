@@ -299,7 +299,7 @@ def _request_limits(args: argparse.Namespace):
 
 def _serve_model(args: argparse.Namespace, model: str, tls, limits) -> int:
     from hybrid_jax.loading import load_model
-    from serving.engine import LLMEngine
+    from serving.engine import LLMEngine, freeze_heap
     from serving.engine_config import EngineConfig
     from serving.server import GenerationServer
 
@@ -313,6 +313,7 @@ def _serve_model(args: argparse.Namespace, model: str, tls, limits) -> int:
                        tensor_parallel_size=args.tensor_parallel_size, **_spec_kwargs(args))
     host = _sharded_loading(args.tensor_parallel_size)
     engine = LLMEngine(load_model(model, dtype=args.dtype, seed=args.weights_seed, device=host), cfg)
+    freeze_heap()  # one engine for the process's life: no full GC walks of the start-up heap
     server = GenerationServer(engine, model_name=args.model, host=args.host, port=args.port,
                               metrics_port=None if args.metrics_port < 0 else args.metrics_port,
                               max_waiting=args.max_waiting, limits=limits, tls=tls,

@@ -2,17 +2,41 @@
 
 Text is produced as tokens arrive: each step decodes a short window of recent
 tokens and emits only what is new, holding back a trailing U+FFFD (a multi-byte
-character split across tokens) until its remaining bytes arrive. Stop strings are
+character split across tokens) until its remaining bytes arrive. With a
+`tokenizers` tokenizer this runs in Rust (`tokenizers.decoders.DecodeStream`, one
+call per token: the host's detokenization at batch 256 costs a fraction of decoding
+two windows per request); other tokenizers decode the windows here. Stop strings are
 matched on the text; a match truncates the output before the stop string. This
 module knows nothing of devices or scheduling.
 """
 
 from __future__ import annotations
 
+import tokenizers
+
 from hybrid_jax.tokenizer import Tokenizer
+
+try:
+    from tokenizers.decoders import DecodeStream
+except ImportError:  # tokenizers < 0.21: the windows are decoded here
+    DecodeStream = None
 
 REPLACEMENT = "\ufffd"
 CONTEXT = 6  # tokens of left context decoded with the new ones (merges, leading spaces)
+
+
+def _decode_stream(tokenizer: Tokenizer, context: list[int]):
+    """A DecodeStream that has seen `context` (its text not emitted), or None."""
+    rust = getattr(tokenizer, "tok", None)
+    if DecodeStream is None or not isinstance(rust, tokenizers.Tokenizer):
+        return None
+    try:
+        return DecodeStream(ids=context, skip_special_tokens=True)
+    except TypeError:  # no `ids` argument (older tokenizers): step through the context
+        stream = DecodeStream(skip_special_tokens=True)
+        for t in context:
+            stream.step(rust, t)
+        return stream
 
 
 class IncrementalDetokenizer:
@@ -25,11 +49,26 @@ class IncrementalDetokenizer:
         self.stop = tuple(s for s in stop if s)
         self.stopped_on: str | None = None
         self.shown = 0  # characters of `text` already returned
+        self._stream = _decode_stream(tokenizer, self.ids[self.prefix:])
 
     def add(self, token_ids: list[int]) -> str:
         """Append tokens; return the newly visible text (possibly empty)."""
+        if self._stream is not None:
+            return self._add_streamed(token_ids)
         done, window = self._extend(token_ids)
         return self._accept(self.tokenizer.decode(done), self.tokenizer.decode(window))
+
+    def _add_streamed(self, token_ids: list[int]) -> str:
+        """`add` through the DecodeStream: None from a step holds the token back (a split
+        character, or no text yet), as a trailing U+FFFD does in `_accept`."""
+        text, rust = "", self.tokenizer.tok
+        for t in token_ids:
+            self.ids.append(t)
+            piece = self._stream.step(rust, t)
+            if piece is not None:
+                self.read = len(self.ids)
+                text += self._append(piece)
+        return text
 
     @staticmethod
     def add_batch(items: list[tuple[IncrementalDetokenizer, list[int]]]) -> list[str]:
@@ -37,8 +76,11 @@ class IncrementalDetokenizer:
         `decode` calls per request (host time per step at large batches)."""
         out: list[str] = [""] * len(items)
         groups: dict[int, list[int]] = {}
-        for i, (d, _) in enumerate(items):
-            groups.setdefault(id(d.tokenizer), []).append(i)
+        for i, (d, ids) in enumerate(items):
+            if d._stream is not None:
+                out[i] = d._add_streamed(ids)
+            else:
+                groups.setdefault(id(d.tokenizer), []).append(i)
         for idx in groups.values():
             windows = [items[i][0]._extend(items[i][1]) for i in idx]
             tok = items[idx[0]][0].tokenizer
@@ -65,6 +107,7 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """At the end of a request: whatever was held back, even if incomplete."""
+        self.prefix = max(self.prefix, self.read - CONTEXT)
         rest = self.tokenizer.decode(self.ids[self.prefix:])
         done = self.tokenizer.decode(self.ids[self.prefix:self.read])
         self.read = len(self.ids)
@@ -79,8 +122,12 @@ class IncrementalDetokenizer:
         if self.stopped_on is not None:
             return ""
         before = len(self.text)
-        self.text += new
-        end = len(self.text)
+        # Extend in place: CPython grows a string held by one reference without copying
+        # it, while `self.text += new` copies the whole text (O(output) per token).
+        text, self.text = self.text, ""
+        text += new
+        self.text = text
+        end = len(text)
         if self.stop:
             window_start = max(0, before - max(map(len, self.stop)) + 1)
             hits = [(i, s) for s in self.stop if (i := self.text.find(s, window_start)) >= 0]

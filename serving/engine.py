@@ -8,6 +8,7 @@ a bad request never reaches the scheduler, so it cannot harm the others.
 
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
 import os
@@ -64,6 +65,21 @@ def _needs_full(p: SamplingParams) -> bool:
     filters = p.temperature > 0 and (p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0)
     penalties = p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
     return filters or penalties or bool(p.logprobs)
+
+
+def freeze_heap() -> None:
+    """Collect, then move every object alive now out of the cyclic GC's reach (gc.freeze).
+
+    For a process that serves one engine for its life (the CLI, the server): after
+    start-up the heap holds millions of long-lived objects (JAX, the model, the
+    executables), and each full collection walks them all, which stalls one step by
+    100-200 ms every few hundred steps at batch 256 (benchmarks/host_step.py). Frozen,
+    a full collection walks only what was made after start-up. An object frozen here
+    is never collected as part of a reference cycle later, so a process that builds
+    and drops engines (tests, notebooks) should not call this.
+    """
+    gc.collect()
+    gc.freeze()
 
 
 def _use_compilation_cache(path: str | None) -> None:

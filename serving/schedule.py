@@ -22,7 +22,7 @@ from serving.sequence import Sequence
 PENDING = -1  # a token id not known on the host yet: fed on device from the last step's samples
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class ScheduledSeq:
     """One sequence's share of a step: tokens [start, start + c) of `seq.token_ids`.
 
@@ -36,6 +36,8 @@ class ScheduledSeq:
       completes the prompt / the recompute after a preemption).
     token_ids holds PENDING (-1) for a token sampled by the step still in flight
       (the overlapped loop); the runner feeds its value on the device.
+    Treat an entry as immutable: it is not a frozen dataclass only because a frozen
+    one's __init__ costs ~2 us per entry (one per running sequence per step).
     """
 
     seq: Sequence

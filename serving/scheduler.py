@@ -67,6 +67,7 @@ from serving.scheduler_config import SchedulerConfig
 from serving.sequence import FinishReason, Sequence, SequenceStatus, check_stop
 
 RUNNING = SequenceStatus.RUNNING
+FINISHED = SequenceStatus.FINISHED
 
 
 class StepOutput(NamedTuple):
@@ -131,6 +132,10 @@ class Scheduler:
                     config.max_prefill_chunk, config.max_model_len)
             for g in config.groups
         )  # fmt: skip
+        # (index, group, window - 1) of each sliding-window group: first_needed(n) is
+        # max(0, n - (window - 1)) // page_size (`_release_window`).
+        self._windowed = tuple((i, g, g.window - 1) for i, g in enumerate(self.groups)
+                               if g.window is not None)
         self.slots = SlotPool(config.num_slots)
         self.prefix = (PrefixCache(self.groups, config.page_size, config.prefix_state_stride,
                                    config.num_checkpoints) if config.prefix_caching else None)
@@ -159,6 +164,9 @@ class Scheduler:
                 f"max_model_len={self.config.max_model_len}"
             )
         seq.arrival = next(self._arrivals)
+        # Ids that may stop it (update's fast path skips check_stop for any other token).
+        eos = () if seq.params.ignore_eos else self.eos_token_ids
+        seq.stop_ids = frozenset((*eos, *seq.params.stop_token_ids))
         seq.rings = tuple(g.new_ring() for g in self.groups)
         self.waiting.append(seq)
         self._live[seq.request_id] = seq
@@ -204,8 +212,7 @@ class Scheduler:
         # Pages that left every window since the last update: a sequence admitted in the
         # step still in flight has had no update yet, and its next chunk must fit its ring.
         for seq in self.running:
-            for group, ring in zip(self.groups, seq.rings, strict=True):
-                group.release(ring, seq.num_computed_tokens)
+            self._release_window(seq)
         q = 0
         if spec is not None and self._can_verify(spec):
             work = [(seq, max(0, min(spec.q - 1, seq.params.max_tokens - seq.num_output_tokens - 1)))
@@ -260,20 +267,27 @@ class Scheduler:
                 continue
             if self.prefix is not None:  # the step ran: its pages and checkpoint are real
                 self.prefix.commit(entry)
-            if seq.is_finished:
+            status = seq.status
+            if status is FINISHED:
                 continue  # aborted or stopped since: a late step's sample is dropped
-            if seq.status is RUNNING:
-                for group, ring in zip(self.groups, seq.rings, strict=True):
-                    group.release(ring, seq.num_computed_tokens)
+            if status is RUNNING:
+                self._release_window(seq)
             if not entry.samples:
                 continue
             # A running or requeued (preempted, rolled back) sequence keeps its sample.
+            token = int(token)
             seq.num_pending -= 1
-            seq.append_token(int(token))
-            reason = check_stop(seq, self.eos_token_ids)
-            if reason is not None:
-                self._finish(seq, reason)
-            outputs.append(StepOutput(seq, [int(token)], reason is not None))
+            ids = seq.token_ids
+            ids.append(token)
+            # check_stop's answer without calling it when the token stops nothing and
+            # max_tokens is not reached (the common case: host time per sequence per step).
+            if token in seq.stop_ids or len(ids) - seq.num_prompt_tokens >= seq.params.max_tokens:
+                reason = check_stop(seq, self.eos_token_ids)
+                if reason is not None:
+                    self._finish(seq, reason)
+            else:
+                reason = None
+            outputs.append(StepOutput(seq, [token], reason is not None))
         return outputs
 
     def _update_verify(self, entry: ScheduledSeq, tokens: list[int]) -> StepOutput | None:
@@ -374,23 +388,35 @@ class Scheduler:
     # -- internals ------------------------------------------------------------
 
     def _schedule_decodes(self, step: _Step) -> None:
-        """One token for every running sequence that has one left, oldest first."""
+        """One token for every running sequence that has one left, oldest first.
+
+        Per sequence this is the host's hottest loop (every running sequence, every
+        step): the tests of `num_uncomputed_tokens` and `is_exhausted` are spelled out.
+        """
         for seq in list(self.running):
-            if seq.status is not RUNNING or seq.num_uncomputed_tokens != 1 or seq.is_exhausted:
+            if seq.status is not RUNNING:
                 continue
-            entry = self._commit_held(seq)
+            n, known, pending = seq.num_computed_tokens, len(seq.token_ids), seq.num_pending
+            if known + pending - n != 1:  # num_uncomputed_tokens
+                continue
+            if pending and known - seq.num_prompt_tokens + pending >= seq.params.max_tokens:
+                continue  # is_exhausted
+            entry = self._commit_held(seq, n, known, pending)
             if entry is not None:
-                step.add(entry, decode=True)
+                step.decodes.append(entry)
+                step.scheduled.add(seq.request_id)
+                step.budget -= 1
             elif self._make_room(seq, step, may_preempt_self=True):
                 step.add(self._commit(seq, 1), decode=True)
 
-    def _commit_held(self, seq: Sequence) -> ScheduledSeq | None:
+    def _commit_held(self, seq: Sequence, n: int, known: int, pending: int) -> ScheduledSeq | None:
         """`_commit(seq, 1)` for a decode whose page every group already holds, else None.
 
+        n, known, pending: the sequence's computed tokens, len(token_ids), num_pending.
         The common decode (15 of 16 tokens with 16-token pages): nothing to allocate or
         preempt, so the host's per-sequence work per step stays a few microseconds.
         """
-        n, s = seq.num_computed_tokens, self.config.page_size
+        s = self.config.page_size
         page, offset = divmod(n, s)
         maps = []
         for ring in seq.rings:
@@ -398,21 +424,30 @@ class Scheduler:
             if not 0 <= i < len(ring.pages):
                 return None
             maps.append((ring.pages[i] * s + offset,))
-        samples = n + 1 == seq.num_tokens + seq.num_pending
+        samples = n + 1 == known + pending
         entry = ScheduledSeq(
             seq=seq,
-            token_ids=(seq.token_ids[n],) if n < seq.num_tokens else (PENDING,),
+            token_ids=(seq.token_ids[n],) if n < known else (PENDING,),
             start=n,
             slot=seq.slot,
-            ring_rows=tuple(ring.row.copy() for ring in seq.rings),
+            ring_rows=tuple([ring.row.copy() for ring in seq.rings]),
             slot_mappings=tuple(maps),
             samples=samples,
-            out_index=seq.num_output_tokens + seq.num_pending,
+            out_index=known - seq.num_prompt_tokens + pending,
         )
         seq.num_computed_tokens = n + 1
         if samples:
-            seq.num_pending += 1
+            seq.num_pending = pending + 1
         return entry
+
+    def _release_window(self, seq: Sequence) -> None:
+        """`release` every sliding-window group's pages that left the window (global
+        groups never release); the group is called only when a page is due."""
+        n, s, rings = seq.num_computed_tokens, self.config.page_size, seq.rings
+        for i, group, reach in self._windowed:
+            ring = rings[i]
+            if (n - reach) // s > ring.first:  # first_needed(n) > first: a page is due
+                group.release(ring, n)
 
     def _schedule_partial_prefills(self, step: _Step) -> None:
         """Next chunks of running sequences still in their prefill, oldest first."""

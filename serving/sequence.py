@@ -67,6 +67,9 @@ class Sequence:
         # Tokens sampled by a dispatched step whose values have not reached the host yet
         # (the overlapped loop): they follow `token_ids` and count as known for scheduling.
         self.num_pending = 0
+        # Token ids that can stop it (EOS unless ignore_eos, stop_token_ids); set by
+        # Scheduler.add, which knows the EOS ids.
+        self.stop_ids: frozenset[int] = frozenset()
         # Prefix caching: chain hashes of the full pages of `token_ids` computed so far.
         self.page_keys: list[bytes] = []
 

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import numpy as np
+import pytest
+
 from hybrid_jax.tokenizer import Tokenizer, byte_level_tokenizer
+from serving import detokenizer
 from serving.detokenizer import IncrementalDetokenizer
 
 TOK = Tokenizer(byte_level_tokenizer(), bos_id=1)
@@ -57,3 +61,44 @@ def test_add_batch_equals_add_per_request():
             batched[i].append(piece)
     assert batched == alone
     assert [d.stopped_on for d in ds] == [None, "STOP", "b c", None, None]
+
+
+def _metaspace_tokenizer() -> Tokenizer:
+    """Word-level tokens with SentencePiece's '▁' spaces: decoding a window drops the
+    leading space of its first token, so context handling shows in the text."""
+    import tokenizers
+    from tokenizers import decoders, models, pre_tokenizers
+
+    words = ["<unk>", "<s>", "</s>", "▁hello", "▁world", "!", "▁a", "b", "▁", "é"]
+    tok = tokenizers.Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    tok.add_special_tokens(["<s>", "</s>"])
+    return Tokenizer(tok, bos_id=1)
+
+
+@pytest.mark.parametrize("streamed", [True, False], ids=["decode_stream", "windows"])
+@pytest.mark.parametrize("kind", ["byte_level", "metaspace"])
+def test_random_streams_give_the_full_decode(kind, streamed, monkeypatch):
+    """Random token streams (split multi-byte characters, special tokens mid-stream, ids
+    past the tokenizer's vocabulary as a padded model vocabulary samples): the pieces
+    plus the flush are the full decode's text after the prompt, through the Rust
+    DecodeStream and through the window path alike, piece for piece."""
+    tok = TOK if kind == "byte_level" else _metaspace_tokenizer()
+    if not streamed:
+        monkeypatch.setattr(detokenizer, "DecodeStream", None)
+    rng = np.random.default_rng(0 if kind == "byte_level" else 1)
+    prompt = [1, *tok.encode("hello world" if kind == "metaspace" else "prompt ")]
+    vocab = tok.vocab_size
+    for _ in range(20):
+        out = [int(t) for t in rng.integers(0, vocab + 3, size=int(rng.integers(1, 40)))]
+        d = IncrementalDetokenizer(tok, prompt)
+        assert (d._stream is not None) == (streamed and detokenizer.DecodeStream is not None)
+        pieces = [d.add([t]) for t in out] + [d.flush()]
+        full = tok.decode(prompt + out)
+        assert "".join(pieces) == full[len(tok.decode(prompt)):]
+        if streamed:  # the same pieces as the window path
+            with monkeypatch.context() as m:
+                m.setattr(detokenizer, "DecodeStream", None)
+                w = IncrementalDetokenizer(tok, prompt)
+                assert [w.add([t]) for t in out] + [w.flush()] == pieces

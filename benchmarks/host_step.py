@@ -1,0 +1,99 @@
+"""The engine's host work per decode step, with the device work stubbed out.
+
+`LLMEngine.step()` at batch B with every sequence decoding, where the compiled step and
+the sampler are replaced by functions that return at once (the sampler returns
+pre-made token arrays), so what is timed is the host alone: scheduling, flattening,
+packing and transferring the step's inputs, updating the sequences, detokenizing and
+building the deltas. This is the work that must fit under the device step for the
+overlapped loop to keep the GPU busy (docs/engine.md); its absolute figures depend on
+the host's CPU, so compare runs on one machine (the GPU host's own figures come from
+`step_anatomy.py`'s host_ms_per_step).
+
+    PYTHONPATH=. python benchmarks/host_step.py [--batch 64 256] [--steps 200] [--stop]
+        [--profile] [--no-gc-freeze]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import pstats
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from serving.engine import LLMEngine, freeze_heap
+from serving.engine_config import EngineConfig
+from serving.runner import TOP_LOGPROBS
+from serving.sampling_params import SamplingParams
+
+
+def stub_device(engine: LLMEngine, vocab_lo: int = 3, vocab_hi: int = 200) -> None:
+    """Replace the runner's executables with host-only stand-ins (rotating token arrays)."""
+    runner = engine.runner
+    rng = np.random.default_rng(0)
+    outs = {}
+    for bs, full in list(runner.samplers):
+        outs[(bs, full)] = [
+            (jnp.asarray(rng.integers(vocab_lo, vocab_hi, bs, dtype=np.int32)),
+             jnp.zeros(bs, jnp.float32), jnp.zeros((bs, TOP_LOGPROBS), jnp.int32),
+             jnp.zeros((bs, TOP_LOGPROBS), jnp.float32)) for _ in range(8)]
+    count = iter(range(1 << 62))
+
+    def sampler(key):
+        return lambda logits, stats, buf: outs[key][next(count) % 8]
+
+    runner.samplers = {key: sampler(key) for key in runner.samplers}
+    runner.compiled = {b: (lambda params, caches, stats, buf, last, *ck: (caches, stats, None))
+                       for b in runner.compiled}
+
+
+def measure(batch: int, steps: int, profile: bool, stop: bool, freeze: bool = True) -> dict:
+    cfg = EngineConfig(max_num_seqs=batch, max_num_batched_tokens=max(512, batch),
+                       max_model_len=4096, num_pages=batch * 4 + 8, seq_buckets=(batch,),
+                       token_buckets=(batch, max(512, batch)), compilation_cache_dir=None)
+    engine = LLMEngine("native-tiny", cfg, show_progress=False)
+    stub_device(engine)
+    if freeze:
+        freeze_heap()  # as `serve` does
+    params = SamplingParams(max_tokens=steps + 20, ignore_eos=True, temperature=0.0,
+                            stop=("zzzz",) if stop else ())
+    for i in range(batch):
+        engine.add_request(prompt_token_ids=[3 + (i * 7 + j) % 50 for j in range(8)], params=params)
+    for _ in range(4):  # admission and the first decodes
+        engine.step()
+    prof = cProfile.Profile() if profile else None
+    times = []
+    if prof:
+        prof.enable()
+    for _ in range(steps):
+        t = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t)
+    if prof:
+        prof.disable()
+        pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+    ms = np.asarray(times) * 1e3
+    return {"batch": batch, "steps": steps, "stop_strings": stop, "gc_freeze": freeze,
+            "median_ms": float(np.median(ms)), "p90_ms": float(np.percentile(ms, 90)),
+            "max_ms": float(ms.max()), "us_per_seq": float(np.median(ms)) * 1e3 / batch,
+            "device": str(jax.devices()[0])}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--batch", type=int, nargs="+", default=[64, 256])
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--stop", action="store_true", help="every request has a stop string")
+    p.add_argument("--profile", action="store_true", help="print cProfile's top functions")
+    p.add_argument("--no-gc-freeze", action="store_true", help="leave the start-up heap to the GC")
+    a = p.parse_args()
+    for b in a.batch:
+        print(json.dumps(measure(b, a.steps, a.profile, a.stop, not a.no_gc_freeze)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
