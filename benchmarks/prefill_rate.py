@@ -8,14 +8,16 @@ weight but the embedding table; the tied head counts once) + attention 4 x heads
 head_dim x keys in the window + SSD 2 x 3 x heads x head_dim x state (per token,
 chunked form counted at its matmul size) -- written out in `model_flops`.
 
-  PYTHONPATH=. python benchmarks/prefill_rate.py --prompt-len 8192 --chunk 8192 --requests 4
+  PYTHONPATH=. python benchmarks/prefill_rate.py --prompt-len 8192 --chunk 8192 --requests 4 [--trace]
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import statistics
+import tempfile
 import time
 
 import jax
@@ -23,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hybrid_jax.loading import load_model
+from serving.bench.trace_report import gpu_kernel_events
 from serving.engine import LLMEngine
 from serving.engine_config import EngineConfig
 from serving.sampling_params import SamplingParams
@@ -60,6 +63,16 @@ def model_flops(engine: LLMEngine, context: int) -> float:
     return dense + att + ssm
 
 
+def kernel_totals(directory: str, steps: int, top: int = 25) -> list[tuple[str, float, int]]:
+    """(kernel, ms per step, launches per step) of a trace, by time: where a prefill step goes."""
+    by_name: dict[str, list[float]] = collections.defaultdict(list)
+    for _, ev in gpu_kernel_events(directory):
+        by_name[ev.name[:80]].append(ev.duration_ns)
+    rows = sorted(((k, sum(v) / 1e6 / steps, len(v) // steps) for k, v in by_name.items()),
+                  key=lambda r: -r[1])
+    return [("total", sum(r[1] for r in rows), sum(r[2] for r in rows)), *rows[:top]]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="native-1b-parallel")
@@ -68,6 +81,8 @@ def main() -> None:
     p.add_argument("--chunk", type=int, default=8192)
     p.add_argument("--requests", type=int, default=4)
     p.add_argument("--out", default=None)
+    p.add_argument("--trace", action="store_true",
+                   help="also trace one steady prefill step (not timed): GPU time per kernel")
     a = p.parse_args()
     lm = load_model(a.model, dtype=a.dtype)
     cfg = EngineConfig(max_num_seqs=a.requests, max_num_batched_tokens=a.chunk, max_prefill_chunk=a.chunk,
@@ -79,12 +94,19 @@ def main() -> None:
         engine.add_request(prompt_token_ids=rng.integers(3, lm.config.vocab_size, a.prompt_len).tolist(),
                            params=SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
     times = []
+    trace_dir = tempfile.mkdtemp() if a.trace else None
+    traced = 2  # with --trace: the step traced (a steady prefill chunk), left out of the timing
     while engine.has_unfinished():
+        if trace_dir and len(times) == traced:
+            jax.profiler.start_trace(trace_dir)
         t = time.perf_counter()
         engine.step()
         jax.block_until_ready(engine.runner.caches)
         times.append(time.perf_counter() - t)
-    steady = times[1:-1] or times
+        if trace_dir and len(times) == traced + 1:
+            jax.profiler.stop_trace()
+    steady = [t for i, t in enumerate(times) if 0 < i < len(times) - 1 and not (trace_dir and i == traced)]
+    steady = steady or times
     step_s = statistics.median(steady)
     tok_s = a.chunk / step_s
     rate = matmul_rate()
@@ -93,6 +115,8 @@ def main() -> None:
            "device": str(jax.devices()[0]), "step_ms": 1e3 * step_s, "prefill_tok_s": tok_s,
            "model_TFLOPs": flops / 1e12, "matmul_TFLOPs": rate / 1e12, "fraction_of_ceiling": flops / rate,
            "steps": len(times)}
+    if trace_dir and len(times) > traced:
+        res["top_kernels"] = kernel_totals(trace_dir, steps=1)
     print(json.dumps(res))
     if a.out:
         with open(a.out, "a") as f:
