@@ -83,6 +83,7 @@ def main() -> None:
     p.add_argument("--out", default=None)
     p.add_argument("--trace", action="store_true",
                    help="also trace one steady prefill step (not timed): GPU time per kernel")
+    p.add_argument("--dump", default=None, help="write the prefill executable's optimised HLO here")
     a = p.parse_args()
     lm = load_model(a.model, dtype=a.dtype)
     cfg = EngineConfig(max_num_seqs=a.requests, max_num_batched_tokens=a.chunk, max_prefill_chunk=a.chunk,
@@ -117,6 +118,10 @@ def main() -> None:
            "steps": len(times)}
     if trace_dir and len(times) > traced:
         res["top_kernels"] = kernel_totals(trace_dir, steps=1)
+    if a.dump:  # the prefill executable's optimised HLO (what each fusion in the trace is)
+        exe = next(e for b, e in engine.runner.compiled.items() if not b.decode)
+        with open(a.dump, "w") as f:
+            f.write(exe.as_text())
     print(json.dumps(res))
     if a.out:
         with open(a.out, "a") as f:
