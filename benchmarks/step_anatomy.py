@@ -10,7 +10,10 @@ every sequence decodes, then measures on steps where the WHOLE batch decodes:
   kernel_ms    sum of GPU kernel durations per step in a jax.profiler trace
   kernels      GPU kernels (and memcpys) per step in that trace
   floor_ms     bytes the step must move (weights + in-window K/V + recurrent state
-               read and written) over the device-to-device copy bandwidth measured here
+               read and written) over the device-to-device copy bandwidth measured here;
+               K/V at each sequence's real context in the measured steps (`context` is
+               their mean, with context_min / context_max: sequences admitted early have
+               decoded while later ones prefilled, so contexts exceed the prompt length)
 
 Prints one table row per configuration; `--out FILE` writes JSON with the top kernels.
 
@@ -39,17 +42,22 @@ from serving.runner import fuse_projections_enabled
 from serving.sampling_params import SamplingParams
 
 
-def floor_bytes(engine: LLMEngine, batch: int, context: int) -> dict[str, int]:
-    """Weights once, each sequence's in-window K/V once, recurrent state read + written."""
+def floor_bytes(engine: LLMEngine, lengths: np.ndarray) -> dict[str, int]:
+    """Weights once, each sequence's in-window K/V once, recurrent state read + written.
+
+    lengths [b]: each sequence's keys in cache in the step (its context). They differ:
+    sequences admitted early have decoded while later ones still prefilled.
+    """
     cfg, runner = engine.model_config, engine.runner
     weights = sum(x.nbytes for x in jax.tree.leaves(runner.params))
+    batch = len(lengths)
     kv = state = 0
     for spec, cache in zip(cfg.layers, runner.caches, strict=True):
         if cache.kv is not None:
             k = cache.kv.k  # [k, pages, s, e]
             per_token = 2 * k.shape[0] * k.shape[3] * k.dtype.itemsize
-            seen = context if spec.window is None else min(context, spec.window)
-            kv += batch * seen * per_token
+            seen = lengths if spec.window is None else np.minimum(lengths, spec.window)
+            kv += int(seen.sum()) * per_token
         for x in jax.tree.leaves((cache.mamba, cache.rglru)):
             state += 2 * batch * (x.nbytes // x.shape[0])
     return {"weights": weights, "kv": kv, "state": state, "total": weights + kv + state}
@@ -181,13 +189,14 @@ def run(a: argparse.Namespace) -> dict:
     started: set[str] = set()
     while len(started) < a.batch:  # prefill until every sequence has its first token
         started |= {d.request_id for d in engine.step()}
-    step_s, ran = [], []
+    step_s, ran, lengths = [], [], []
     captured = {}
     orig = engine.runner.dispatch
 
     def spy(arrays, sampling, *args, **kwargs):
         captured["args"] = (arrays, sampling)
         ran.append(len(arrays.slot_ids) == arrays.num_decodes == a.batch)
+        lengths.append(arrays.seq_lens.copy())
         return orig(arrays, sampling, *args, **kwargs)
 
     engine.runner.dispatch = spy
@@ -196,6 +205,7 @@ def run(a: argparse.Namespace) -> dict:
         if ran[-1]:
             break
     ran.clear()
+    lengths.clear()
     # Host time per measured step by part: schedule (scheduler), _dispatch (flatten, sampling
     # rows, padding, transfers, enqueue; includes dispatch = the runner's part), fetch
     # (waiting for the previous step's tokens), update (scheduler), _delta (detokenize, stops).
@@ -228,6 +238,7 @@ def run(a: argparse.Namespace) -> dict:
     for d, orig_d in zip(executables, saved, strict=True):
         d.update(orig_d)
     engine.runner.dispatch = orig
+    measured_lengths = list(lengths)
     assert all(ran), f"a measured step was not a full-batch decode: {ran} {engine.stats()}"
     engine_gaps = None
     host_events = None
@@ -288,12 +299,16 @@ def run(a: argparse.Namespace) -> dict:
     kernel_ms, kernels, top, gaps = trace_kernels(call, 10, a.top)
     r.caches, r.stats, r.last_tokens = state["caches"], state["stats"], state["last"]
     bw = copy_bandwidth()
-    context = a.prompt_len + a.steps // 2
-    fb = floor_bytes(engine, a.batch, context)
+    # The measured steps' real contexts (the floor of their mean step), not the prompt length.
+    ctx = np.stack(measured_lengths)  # [steps, b]
+    per_step = [floor_bytes(engine, x) for x in ctx]
+    fb = {k: sum(f[k] for f in per_step) // len(per_step) for k in per_step[0]}
+    context = round(float(ctx.mean()), 1)
     res = {
         "model": a.model, "dtype": a.dtype, "state_dtype": a.state_dtype or "float32",
         "loop": "sync" if a.sync else "async",
-        "batch_run": a.batch, "context": context, "device": str(jax.devices()[0]),
+        "batch_run": a.batch, "context": context, "context_min": int(ctx.min()),
+        "context_max": int(ctx.max()), "device": str(jax.devices()[0]),
         "startup_s": round(startup, 1), "engine_ms": 1e3 * statistics.median(step_s),
         "compiled_ms": 1e3 * statistics.median(per), "enqueue_ms": 1e3 * statistics.median(enq),
         "kernel_ms": kernel_ms, "kernels_per_step": kernels, "copy_TBps": bw / 1e12,
