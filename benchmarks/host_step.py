@@ -35,20 +35,22 @@ def stub_device(engine: LLMEngine, vocab_lo: int = 3, vocab_hi: int = 200) -> No
     """Replace the runner's executables with host-only stand-ins (rotating token arrays)."""
     runner = engine.runner
     rng = np.random.default_rng(0)
-    outs = {}
-    for bs, full in list(runner.samplers):
-        outs[(bs, full)] = [
-            (jnp.asarray(rng.integers(vocab_lo, vocab_hi, bs, dtype=np.int32)),
-             jnp.zeros(bs, jnp.float32), jnp.zeros((bs, TOP_LOGPROBS), jnp.int32),
-             jnp.zeros((bs, TOP_LOGPROBS), jnp.float32)) for _ in range(8)]
+    max_seqs = runner.max_seqs
+    outs = [(jnp.asarray(rng.integers(vocab_lo, vocab_hi, max_seqs, dtype=np.int32)),
+             jnp.zeros(max_seqs, jnp.float32), jnp.zeros((max_seqs, TOP_LOGPROBS), jnp.int32),
+             jnp.zeros((max_seqs, TOP_LOGPROBS), jnp.float32)) for _ in range(8)]
     count = iter(range(1 << 62))
 
-    def sampler(key):
-        return lambda logits, stats, buf: outs[key][next(count) % 8]
+    def samples(b: int):
+        t, lp, ids, tlp = outs[next(count) % 8]
+        return t, lp[:b], ids[:b], tlp[:b]
 
-    runner.samplers = {key: sampler(key) for key in runner.samplers}
-    runner.compiled = {b: (lambda params, caches, stats, buf, last, *ck: (caches, stats, None))
-                       for b in runner.compiled}
+    def forward(bucket):  # (caches, stats, logits, plain samples[, checkpoints])
+        return lambda params, caches, stats, buf, last, *ck: (caches, stats, None,
+                                                               samples(bucket.seqs), *ck)
+
+    runner.compiled = {b: forward(b) for b in runner.compiled}
+    runner.samplers = {key: (lambda logits, stats, buf, _b=key[0]: samples(_b)) for key in runner.samplers}
 
 
 def measure(batch: int, steps: int, profile: bool, stop: bool, freeze: bool = True) -> dict:

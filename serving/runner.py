@@ -245,7 +245,8 @@ class ModelRunner:
         for bucket in self.buckets:
             host = self.host_layouts[bucket]
             ckpt = bool(self.ckpt_ops) and not bucket.decode
-            fwd = _forward_fn(self.graphdef, self.layout, bucket.decode, host, ckpt, self.shardings)
+            fwd = _forward_fn(self.graphdef, self.layout, bucket.decode, host, ckpt, self.shardings,
+                              self.max_seqs)
             extra = (self.ckpts,) if ckpt else ()
             buf = jax.ShapeDtypeStruct((host.size,), jnp.int32)
             add(bucket, fwd, (self.params, self.caches, self.stats, buf, self.last_tokens, *extra),
@@ -260,9 +261,9 @@ class ModelRunner:
             logits = jax.ShapeDtypeStruct((b, self.cfg.vocab_size), jnp.float32, sharding=rep)
             host = self.sampler_layouts[b]
             buf = jax.ShapeDtypeStruct((host.size,), jnp.int32)
-            for full in (False, True):
-                add((b, full), _sampler_fn(full, self.max_seqs, host, rep), (logits, self.stats, buf),
-                    ("sampler", b, full, self.max_seqs, repr(host)))
+            # The plain sampler runs inside each forward executable (`_forward_fn`).
+            add((b, True), _sampler_fn(True, self.max_seqs, host, rep), (logits, self.stats, buf),
+                ("sampler", b, True, self.max_seqs, repr(host)))
         n = len(todo)
         done = 0
         timing = {"load_s": 0.0, "lower_s": 0.0, "compile_s": 0.0}
@@ -350,10 +351,10 @@ class ModelRunner:
         buf = jax.device_put(self.host_layouts[bucket].pack(tree), self.replicated)
         args = (self.params, self.caches, self.stats, buf, self.last_tokens)
         if ckpt:
-            self.caches, self.stats, logits, self.ckpts = self.compiled[bucket](*args, self.ckpts)
+            self.caches, self.stats, logits, plain, self.ckpts = self.compiled[bucket](*args, self.ckpts)
         else:
-            self.caches, self.stats, logits = self.compiled[bucket](*args)
-        out = self.samplers[(bs, full)](logits, self.stats, buf)
+            self.caches, self.stats, logits, plain = self.compiled[bucket](*args)
+        out = self.samplers[(bs, True)](logits, self.stats, buf) if full else plain
         self.last_tokens = out[0]
         for x in out if full else out[:2]:
             x.copy_to_host_async()

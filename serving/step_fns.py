@@ -2,11 +2,12 @@
 
 `make_buckets` chooses the padded shapes (decode buckets, mixed buckets); the builders
 return the pure functions `ModelRunner` (serving/runner.py) compiles once per bucket:
-`_forward_fn` (feed the previous samples, the ragged forward, penalty statistics, and
-with prefix caching the checkpoint copies), `_verify_fn` (speculative verification:
-forward over q tokens, acceptance, state choice) and `_sampler_fn` (sampling from a
-step's logits). Parameters are an argument, never baked into the HLO; host inputs
-arrive as one int32 buffer (serving/host_pack.py). Nothing here holds device state.
+`_forward_fn` (feed the previous samples, the ragged forward, penalty statistics, the
+plain sampler, and with prefix caching the checkpoint copies), `_verify_fn` (speculative
+verification: forward over q tokens, acceptance, state choice) and `_sampler_fn` (the
+full sampler: penalties, filters, top-n logprobs, from a step's logits). Parameters are
+an argument, never baked into the HLO; host inputs arrive as one int32 buffer
+(serving/host_pack.py). Nothing here holds device state.
 """
 
 from __future__ import annotations
@@ -164,8 +165,14 @@ class Shardings(NamedTuple):
 
 
 def _forward_fn(graphdef: nnx.GraphDef, layout: PackLayout, decode: bool, host: HostLayout,
-                ckpt_ops: bool = False, sh: Shardings | None = None) -> Callable:
-    """The model part of a step: feed the last step's samples, forward, penalty statistics.
+                ckpt_ops: bool = False, sh: Shardings | None = None, max_seqs: int = 0) -> Callable:
+    """A step: feed the last step's samples, forward, penalty statistics, plain sampling.
+
+    Returns (caches, stats, logits, plain samples[, checkpoints]): the plain sampler
+    (`_sample` with full=False) runs inside the step, so a step whose rows need no
+    penalties, filters or top-n logprobs is one executable call (the host's enqueue of a
+    second one cost ~0.2-0.3 ms per step, on the critical path at small batches); the
+    host runs the full sampler executable on `logits` for the other steps.
 
     The step's host inputs arrive as one int32 buffer (`host`: sampling arrays, sampler
     slot ids, the ragged batch, feed rows and, with `ckpt_ops`, the checkpoint copies).
@@ -190,7 +197,7 @@ def _forward_fn(graphdef: nnx.GraphDef, layout: PackLayout, decode: bool, host: 
     if sh is not None:
         r = NamedSharding(sh.mesh, PartitionSpec())
         ins = (sh.params, sh.caches, r, r, r) + ((sh.ckpts,) if ckpt_ops else ())
-        outs = (sh.caches, r, r) + ((sh.ckpts,) if ckpt_ops else ())
+        outs = (sh.caches, r, r, r) + ((sh.ckpts,) if ckpt_ops else ())
         jit = functools.partial(jax.jit, in_shardings=ins, out_shardings=outs)
 
     def model_step(params, caches, stats: TokenStats, batch: RaggedBatch, feed, last_tokens, prompt_len):
@@ -201,19 +208,24 @@ def _forward_fn(graphdef: nnx.GraphDef, layout: PackLayout, decode: bool, host: 
                                    batch.has_initial, prompt_len)
         return caches, stats, logits
 
+    def plain(logits, stats, sampling, slot_ids):
+        return _sample(logits, stats, sampling, slot_ids, full=False, max_seqs=max_seqs)
+
     if not ckpt_ops:
         def forward(params, caches, stats, buf, last_tokens):
-            sampling, _, batch, feed = host.unpack(buf)
-            return model_step(params, caches, stats, batch, feed, last_tokens, sampling.prompt_len)
+            sampling, slot_ids, batch, feed = host.unpack(buf)
+            caches, stats, logits = model_step(params, caches, stats, batch, feed, last_tokens,
+                                               sampling.prompt_len)
+            return caches, stats, logits, plain(logits, stats, sampling, slot_ids)
 
         return jit(forward, donate_argnums=(1, 2))
 
     def forward_ckpt(params, caches, stats, buf, last_tokens, ckpts):
-        sampling, _, batch, feed, ops = host.unpack(buf)
+        sampling, slot_ids, batch, feed, ops = host.unpack(buf)
         caches, stats = _restore(caches, ckpts, stats, ops)
         caches, stats, logits = model_step(params, caches, stats, batch, feed, last_tokens,
                                            sampling.prompt_len)
-        return caches, stats, logits, _save(ckpts, caches, ops)
+        return caches, stats, logits, plain(logits, stats, sampling, slot_ids), _save(ckpts, caches, ops)
 
     return jit(forward_ckpt, donate_argnums=(1, 2, 5))
 
@@ -241,6 +253,25 @@ def _verify_fn(graphdef: nnx.GraphDef, layout: PackLayout, q: int, host: HostLay
     return jax.jit(verify, donate_argnums=(1,))
 
 
+def _sample(logits, stats: TokenStats, sampling, slot_ids, *, full: bool, max_seqs: int):
+    """(tokens padded to max_seqs, logprobs, top ids, top logprobs) of a step's logits;
+    see `_sampler_fn`."""
+    b = logits.shape[0]
+    shaped = logits
+    if full:
+        shaped = apply_penalties(logits, stats, slot_ids, sampling.repetition,
+                                 sampling.presence, sampling.frequency)
+    tokens, _ = sample(shaped, sampling, filters=full)
+    raw = jax.nn.log_softmax(logits, axis=-1)
+    logprobs = jnp.take_along_axis(raw, tokens[:, None], axis=-1)[:, 0]
+    if full:
+        top_lp, top_ids = jax.lax.top_k(raw, TOP_LOGPROBS)
+    else:
+        top_lp, top_ids = jnp.zeros((b, TOP_LOGPROBS), raw.dtype), jnp.zeros((b, TOP_LOGPROBS), jnp.int32)
+    padded = jnp.zeros((max_seqs,), jnp.int32).at[:b].set(tokens)
+    return padded, logprobs, top_ids.astype(jnp.int32), top_lp
+
+
 def _sampler_fn(full: bool, max_seqs: int, host: HostLayout,
                 replicated: NamedSharding | None = None) -> Callable:
     """Sampling from a step's logits. full=False: no penalties, filters or top-n logprobs.
@@ -254,20 +285,7 @@ def _sampler_fn(full: bool, max_seqs: int, host: HostLayout,
 
     def sampler(logits, stats: TokenStats, buf):
         sampling, slot_ids = host.unpack(buf)
-        b = logits.shape[0]
-        shaped = logits
-        if full:
-            shaped = apply_penalties(logits, stats, slot_ids, sampling.repetition,
-                                     sampling.presence, sampling.frequency)
-        tokens, _ = sample(shaped, sampling, filters=full)
-        raw = jax.nn.log_softmax(logits, axis=-1)
-        logprobs = jnp.take_along_axis(raw, tokens[:, None], axis=-1)[:, 0]
-        if full:
-            top_lp, top_ids = jax.lax.top_k(raw, TOP_LOGPROBS)
-        else:
-            top_lp, top_ids = jnp.zeros((b, TOP_LOGPROBS), raw.dtype), jnp.zeros((b, TOP_LOGPROBS), jnp.int32)
-        padded = jnp.zeros((max_seqs,), jnp.int32).at[:b].set(tokens)
-        return padded, logprobs, top_ids.astype(jnp.int32), top_lp
+        return _sample(logits, stats, sampling, slot_ids, full=full, max_seqs=max_seqs)
 
     if replicated is None:
         return jax.jit(sampler)
