@@ -50,6 +50,7 @@ from attention_inputs import paged_pool, ring_columns  # noqa: E402
 
 from pallas_kernels.paged_attention import paged_attention_decode  # noqa: E402
 from pallas_kernels.paged_attention_ref import paged_attention_decode_reference  # noqa: E402
+from serving.bench.floor import copy_bandwidth  # noqa: E402
 
 # native-1b-parallel's attention: 16 query heads, 4 KV heads of 128, window 2048.
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 16, 4, 128, 16
@@ -427,23 +428,6 @@ def make_fn(kw, interpret):
 
 
 # ----------------------------------------------------------------------------- harness
-
-
-def copy_bandwidth(nbytes: int = 1 << 30, reps: int = 10) -> float:
-    """Bytes/s (read + write) of an elementwise pass over an f32 buffer (as serving/bench/floor)."""
-    n = max(1, nbytes // 4)
-    x = jnp.arange(n, dtype=jnp.float32)
-    step = jax.jit(lambda a: a + 1.0)
-    step(x).block_until_ready()
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        for _ in range(10):
-            y = step(x)
-        y.block_until_ready()
-        times.append((time.perf_counter() - t) / 10)
-    del x
-    return 2 * n * 4 / statistics.median(times)
 
 
 def make_inputs(rng, lengths, layout="random"):
