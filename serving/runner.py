@@ -246,11 +246,11 @@ class ModelRunner:
             host = self.host_layouts[bucket]
             ckpt = bool(self.ckpt_ops) and not bucket.decode
             fwd = _forward_fn(self.graphdef, self.layout, bucket.decode, host, ckpt, self.shardings,
-                              self.max_seqs)
+                              max_seqs=self.max_seqs)
             extra = (self.ckpts,) if ckpt else ()
             buf = jax.ShapeDtypeStruct((host.size,), jnp.int32)
             add(bucket, fwd, (self.params, self.caches, self.stats, buf, self.last_tokens, *extra),
-                ("forward", bucket, ckpt, repr(host)))
+                ("forward", bucket, ckpt, self.max_seqs, repr(host)))  # max_seqs: the samples' padding
         for bucket in self.verify_buckets:
             host = self.verify_layouts[bucket]
             buf = jax.ShapeDtypeStruct((host.size,), jnp.int32)

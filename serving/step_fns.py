@@ -165,7 +165,7 @@ class Shardings(NamedTuple):
 
 
 def _forward_fn(graphdef: nnx.GraphDef, layout: PackLayout, decode: bool, host: HostLayout,
-                ckpt_ops: bool = False, sh: Shardings | None = None, max_seqs: int = 0) -> Callable:
+                ckpt_ops: bool = False, sh: Shardings | None = None, *, max_seqs: int) -> Callable:
     """A step: feed the last step's samples, forward, penalty statistics, plain sampling.
 
     Returns (caches, stats, logits, plain samples[, checkpoints]): the plain sampler
