@@ -50,6 +50,13 @@ from attention_inputs import paged_pool, ring_columns  # noqa: E402
 
 from pallas_kernels.paged_attention import paged_attention_decode  # noqa: E402
 from pallas_kernels.paged_attention_ref import paged_attention_decode_reference  # noqa: E402
+from pallas_kernels.paged_decode import (  # noqa: E402
+    MIN_TILES_PER_SPLIT,
+    NUM_SMS,
+    _merge_splits,
+    split_outputs,
+)
+from pallas_kernels.paged_tiles import finish  # noqa: E402
 from serving.bench.floor import copy_bandwidth  # noqa: E402
 
 # native-1b-parallel's attention: 16 query heads, 4 KV heads of 128, window 2048.
@@ -57,7 +64,6 @@ HEADS, KV_HEADS, HEAD_DIM, PAGE = 16, 4, 128, 16
 WINDOW = 2048
 SHAPES = ((256, 312), (128, 1112), (64, 612), (8, 2012), (1, 2012))
 SMOKE_SHAPES = ((2, 40),)
-NUM_SMS = 132
 LOG2E = math.log2(math.e)
 M_INIT = -1e30
 TOL = 2e-2
@@ -205,24 +211,17 @@ def _variant_kernel(lens_ref, pt_ref, q_ref, k_ref, v_ref, *out_refs, design, hp
     o, m, l = state
     if splits == 1:
         (o_ref,) = out_refs
-        o_ref[...] = (o / jnp.where(l == 0.0, 1.0, l)[:, None]).astype(o_ref.dtype)
+        o_ref[...] = finish(state).astype(o_ref.dtype)
     else:
         o_ref, m_ref, l_ref = out_refs
         o_ref[...], m_ref[...], l_ref[...] = o, m, l
 
 
-def _merge_splits(o, m, l):
-    m_all = jnp.max(m, axis=0)
-    w = jnp.exp2(m - m_all[None])
-    l_all = jnp.sum(l * w, axis=0)
-    o_all = jnp.sum(o * w[..., None], axis=0)
-    return o_all / jnp.where(l_all == 0.0, 1.0, l_all)[..., None]
-
-
 def auto_splits(programs, max_tiles, max_splits):
+    """`paged_decode.default_splits` with a settable cap (the variants try up to 64)."""
     if programs >= 2 * NUM_SMS:
         return 1
-    return max(1, min(-(-2 * NUM_SMS // programs), max_tiles // 2, max_splits))
+    return max(1, min(-(-2 * NUM_SMS // programs), max_tiles // MIN_TILES_PER_SPLIT, max_splits))
 
 
 @functools.partial(jax.jit, static_argnames=(
@@ -246,15 +245,7 @@ def variant_decode(q, k_pages, v_pages, lengths, page_table, *, design, tile, wa
     qg = q.astype(k_pages.dtype).reshape(b, ng, real, e)
     qg = jnp.pad(qg, ((0, 0), (0, 0), (0, rows - real), (0, 0)))
     pool_spec = pl.BlockSpec((hp, n_pages, page, e), lambda i, j, x: (j, 0, 0, 0))
-    if splits == 1:
-        out_shape = jax.ShapeDtypeStruct((b, ng, rows, e), q.dtype)
-        out_specs = pl.BlockSpec((None, None, rows, e), lambda i, j, x: (i, j, 0, 0))
-    else:
-        ml = jax.ShapeDtypeStruct((splits, b, ng, rows), jnp.float32)
-        out_shape = (jax.ShapeDtypeStruct((splits, b, ng, rows, e), jnp.float32), ml, ml)
-        ml_spec = pl.BlockSpec((None, None, None, rows), lambda i, j, x: (x, i, j, 0))
-        out_specs = (pl.BlockSpec((None, None, None, rows, e), lambda i, j, x: (x, i, j, 0, 0)),
-                     ml_spec, ml_spec)
+    out_shape, out_specs = split_outputs(splits, b, ng, rows, e, q.dtype)
     pt_flat = page_table.reshape(-1)
     whole = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))  # noqa: E731
     kernel = functools.partial(

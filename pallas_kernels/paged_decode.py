@@ -75,6 +75,19 @@ def _merge_splits(o, m, l):
     return o_all / jnp.where(l_all == 0.0, 1.0, l_all)[..., None]
 
 
+def split_outputs(splits: int, b: int, nk: int, rows: int, e: int, dtype):
+    """(out_shape, out_specs) of a decode launch on grid (b, nk, splits): the normalised
+    output [b, nk, rows, e] with one split, else each split's partial state o [S, b, nk,
+    rows, e], m and l [S, b, nk, rows] in f32 (`_merge_splits` combines them)."""
+    if splits == 1:
+        return (jax.ShapeDtypeStruct((b, nk, rows, e), dtype),
+                pl.BlockSpec((None, None, rows, e), lambda i, j, x: (i, j, 0, 0)))
+    ml = jax.ShapeDtypeStruct((splits, b, nk, rows), jnp.float32)
+    ml_spec = pl.BlockSpec((None, None, None, rows), lambda i, j, x: (x, i, j, 0))
+    return ((jax.ShapeDtypeStruct((splits, b, nk, rows, e), jnp.float32), ml, ml),
+            (pl.BlockSpec((None, None, None, rows, e), lambda i, j, x: (x, i, j, 0, 0)), ml_spec, ml_spec))
+
+
 @functools.partial(
     jax.jit, static_argnames=("cfg", "splits", "num_warps", "num_stages", "interpret", "queries")
 )
@@ -94,15 +107,7 @@ def decode_pallas(
     qg = jnp.swapaxes(qg, 1, 2).reshape(b, nk, n * g, e)
     qg = jnp.pad(qg, ((0, 0), (0, 0), (0, rows - n * g), (0, 0)))
     pool_spec = pl.BlockSpec((None, n_pages, s, e), lambda i, j, x: (j, 0, 0, 0))
-    o_blk = (None, None, None, rows, e)
-    if splits == 1:
-        out_shape = jax.ShapeDtypeStruct((b, nk, rows, e), q.dtype)
-        out_specs = pl.BlockSpec((None, None, rows, e), lambda i, j, x: (i, j, 0, 0))
-    else:
-        ml = jax.ShapeDtypeStruct((splits, b, nk, rows), jnp.float32)
-        out_shape = (jax.ShapeDtypeStruct((splits, b, nk, rows, e), jnp.float32), ml, ml)
-        ml_spec = pl.BlockSpec((None, None, None, rows), lambda i, j, x: (x, i, j, 0))
-        out_specs = (pl.BlockSpec(o_blk, lambda i, j, x: (x, i, j, 0, 0)), ml_spec, ml_spec)
+    out_shape, out_specs = split_outputs(splits, b, nk, rows, e, q.dtype)
     pt_flat = page_table.reshape(-1)
     out = pl.pallas_call(
         functools.partial(_decode_kernel, cfg=cfg, splits=splits, queries=n, group=g),
