@@ -50,7 +50,7 @@ def stub_device(engine: LLMEngine, vocab_lo: int = 3, vocab_hi: int = 200) -> No
                                                                samples(bucket.seqs), *ck)
 
     runner.compiled = {b: forward(b) for b in runner.compiled}
-    runner.samplers = {key: (lambda logits, stats, buf, _b=key[0]: samples(_b)) for key in runner.samplers}
+    runner.samplers = {b: (lambda logits, stats, buf, _b=b: samples(_b)) for b in runner.samplers}
 
 
 def measure(batch: int, steps: int, profile: bool, stop: bool, freeze: bool = True) -> dict:

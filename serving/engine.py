@@ -89,8 +89,10 @@ def _use_compilation_cache(path: str | None) -> None:
 
 def _progress(i: int, n: int, key) -> None:
     bar = "#" * (20 * i // n)
-    what = (f"t={key.tokens}, b={key.seqs}{', decode' if key.decode else ''}" if hasattr(key, "seqs")
-            else f"sampler b={key[0]}{', full' if key[1] else ''}")
+    if hasattr(key, "seqs"):
+        what = f"t={key.tokens}, b={key.seqs}{', decode' if key.decode else ''}"
+    else:  # a sampler (its sequence count) or a verifier ((bucket, filters))
+        what = f"sampler b={key}" if isinstance(key, int) else f"verify b={key[0].seqs}"
     print(f"\rcompiling step executables [{bar:<20}] {i}/{n} ({what})".ljust(78),
           end="\n" if i == n else "", file=sys.stderr, flush=True)
 

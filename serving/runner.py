@@ -142,7 +142,7 @@ class ModelRunner:
         self.max_seqs = max(b.seqs for b in self.buckets)
         self.last_tokens = jax.device_put(np.zeros(self.max_seqs, np.int32), self.replicated)
         self.compiled: dict[Bucket, Callable] = {}
-        self.samplers: dict[tuple[int, bool], Callable] = {}
+        self.samplers: dict[int, Callable] = {}  # the full sampler, by sequence count
         self._host_layouts()
         # Speculative decoding: verification buckets of b sequences x spec_q tokens, for
         # the decode ladder's sizes up to spec_max_seqs (speculation is off above it),
@@ -262,8 +262,8 @@ class ModelRunner:
             host = self.sampler_layouts[b]
             buf = jax.ShapeDtypeStruct((host.size,), jnp.int32)
             # The plain sampler runs inside each forward executable (`_forward_fn`).
-            add((b, True), _sampler_fn(True, self.max_seqs, host, rep), (logits, self.stats, buf),
-                ("sampler", b, True, self.max_seqs, repr(host)))
+            add(b, _sampler_fn(self.max_seqs, host, rep), (logits, self.stats, buf),
+                ("sampler", b, self.max_seqs, repr(host)))
         n = len(todo)
         done = 0
         timing = {"load_s": 0.0, "lower_s": 0.0, "compile_s": 0.0}
@@ -272,10 +272,10 @@ class ModelRunner:
             nonlocal done
             if isinstance(key, Bucket):
                 self.compiled[key] = exe
-            elif isinstance(key[0], Bucket):
-                self.verifiers[key] = exe
-            else:
+            elif isinstance(key, int):
                 self.samplers[key] = exe
+            else:
+                self.verifiers[key] = exe
             done += 1
             if progress is not None:
                 progress(done, n, key)
@@ -354,7 +354,7 @@ class ModelRunner:
             self.caches, self.stats, logits, plain, self.ckpts = self.compiled[bucket](*args, self.ckpts)
         else:
             self.caches, self.stats, logits, plain = self.compiled[bucket](*args)
-        out = self.samplers[(bs, True)](logits, self.stats, buf) if full else plain
+        out = self.samplers[bs](logits, self.stats, buf) if full else plain
         self.last_tokens = out[0]
         for x in out if full else out[:2]:
             x.copy_to_host_async()

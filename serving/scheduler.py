@@ -132,10 +132,8 @@ class Scheduler:
                     config.max_prefill_chunk, config.max_model_len)
             for g in config.groups
         )  # fmt: skip
-        # (index, group, window - 1) of each sliding-window group: first_needed(n) is
-        # max(0, n - (window - 1)) // page_size (`_release_window`).
-        self._windowed = tuple((i, g, g.window - 1) for i, g in enumerate(self.groups)
-                               if g.window is not None)
+        # (index, group) of each sliding-window group: global groups never release a page.
+        self._windowed = tuple((i, g) for i, g in enumerate(self.groups) if g.window is not None)
         self.slots = SlotPool(config.num_slots)
         self.prefix = (PrefixCache(self.groups, config.page_size, config.prefix_state_stride,
                                    config.num_checkpoints) if config.prefix_caching else None)
@@ -441,13 +439,10 @@ class Scheduler:
         return entry
 
     def _release_window(self, seq: Sequence) -> None:
-        """`release` every sliding-window group's pages that left the window (global
-        groups never release); the group is called only when a page is due."""
-        n, s, rings = seq.num_computed_tokens, self.config.page_size, seq.rings
-        for i, group, reach in self._windowed:
-            ring = rings[i]
-            if (n - reach) // s > ring.first:  # first_needed(n) > first: a page is due
-                group.release(ring, n)
+        """`release` the pages that left the window, in the sliding-window groups only."""
+        n, rings = seq.num_computed_tokens, seq.rings
+        for i, group in self._windowed:
+            group.release(rings[i], n)
 
     def _schedule_partial_prefills(self, step: _Step) -> None:
         """Next chunks of running sequences still in their prefill, oldest first."""

@@ -272,20 +272,21 @@ def _sample(logits, stats: TokenStats, sampling, slot_ids, *, full: bool, max_se
     return padded, logprobs, top_ids.astype(jnp.int32), top_lp
 
 
-def _sampler_fn(full: bool, max_seqs: int, host: HostLayout,
-                replicated: NamedSharding | None = None) -> Callable:
-    """Sampling from a step's logits. full=False: no penalties, filters or top-n logprobs.
+def _sampler_fn(max_seqs: int, host: HostLayout, replicated: NamedSharding | None = None) -> Callable:
+    """The full sampler of a step's logits: penalties, top-k/p/min-p and top-n logprobs.
 
-    A row without those features samples the same token either way; the host picks the
-    plain sampler when no row of the step needs them. Tokens come back padded to
-    `max_seqs` rows: the buffer the next step feeds from. Logprobs (of the sampled token
-    and the top-n) are the model's raw distribution, before penalties and filters.
-    The sampling arrays and slot ids are the leading fields of the step's host buffer.
+    The plain sampler (`_sample` with full=False: none of those) runs inside the forward
+    executable; a row without those features samples the same token either way, so the
+    host calls this one only for a step where some row needs them. Tokens come back
+    padded to `max_seqs` rows: the buffer the next step feeds from. Logprobs (of the
+    sampled token and the top-n) are the model's raw distribution, before penalties and
+    filters. The sampling arrays and slot ids are the leading fields of the step's host
+    buffer.
     """
 
     def sampler(logits, stats: TokenStats, buf):
         sampling, slot_ids = host.unpack(buf)
-        return _sample(logits, stats, sampling, slot_ids, full=full, max_seqs=max_seqs)
+        return _sample(logits, stats, sampling, slot_ids, full=True, max_seqs=max_seqs)
 
     if replicated is None:
         return jax.jit(sampler)
