@@ -93,7 +93,8 @@ GENERATE_DEFAULTS = {"max_tokens": 64, "temperature": 0.6, "top_p": 0.9, "top_k"
 ENGINE_DEFAULTS = {"max_num_seqs": 32, "max_num_batched_tokens": 512, "max_prefill_chunk": 256,
                    "page_size": 16, "memory_fraction": 0.5, "prefix_state_stride": 256,
                    "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
-                   "speculative_disable_by_batch_size": 16}
+                   "speculative_disable_by_batch_size": 16, "num_scheduler_steps": 1,
+                   "multi_step_max_seqs": 8}
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
@@ -145,16 +146,25 @@ def _spec_args(p: argparse.ArgumentParser) -> None:
                     default=d["speculative_disable_by_batch_size"],
                     help="no speculation in a step with more running sequences than this "
                          f"(default {d['speculative_disable_by_batch_size']}; 0 = never off)")
+    ms = p.add_argument_group("multi-step decoding (docs/engine.md)")
+    ms.add_argument("--num-scheduler-steps", type=int, default=d["num_scheduler_steps"],
+                    help="decode steps per executable call while few sequences run, all decoding: "
+                         "the host's per-step cost is paid once per that many tokens, which "
+                         f"arrive in runs (default {d['num_scheduler_steps']}: off)")
+    ms.add_argument("--multi-step-max-seqs", type=int, default=d["multi_step_max_seqs"],
+                    help="multi-step decoding only while at most this many sequences run "
+                         f"(default {d['multi_step_max_seqs']})")
 
 
 def _spec_kwargs(args: argparse.Namespace) -> dict[str, object]:
-    """EngineConfig's speculative-decoding settings from the CLI flags."""
+    """EngineConfig's speculative- and multi-step-decoding settings from the CLI flags."""
     limit = args.speculative_disable_by_batch_size
     return dict(speculative_method=args.speculative_method,
                 num_speculative_tokens=args.num_speculative_tokens,
                 speculative_model=args.speculative_model, prompt_lookup_min=args.prompt_lookup_min,
                 prompt_lookup_max=args.prompt_lookup_max,
-                speculative_disable_by_batch_size=None if limit == 0 else limit)
+                speculative_disable_by_batch_size=None if limit == 0 else limit,
+                num_scheduler_steps=args.num_scheduler_steps, multi_step_max_seqs=args.multi_step_max_seqs)
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -61,10 +61,17 @@ class _Launched(NamedTuple):
     rows: dict[str, int]  # request id -> row in the step
 
 
+def _filters(p: SamplingParams) -> bool:
+    """The request samples through top-k / top-p / min-p."""
+    return p.temperature > 0 and (p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0)
+
+
+def _penalties(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+
+
 def _needs_full(p: SamplingParams) -> bool:
-    filters = p.temperature > 0 and (p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0)
-    penalties = p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
-    return filters or penalties or bool(p.logprobs)
+    return _filters(p) or _penalties(p) or bool(p.logprobs)
 
 
 def freeze_heap() -> None:
@@ -91,8 +98,12 @@ def _progress(i: int, n: int, key) -> None:
     bar = "#" * (20 * i // n)
     if hasattr(key, "seqs"):
         what = f"t={key.tokens}, b={key.seqs}{', decode' if key.decode else ''}"
-    else:  # a sampler (its sequence count) or a verifier ((bucket, filters))
-        what = f"sampler b={key}" if isinstance(key, int) else f"verify b={key[0].seqs}"
+    elif isinstance(key, int):  # a sampler (its sequence count)
+        what = f"sampler b={key}"
+    elif key[0] == "multi":  # a multi-step decoder (("multi", bucket, filters))
+        what = f"multi-step b={key[1].seqs}"
+    else:  # a verifier ((bucket, filters))
+        what = f"verify b={key[0].seqs}"
     print(f"\rcompiling step executables [{bar:<20}] {i}/{n} ({what})".ljust(78),
           end="\n" if i == n else "", file=sys.stderr, flush=True)
 
@@ -134,8 +145,15 @@ class LLMEngine:
             state_dtype=DTYPES[self.config.ssm_state_dtype], num_checkpoints=sc.num_checkpoints,
             ckpt_ops=sc.max_checkpoint_ops if sc.prefix_caching else 0,
             spec_q=self.config.spec_q, spec_max_seqs=min(self.config.spec_max_seqs, sc.max_num_seqs),
+            multi_q=self.config.multi_q, multi_max_seqs=min(self.config.multi_max_seqs, sc.max_num_seqs),
             mesh=mesh)
         self._spec = self._spec_plan(lm)
+        # Multi-step decoding rides on the scheduler's verification steps: q tokens per
+        # sequence with pages reserved, the q - 1 after the first sampled on the device.
+        self._multi = None if not self.config.multi_q else SpecPlan(
+            self.config.multi_q, min(self.config.multi_max_seqs, sc.max_num_seqs),
+            self._multi_eligible, lambda work: [[0] * n for _, n in work])
+        self.multi_calls = 0  # multi-step executable calls (stats: multi_step_calls)
         self.runner.compile_all(_progress if show_progress else None)
         if self.drafter is not None and hasattr(self.drafter, "compile_all"):
             self.drafter.compile_all()
@@ -170,9 +188,23 @@ class LLMEngine:
         """Verification samples with temperature, top-k, top-p and min-p: no penalties, no
         logprobs, no EOS suppression (min_tokens) pending."""
         req, p = self.requests.get(seq.request_id), seq.params
-        penalties = p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
-        return (req is not None and not penalties and p.logprobs is None
+        return (req is not None and not _penalties(p) and p.logprobs is None
                 and seq.num_output_tokens >= p.min_tokens)
+
+    def _multi_eligible(self, seq: Sequence) -> bool:
+        """Multi-step rows sample without penalties or top-n logprobs (temperature, seed,
+        top-k / top-p / min-p and the sampled token's logprob are kept) and have no EOS
+        suppression (min_tokens) pending."""
+        p = seq.params
+        return (seq.request_id in self.requests and not _penalties(p) and not p.logprobs
+                and seq.num_output_tokens >= p.min_tokens)
+
+    def _multi_ready(self) -> bool:
+        """Every running sequence decodes (its last token sampled, or in flight) and may
+        take multi-step decoding, and no more run than it serves."""
+        running = self.scheduler.running
+        return (0 < len(running) <= self._multi.max_seqs and not self.scheduler.waiting
+                and all(s.num_uncomputed_tokens == 1 and self._multi_eligible(s) for s in running))
 
     def _propose(self, work: list[tuple[Sequence, int]]) -> list[list[int]]:
         t0 = time.perf_counter()
@@ -277,6 +309,8 @@ class LLMEngine:
                     "prefix_state_checkpoint_bytes": self.plan.checkpoint_pool_bytes}
         if self.spec_counters is not None:
             out |= self.spec_counters.stats()
+        if self._multi is not None:
+            out["multi_step_calls"] = self.multi_calls
         return out
 
     # -- one step ----------------------------------------------------------------
@@ -297,8 +331,16 @@ class LLMEngine:
                 return deltas + self._spec_step()
             # More sequences than speculation serves: the ordinary overlapped step.
             self.spec_counters.plain_steps += 1
-        schedule = self.scheduler.schedule()
         deltas: list[RequestDelta] = []
+        plan = None
+        if self._multi is not None and self._multi_ready():
+            # The call needs every last token on the host: finish what is in flight.
+            while self._inflight:
+                deltas += self._resolve(self._inflight.popleft())
+            plan = self._multi
+        schedule = self.scheduler.schedule(plan)
+        if schedule.is_verify:
+            return deltas + self._multi_step(schedule)
         launched = None
         if not schedule.is_empty:
             try:
@@ -312,6 +354,24 @@ class LLMEngine:
         while len(self._inflight) > keep:
             deltas += self._resolve(self._inflight.popleft())
         return deltas
+
+    def _multi_step(self, schedule: Schedule) -> list[RequestDelta]:
+        """Run a multi-step call (synchronous) and turn its token runs into deltas."""
+        try:
+            arrays = flatten(schedule)
+            sampling, _ = self._sampling(schedule)
+            filters = any(_filters(e.seq.params) for e in schedule.entries)
+            out, lps = self.runner.multi(arrays, sampling, filters=filters)
+        except Exception as err:
+            return self._faults.failed(schedule, err)
+        self._faults.succeeded(schedule)
+        self.multi_calls += 1
+        n = [e.num_drafts + 1 for e in schedule.entries]  # a row's tokens within max_tokens
+        outputs = self.scheduler.update(schedule, [out[i, :k].tolist() for i, k in enumerate(n)])
+        rows = {e.seq.request_id: i for i, e in enumerate(schedule.entries)}
+        return [self._delta(o.seq, o.new_token_ids, None, 0,
+                            lps=lps[rows[o.seq.request_id], :len(o.new_token_ids)].tolist())
+                for o in outputs]
 
     def _spec_step(self) -> list[RequestDelta]:
         """A step with speculation on and at most `speculative_disable_by_batch_size`
@@ -336,8 +396,7 @@ class LLMEngine:
             arrays = flatten(schedule)
             sampling, _ = self._sampling(schedule)
             drafts = np.array([e.num_drafts for e in schedule.entries], np.int32)
-            filters = any(p.temperature > 0 and (p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0)
-                          for p in (e.seq.params for e in schedule.entries))
+            filters = any(_filters(e.seq.params) for e in schedule.entries)
             out, accepted = self.runner.verify(arrays, sampling, drafts, filters=filters)
         except Exception as err:
             return self._faults.failed(schedule, err)
@@ -431,8 +490,9 @@ class LLMEngine:
         return text, tokens
 
     def _delta(self, seq: Sequence, tokens: list[int], result: StepResult | None, row: int,
-               text: str | None = None) -> RequestDelta:
-        """`text`: the tokens already detokenized (by `_resolve`'s batch), if they were."""
+               text: str | None = None, lps: list[float] | None = None) -> RequestDelta:
+        """`text`: the tokens already detokenized (by `_resolve`'s batch), if they were;
+        `lps`: the sampled tokens' logprobs of a multi-token run (else from `result`)."""
         req = self.requests[seq.request_id]
         if req.detok is None:
             text = ""
@@ -446,7 +506,9 @@ class LLMEngine:
             if seq.is_finished:
                 text += req.detok.flush()
         logprobs = None
-        if seq.params.logprobs is not None:
+        if seq.params.logprobs is not None and lps is not None:  # a multi-step run (no top-n)
+            logprobs = [{int(t): float(v)} for t, v in zip(tokens, lps, strict=False)]
+        elif seq.params.logprobs is not None:
             n = seq.params.logprobs
             entry = {int(result.tokens[row]): float(result.logprobs[row])}
             entry |= {int(i): float(v) for i, v in zip(result.top_ids[row, :n],

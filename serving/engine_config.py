@@ -25,6 +25,7 @@ from serving.scheduler_config import AttentionGroup, SchedulerConfig
 
 log = logging.getLogger(__name__)
 CPU_MEMORY_BYTES = 4 << 30  # budget base when the device reports no memory (CPU)
+MAX_SCHEDULER_STEPS = 64
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,15 @@ class EngineConfig:
     # Tensor parallelism (docs/tensor_parallel.md): parameters, KV pages and states split
     # by heads over the first N local devices; pools are planned per device.
     tensor_parallel_size: int = 1
+    # Multi-step decoding (docs/engine.md), as vLLM's num_scheduler_steps: while at most
+    # multi_step_max_seqs sequences run and all of them decode with the plain sampler,
+    # one executable call runs num_scheduler_steps decode steps (a loop on the device,
+    # each step's samples fed to the next), so the host's per-step cost (scheduling,
+    # the transfer, launching the step's graph, bookkeeping) is paid once per
+    # num_scheduler_steps tokens. Tokens then arrive in runs of that many; outputs are
+    # identical. 1: off.
+    num_scheduler_steps: int = 1
+    multi_step_max_seqs: int = 8
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_prefill_chunk", "page_size",
@@ -98,6 +108,7 @@ class EngineConfig:
         if self.prefix_state_checkpoints is not None and self.prefix_state_checkpoints < 1:
             raise ValueError(f"prefix_state_checkpoints={self.prefix_state_checkpoints} must be >= 1")
         self._check_speculative()
+        self._check_multi_step()
         for name in ("seq_buckets", "token_buckets"):
             sizes = getattr(self, name)
             if sizes is not None and (not sizes or min(sizes) < 1):
@@ -133,6 +144,34 @@ class EngineConfig:
         limit = self.speculative_disable_by_batch_size
         if limit is not None and limit < 1:
             raise ValueError(f"speculative_disable_by_batch_size={limit} must be >= 1 (or None)")
+
+    def _check_multi_step(self) -> None:
+        k = self.num_scheduler_steps
+        if not 1 <= k <= MAX_SCHEDULER_STEPS:
+            raise ValueError(f"num_scheduler_steps={k} must be in 1..{MAX_SCHEDULER_STEPS}")
+        if k == 1:
+            return
+        if self.multi_step_max_seqs < 1:
+            raise ValueError(f"multi_step_max_seqs={self.multi_step_max_seqs} must be >= 1")
+        if k > self.max_prefill_chunk:
+            raise ValueError(f"num_scheduler_steps={k}: pages for that many tokens per sequence "
+                             f"are reserved at once, more than max_prefill_chunk={self.max_prefill_chunk}")
+        if self.speculative_method is not None:
+            raise ValueError(f"num_scheduler_steps={k} with speculative_method="
+                             f"{self.speculative_method!r}: use one or the other")
+        if self.tensor_parallel_size > 1:
+            raise ValueError(f"num_scheduler_steps={k} with tensor_parallel_size="
+                             f"{self.tensor_parallel_size}: multi-step decoding does not run "
+                             "tensor-parallel yet; use num_scheduler_steps=1")
+
+    @property
+    def multi_q(self) -> int:
+        """Decode steps per multi-step call, 0 when multi-step decoding is off."""
+        return self.num_scheduler_steps if self.num_scheduler_steps > 1 else 0
+
+    @property
+    def multi_max_seqs(self) -> int:
+        return min(self.multi_step_max_seqs, self.max_num_seqs)
 
     @property
     def spec_q(self) -> int:

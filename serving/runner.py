@@ -51,6 +51,7 @@ from serving.step_fns import (  # noqa: F401  (Bucket, make_buckets, _states: im
     CkptOps,
     Shardings,
     _forward_fn,
+    _multi_fn,
     _sampler_fn,
     _states,
     _verify_fn,
@@ -98,7 +99,8 @@ class ModelRunner:
                  seq_sizes: tuple[int, ...] | None = None,
                  token_sizes: tuple[int, ...] | None = None,
                  state_dtype: jnp.dtype = jnp.float32, num_checkpoints: int = 0,
-                 ckpt_ops: int = 0, spec_q: int = 0, spec_max_seqs: int = 0):
+                 ckpt_ops: int = 0, spec_q: int = 0, spec_max_seqs: int = 0,
+                 multi_q: int = 0, multi_max_seqs: int = 0):
         self.cfg = model.cfg
         self.mesh = mesh or Mesh(np.asarray(jax.devices()[:1]), (tp.AXIS,))
         self.replicated = NamedSharding(self.mesh, PartitionSpec())
@@ -155,12 +157,26 @@ class ModelRunner:
         self.verify_layouts: dict[Bucket, HostLayout] = {}
         self.verifiers: dict[tuple[Bucket, bool], Callable] = {}
         if spec_q:
-            limit = min(spec_max_seqs, self.max_seqs)
-            sizes = sorted({*(b.seqs for b in self.buckets if b.decode and b.seqs < limit), limit})
-            self.verify_buckets = [Bucket(b * spec_q, b, False, True) for b in sizes]
+            self.verify_buckets = self._q_buckets(spec_q, spec_max_seqs)
             for bk in self.verify_buckets:
                 batch, sampling = self._dummy(bk)
                 self.verify_layouts[bk] = host_layout((batch, np.zeros(bk.seqs, np.int32), sampling))
+        # Multi-step decoding: buckets of b sequences x multi_q tokens (the pages and
+        # positions of multi_q decode steps), for the decode ladder's sizes up to
+        # multi_max_seqs.
+        if multi_q and self.shardings is not None:
+            raise ValueError("multi-step decoding does not run tensor-parallel yet "
+                             "(tensor_parallel_size > 1 or HYBRID_JAX_SHARDED_RUNNER=1)")
+        self.multi_q = multi_q
+        self.multi_buckets = self._q_buckets(multi_q, multi_max_seqs) if multi_q else []
+        self.multi_layouts = {bk: host_layout(self._dummy(bk)[::-1]) for bk in self.multi_buckets}
+        self.multisteps: dict[tuple[Bucket, bool], Callable] = {}
+
+    def _q_buckets(self, q: int, max_seqs: int) -> list[Bucket]:
+        """Buckets of b sequences x q tokens: the decode ladder's sizes up to max_seqs."""
+        limit = min(max_seqs, self.max_seqs)
+        sizes = sorted({*(b.seqs for b in self.buckets if b.decode and b.seqs < limit), limit})
+        return [Bucket(b * q, b, False, True) for b in sizes]
 
     def _host_tree(self, bucket: Bucket, batch: RaggedBatch, sampling: SamplingArrays,
                    feed: np.ndarray, ops: CkptOps | None) -> tuple:
@@ -257,6 +273,13 @@ class ModelRunner:
             for filters in (False, True):
                 add((bucket, filters), _verify_fn(self.graphdef, self.layout, self.spec_q, host, filters),
                     (self.params, self.caches, buf), ("verify", bucket, filters, self.spec_q, repr(host)))
+        for bucket in self.multi_buckets:
+            host = self.multi_layouts[bucket]
+            buf = jax.ShapeDtypeStruct((host.size,), jnp.int32)
+            for filters in (False, True):
+                fn = _multi_fn(self.graphdef, self.layout, self.multi_q, host, filters)
+                add(("multi", bucket, filters), fn, (self.params, self.caches, self.stats, buf),
+                    ("multi", bucket, filters, self.multi_q, repr(host)))
         for b in sorted({bk.seqs for bk in self.buckets}):
             logits = jax.ShapeDtypeStruct((b, self.cfg.vocab_size), jnp.float32, sharding=rep)
             host = self.sampler_layouts[b]
@@ -274,6 +297,8 @@ class ModelRunner:
                 self.compiled[key] = exe
             elif isinstance(key, int):
                 self.samplers[key] = exe
+            elif key[0] == "multi":
+                self.multisteps[key[1:]] = exe
             else:
                 self.verifiers[key] = exe
             done += 1
@@ -381,6 +406,28 @@ class ModelRunner:
         self.caches, out, accepted = self.verifiers[(bucket, filters)](self.params, self.caches, buf)
         out, accepted = jax.device_get((out, accepted))
         return out[:b], accepted[:b]
+
+    def multi(self, arrays: StepArrays, sampling: SamplingArrays, *,
+              filters: bool) -> tuple[np.ndarray, np.ndarray]:
+        """Run a multi-step decode call and wait: (tokens [b, q], logprobs [b, q]).
+
+        Every sequence of `arrays` has multi_q tokens: its last sampled token, then
+        placeholders for the q - 1 tokens the loop samples (see `_multi_fn`).
+        `filters`: some row uses top-k / top-p / min-p.
+        """
+        b = len(arrays.slot_ids)
+        bucket = next((bk for bk in self.multi_buckets if bk.seqs >= b), None)
+        if bucket is None:
+            raise ValueError(f"no multi-step bucket holds {b} sequences")
+        if not np.all(arrays.query_lens == self.multi_q):
+            raise ValueError(f"a multi-step call needs {self.multi_q} tokens per sequence")
+        samp = SamplingArrays(*(_pad_rows(np.asarray(x), bucket.seqs) for x in sampling))
+        buf = jax.device_put(self.multi_layouts[bucket].pack((samp, self._pad(arrays, bucket))),
+                             self.replicated)
+        exe = self.multisteps[(bucket, filters)]
+        self.caches, self.stats, out, lps = exe(self.params, self.caches, self.stats, buf)
+        out, lps = jax.device_get((out, lps))
+        return out[:b], lps[:b]
 
     @staticmethod
     def fetch(p: Pending) -> StepResult:

@@ -4,8 +4,9 @@
 return the pure functions `ModelRunner` (serving/runner.py) compiles once per bucket:
 `_forward_fn` (feed the previous samples, the ragged forward, penalty statistics, the
 plain sampler, and with prefix caching the checkpoint copies), `_verify_fn` (speculative
-verification: forward over q tokens, acceptance, state choice) and `_sampler_fn` (the
-full sampler: penalties, filters, top-n logprobs, from a step's logits). Parameters are
+verification: forward over q tokens, acceptance, state choice), `_multi_fn` (multi-step
+decoding: q decode steps in a loop on the device) and `_sampler_fn` (the full sampler:
+penalties, filters, top-n logprobs, from a step's logits). Parameters are
 an argument, never baked into the HLO; host inputs arrive as one int32 buffer
 (serving/host_pack.py). Nothing here holds device state.
 """
@@ -251,6 +252,68 @@ def _verify_fn(graphdef: nnx.GraphDef, layout: PackLayout, q: int, host: HostLay
         return choose(caches, candidates, batch.slot_ids, accepted), out, accepted
 
     return jax.jit(verify, donate_argnums=(1,))
+
+
+def decode_rows(batch: RaggedBatch, q: int, j) -> RaggedBatch:
+    """Step j (0 <= j < q) of a multi-step batch, as the host would build a decode step.
+
+    `batch` holds q tokens per real sequence (sequence-major, as a verification step:
+    positions and slot mappings for all q, `lengths` after the q-th); padding rows come
+    last and own no tokens. The result has one token per row of the bucket: row i's
+    j-th token (the caller substitutes the sampled ids), the lengths after it, and the
+    decode bucket's padding (empty rows, zero lengths, slot and page 0).
+    """
+    b = batch.slot_ids.shape[0]
+    real = batch.cu_seqlens[1:] > batch.cu_seqlens[:-1]
+    at = lambda x: jax.lax.dynamic_index_in_dim(x.reshape(b, q), j, axis=1, keepdims=False)
+    return RaggedBatch(
+        tokens=at(batch.tokens), positions=at(batch.positions),
+        cu_seqlens=jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(real, dtype=jnp.int32)]),
+        lengths=jnp.where(real, batch.lengths - (q - 1 - j), 0),
+        slot_ids=batch.slot_ids, has_initial=batch.has_initial, page_tables=batch.page_tables,
+        slot_mappings=tuple(at(m) for m in batch.slot_mappings),
+        last_token=jnp.where(real, jnp.arange(b, dtype=jnp.int32), 0))
+
+
+def _multi_fn(graphdef: nnx.GraphDef, layout: PackLayout, q: int, host: HostLayout,
+              filters: bool) -> Callable:
+    """Multi-step decoding: q decode steps of every row in one executable.
+
+    A `lax.fori_loop` runs the decode forward (the same computation as a decode step of
+    this many rows), the penalty statistics and the sampler q times; step j's samples
+    are step j + 1's tokens and fold the key (seed, output index + j), so the tokens
+    equal q ordinary decode steps'. The host reserved pages for all q positions
+    (`decode_rows`). Rows have no penalties and ask for no top-n logprobs (the host
+    sends no others); `filters`: top-k / top-p / min-p, as the full sampler applies
+    them (off: the plain sampler). Returns (caches, stats, tokens [b, q], logprobs
+    [b, q]); the host keeps each row's tokens up to its stop (later ones were computed,
+    never shown).
+    """
+
+    def multi(params, caches, stats, buf):
+        sampling, batch = host.unpack(buf)
+        model = nnx.merge(graphdef, unpack(layout, params))
+        b = batch.slot_ids.shape[0]
+
+        def body(j, carry):
+            caches, stats, tok, out, lps = carry
+            rows = decode_rows(batch, q, j)._replace(tokens=tok)
+            logits, caches = forward_ragged(model, rows, caches, decode=True)
+            stats = update_token_stats(stats, tok, rows.positions, rows.cu_seqlens, rows.slot_ids,
+                                       rows.has_initial, sampling.prompt_len)
+            # `_sample` without penalties and top-n: what a decode step samples for these rows.
+            nxt, _ = sample(logits, sampling._replace(step=sampling.step + j), filters=filters)
+            lp = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), nxt[:, None], axis=-1)[:, 0]
+            out = jax.lax.dynamic_update_index_in_dim(out, nxt, j, axis=1)
+            lps = jax.lax.dynamic_update_index_in_dim(lps, lp, j, axis=1)
+            return caches, stats, nxt, out, lps
+
+        init = (caches, stats, decode_rows(batch, q, 0).tokens,
+                jnp.zeros((b, q), jnp.int32), jnp.zeros((b, q), jnp.float32))
+        caches, stats, _, out, lps = jax.lax.fori_loop(0, q, body, init)
+        return caches, stats, out, lps
+
+    return jax.jit(multi, donate_argnums=(1, 2))
 
 
 def _sample(logits, stats: TokenStats, sampling, slot_ids, *, full: bool, max_seqs: int):

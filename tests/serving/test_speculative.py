@@ -384,6 +384,9 @@ def test_cli_flags_reach_the_engine_config():
         cfg = EngineConfig(**_spec_kwargs(args))
         assert (cfg.speculative_method, cfg.num_speculative_tokens, cfg.speculative_model,
                 cfg.speculative_disable_by_batch_size) == ("draft", 2, "native-tiny", None)
+        args = _parser().parse_args([*cmd, "--num-scheduler-steps", "6", "--multi-step-max-seqs", "2"])
+        cfg = EngineConfig(**_spec_kwargs(args))
+        assert (cfg.num_scheduler_steps, cfg.multi_step_max_seqs, cfg.multi_q) == (6, 2, 6)
 
 
 def test_a_stop_string_inside_an_accepted_run_cuts_the_run():
