@@ -80,8 +80,6 @@ def measure(lm, a: argparse.Namespace, k: int, bw: float) -> dict:
         step()
     digest = hashlib.sha256(json.dumps([out[i] for i in ids]).encode()).hexdigest()[:16]
     stats = engine.stats()
-    del engine, runner, orig
-    gc.collect()
     ms = 1e3 * elapsed / gained
     floor_ms = 1e3 * fb["total"] / bw
     return {"model": a.model, "dtype": a.dtype, "batch_run": a.batch, "rows": rows, "k": k,
@@ -113,6 +111,7 @@ def main() -> None:
     print("batch | k | context | engine ms/step | tok/s | floor ms | x floor | full batch | digest")
     for k in a.k:
         r = measure(lm, a, k, bw)
+        gc.collect()  # the engine's pools, before the next one plans its memory
         print(f"{r['batch_run']} | {k} | {r['context']} | {r['engine_ms_per_step']:.3f} | "
               f"{r['tokens_per_s']:.0f} | {r['floor_ms']:.3f} | {r['engine_over_floor']:.2f} | "
               f"{r['all_full_batch']} | {r['tokens_digest']}", flush=True)
