@@ -33,7 +33,9 @@ from serving.sampling_params import SamplingParams
 
 def measure(lm, a: argparse.Namespace, k: int, bw: float) -> dict:
     rows = max(a.batch, a.seq_bucket)
-    total = a.warm + a.tokens + 2 * max(a.k) + 8  # output tokens per request (the same for every k)
+    # Output tokens per request, the same for every k. Sequences admitted first decode while
+    # later ones prefill: room for that lead too, so none finishes inside the window.
+    total = a.warm + a.tokens + 2 * max(a.k) + 8 + 2 * -(-a.batch * a.prompt_len // a.chunk)
     cfg = EngineConfig(max_num_seqs=rows, max_num_batched_tokens=max(a.chunk, rows),
                        max_prefill_chunk=a.chunk, max_model_len=a.prompt_len + total + 8,
                        page_size=16, dtype=a.dtype, memory_fraction=a.memory_fraction,
@@ -68,6 +70,8 @@ def measure(lm, a: argparse.Namespace, k: int, bw: float) -> dict:
     start = {i: len(v) for i, v in out.items()}
     t = time.perf_counter()
     while min(len(out[i]) - start[i] for i in ids) < a.tokens:
+        if not engine.has_unfinished():
+            raise RuntimeError("a sequence finished inside the measured window")
         step()
     elapsed = time.perf_counter() - t
     gained = min(len(out[i]) - start[i] for i in ids)
