@@ -200,11 +200,12 @@ class LLMEngine:
                 and seq.num_output_tokens >= p.min_tokens)
 
     def _multi_ready(self) -> bool:
-        """Every running sequence decodes (its last token sampled, or in flight) and may
-        take multi-step decoding, and no more run than it serves."""
+        """Whether the scheduler would take a multi-step call once the steps in flight are
+        resolved (every running sequence decodes and is eligible, no more run than it
+        serves, their pages fit, nothing waits that could be admitted): worth waiting for
+        them only then."""
         running = self.scheduler.running
-        return (0 < len(running) <= self._multi.max_seqs and not self.scheduler.waiting
-                and all(s.num_uncomputed_tokens == 1 and self._multi_eligible(s) for s in running))
+        return len(running) <= self._multi.max_seqs and self.scheduler.verify_ready(self._multi)
 
     def _propose(self, work: list[tuple[Sequence, int]]) -> list[list[int]]:
         t0 = time.perf_counter()

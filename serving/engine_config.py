@@ -250,8 +250,9 @@ def plan_pools(model: ModelConfig, cfg: EngineConfig, *, free_bytes: int | None,
     chunk = min(cfg.max_prefill_chunk, cfg.max_num_batched_tokens)
     need = [ring_width(w, cfg.page_size, chunk, max_len) for w in model.windows]
     held = [decode_page_bound(w, cfg.page_size, max_len) for w in model.windows]
-    if cfg.spec_q:  # a verification step holds the pages of q tokens per sequence
-        held = [ring_width(w, cfg.page_size, cfg.spec_q, max_len) for w in model.windows]
+    q = max(cfg.spec_q, cfg.multi_q)
+    if q:  # a verification or multi-step call holds the pages of q tokens per sequence
+        held = [ring_width(w, cfg.page_size, q, max_len) for w in model.windows]
     chunks_per_step = -(-cfg.max_num_batched_tokens // chunk)
     extra = [(n - h) * chunks_per_step for n, h in zip(need, held, strict=True)]
     one_seq = sum(n * b for n, b in zip(need, page_bytes, strict=True)) + slot_bytes

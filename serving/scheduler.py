@@ -314,9 +314,15 @@ class Scheduler:
             self._finish(seq, reason)
         return StepOutput(seq, new, reason is not None)
 
-    def _can_verify(self, spec: SpecPlan) -> bool:
-        """Whether this step may verify: see the module docstring."""
-        if not self.running or len(self.running) > spec.max_seqs or self._inflight:
+    def verify_ready(self, spec: SpecPlan) -> bool:
+        """Whether a verification step could run once the steps in flight are resolved:
+        what the engine asks before waiting for them (multi-step decoding)."""
+        return self._can_verify(spec, drained=False)
+
+    def _can_verify(self, spec: SpecPlan, drained: bool = True) -> bool:
+        """Whether this step may verify: see the module docstring. `drained` False: as if
+        the steps in flight were resolved (their tokens pending now)."""
+        if not self.running or len(self.running) > spec.max_seqs or (self._inflight and drained):
             return False
         if self.waiting and self._can_admit() and any(s.request_id not in self.held and not s.num_pending
                                                       for s in self.waiting):
@@ -324,7 +330,8 @@ class Scheduler:
         need = [0] * len(self.groups)
         for seq in self.running:
             n = seq.num_computed_tokens
-            if (seq.status is not RUNNING or seq.num_uncomputed_tokens != 1 or seq.num_pending
+            if (seq.status is not RUNNING or seq.num_uncomputed_tokens != 1
+                    or (seq.num_pending and drained)
                     or n + spec.q > self.config.max_model_len or not spec.eligible(seq)):
                 return False
             for i, (g, ring) in enumerate(zip(self.groups, seq.rings, strict=True)):
