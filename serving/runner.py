@@ -394,11 +394,7 @@ class ModelRunner:
         recurrent path on their padded tokens in the dummy slot 0.
         """
         b = len(arrays.slot_ids)
-        bucket = next((bk for bk in self.verify_buckets if bk.seqs >= b), None)
-        if bucket is None:
-            raise ValueError(f"no verification bucket holds {b} sequences")
-        if not np.all(arrays.query_lens == self.spec_q):
-            raise ValueError(f"a verification step needs {self.spec_q} tokens per sequence")
+        bucket = _q_bucket(self.verify_buckets, self.spec_q, arrays, "verification step")
         bs = bucket.seqs
         samp = SamplingArrays(*(_pad_rows(np.asarray(x), bs) for x in sampling))
         tree = (self._pad(arrays, bucket), _pad_rows(num_drafts.astype(np.int32), bs), samp)
@@ -416,11 +412,7 @@ class ModelRunner:
         `filters`: some row uses top-k / top-p / min-p.
         """
         b = len(arrays.slot_ids)
-        bucket = next((bk for bk in self.multi_buckets if bk.seqs >= b), None)
-        if bucket is None:
-            raise ValueError(f"no multi-step bucket holds {b} sequences")
-        if not np.all(arrays.query_lens == self.multi_q):
-            raise ValueError(f"a multi-step call needs {self.multi_q} tokens per sequence")
+        bucket = _q_bucket(self.multi_buckets, self.multi_q, arrays, "multi-step call")
         samp = SamplingArrays(*(_pad_rows(np.asarray(x), bucket.seqs) for x in sampling))
         buf = jax.device_put(self.multi_layouts[bucket].pack((samp, self._pad(arrays, bucket))),
                              self.replicated)
@@ -492,6 +484,17 @@ class ModelRunner:
                             tuple(np.zeros((b, w), np.int32) for w in self.ring_widths),
                             tuple(z(t) for _ in self.ring_widths), z(b))
         return batch, SamplingArrays.from_rows([{}] * b)
+
+
+def _q_bucket(buckets: list[Bucket], q: int, arrays: StepArrays, what: str) -> Bucket:
+    """The smallest bucket of q tokens per sequence that holds the step's sequences."""
+    b = len(arrays.slot_ids)
+    bucket = next((bk for bk in buckets if bk.seqs >= b), None)
+    if bucket is None:
+        raise ValueError(f"no {what} bucket holds {b} sequences")
+    if not np.all(arrays.query_lens == q):
+        raise ValueError(f"a {what} needs {q} tokens per sequence")
+    return bucket
 
 
 def _pad_rows(x: np.ndarray, n: int, fill: int = 0) -> np.ndarray:
