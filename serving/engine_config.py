@@ -78,8 +78,8 @@ class EngineConfig:
     # by heads over the first N local devices; pools are planned per device.
     tensor_parallel_size: int = 1
     # Multi-step decoding (docs/engine.md), as vLLM's num_scheduler_steps: while at most
-    # multi_step_max_seqs sequences run and all of them decode with the plain sampler,
-    # one executable call runs num_scheduler_steps decode steps (a loop on the device,
+    # multi_step_max_seqs sequences run and all of them decode (no penalties, no top-n
+    # logprobs, no min_tokens pending), one executable call runs num_scheduler_steps decode steps (a loop on the device,
     # each step's samples fed to the next), so the host's per-step cost (scheduling,
     # the transfer, launching the step's graph, bookkeeping) is paid once per
     # num_scheduler_steps tokens. Tokens then arrive in runs of that many; outputs are
