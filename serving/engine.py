@@ -135,6 +135,7 @@ class LLMEngine:
             min_slots=decode_row_floor() + 1)
         sc = self.plan.scheduler
         self.scheduler = Scheduler(sc, eos_token_ids=lm.config.eos_token_ids)
+        multi_seqs = min(self.config.multi_step_max_seqs, sc.max_num_seqs)  # the plan may lower max_num_seqs
         self.runner = ModelRunner(
             lm.model, num_pages=tuple(g.num_pages for g in sc.groups), page_size=sc.page_size,
             num_slots=sc.num_slots,
@@ -145,14 +146,12 @@ class LLMEngine:
             state_dtype=DTYPES[self.config.ssm_state_dtype], num_checkpoints=sc.num_checkpoints,
             ckpt_ops=sc.max_checkpoint_ops if sc.prefix_caching else 0,
             spec_q=self.config.spec_q, spec_max_seqs=min(self.config.spec_max_seqs, sc.max_num_seqs),
-            multi_q=self.config.multi_q, multi_max_seqs=min(self.config.multi_max_seqs, sc.max_num_seqs),
-            mesh=mesh)
+            multi_q=self.config.multi_q, multi_max_seqs=multi_seqs, mesh=mesh)
         self._spec = self._spec_plan(lm)
         # Multi-step decoding rides on the scheduler's verification steps: q tokens per
         # sequence with pages reserved, the q - 1 after the first sampled on the device.
         self._multi = None if not self.config.multi_q else SpecPlan(
-            self.config.multi_q, min(self.config.multi_max_seqs, sc.max_num_seqs),
-            self._multi_eligible, lambda work: [[0] * n for _, n in work])
+            self.config.multi_q, multi_seqs, self._multi_eligible, lambda work: [[0] * n for _, n in work])
         self.multi_calls = 0  # multi-step executable calls (stats: multi_step_calls)
         self.runner.compile_all(_progress if show_progress else None)
         if self.drafter is not None and hasattr(self.drafter, "compile_all"):
@@ -198,14 +197,6 @@ class LLMEngine:
         p = seq.params
         return (seq.request_id in self.requests and not _penalties(p) and not p.logprobs
                 and seq.num_output_tokens >= p.min_tokens)
-
-    def _multi_ready(self) -> bool:
-        """Whether the scheduler would take a multi-step call once the steps in flight are
-        resolved (every running sequence decodes and is eligible, no more run than it
-        serves, their pages fit, nothing waits that could be admitted): worth waiting for
-        them only then."""
-        running = self.scheduler.running
-        return len(running) <= self._multi.max_seqs and self.scheduler.verify_ready(self._multi)
 
     def _propose(self, work: list[tuple[Sequence, int]]) -> list[list[int]]:
         t0 = time.perf_counter()
@@ -334,8 +325,10 @@ class LLMEngine:
             self.spec_counters.plain_steps += 1
         deltas: list[RequestDelta] = []
         plan = None
-        if self._multi is not None and self._multi_ready():
-            # The call needs every last token on the host: finish what is in flight.
+        if self._multi is not None and self.scheduler.verify_ready(self._multi):
+            # The call needs every last token on the host: finish what is in flight (only
+            # when the scheduler would then take it: every running sequence decodes and is
+            # eligible, no more run than it serves, their pages fit, nothing admissible waits).
             while self._inflight:
                 deltas += self._resolve(self._inflight.popleft())
             plan = self._multi

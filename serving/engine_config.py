@@ -79,11 +79,11 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     # Multi-step decoding (docs/engine.md), as vLLM's num_scheduler_steps: while at most
     # multi_step_max_seqs sequences run and all of them decode (no penalties, no top-n
-    # logprobs, no min_tokens pending), one executable call runs num_scheduler_steps decode steps (a loop on the device,
-    # each step's samples fed to the next), so the host's per-step cost (scheduling,
-    # the transfer, launching the step's graph, bookkeeping) is paid once per
-    # num_scheduler_steps tokens. Tokens then arrive in runs of that many; outputs are
-    # identical. 1: off.
+    # logprobs, no min_tokens pending), one executable call runs num_scheduler_steps
+    # decode steps (a loop on the device, each step's samples fed to the next), so the
+    # host's per-step cost (scheduling, the transfer, launching the step's graph,
+    # bookkeeping) is paid once per num_scheduler_steps tokens. Tokens then arrive in
+    # runs of that many; outputs are identical. 1: off.
     num_scheduler_steps: int = 1
     multi_step_max_seqs: int = 8
 
@@ -168,10 +168,6 @@ class EngineConfig:
     def multi_q(self) -> int:
         """Decode steps per multi-step call, 0 when multi-step decoding is off."""
         return self.num_scheduler_steps if self.num_scheduler_steps > 1 else 0
-
-    @property
-    def multi_max_seqs(self) -> int:
-        return min(self.multi_step_max_seqs, self.max_num_seqs)
 
     @property
     def spec_q(self) -> int:

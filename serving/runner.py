@@ -169,7 +169,10 @@ class ModelRunner:
                              "(tensor_parallel_size > 1 or HYBRID_JAX_SHARDED_RUNNER=1)")
         self.multi_q = multi_q
         self.multi_buckets = self._q_buckets(multi_q, multi_max_seqs) if multi_q else []
-        self.multi_layouts = {bk: host_layout(self._dummy(bk)[::-1]) for bk in self.multi_buckets}
+        self.multi_layouts: dict[Bucket, HostLayout] = {}
+        for bk in self.multi_buckets:
+            batch, sampling = self._dummy(bk)
+            self.multi_layouts[bk] = host_layout((sampling, batch))
         self.multisteps: dict[tuple[Bucket, bool], Callable] = {}
 
     def _q_buckets(self, q: int, max_seqs: int) -> list[Bucket]:

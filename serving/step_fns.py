@@ -254,25 +254,32 @@ def _verify_fn(graphdef: nnx.GraphDef, layout: PackLayout, q: int, host: HostLay
     return jax.jit(verify, donate_argnums=(1,))
 
 
-def decode_rows(batch: RaggedBatch, q: int, j) -> RaggedBatch:
+def decode_rows(batch: RaggedBatch, q: int) -> Callable[[jax.Array], RaggedBatch]:
     """Step j (0 <= j < q) of a multi-step batch, as the host would build a decode step.
 
     `batch` holds q tokens per real sequence (sequence-major, as a verification step:
     positions and slot mappings for all q, `lengths` after the q-th); padding rows come
-    last and own no tokens. The result has one token per row of the bucket: row i's
-    j-th token (the caller substitutes the sampled ids), the lengths after it, and the
-    decode bucket's padding (empty rows, zero lengths, slot and page 0).
+    last and own no tokens. Returns j -> a batch with one token per row of the bucket:
+    row i's j-th token (the caller substitutes the sampled ids), the lengths after it,
+    and the decode bucket's padding (empty rows, zero lengths, slot and page 0). What
+    does not depend on j is built once, outside the caller's loop.
     """
     b = batch.slot_ids.shape[0]
     real = batch.cu_seqlens[1:] > batch.cu_seqlens[:-1]
-    at = lambda x: jax.lax.dynamic_index_in_dim(x.reshape(b, q), j, axis=1, keepdims=False)
-    return RaggedBatch(
-        tokens=at(batch.tokens), positions=at(batch.positions),
+    steps = lambda x: x.reshape(b, q)
+    tokens, positions = steps(batch.tokens), steps(batch.positions)
+    slots = tuple(steps(m) for m in batch.slot_mappings)
+    base = batch._replace(
         cu_seqlens=jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(real, dtype=jnp.int32)]),
-        lengths=jnp.where(real, batch.lengths - (q - 1 - j), 0),
-        slot_ids=batch.slot_ids, has_initial=batch.has_initial, page_tables=batch.page_tables,
-        slot_mappings=tuple(at(m) for m in batch.slot_mappings),
         last_token=jnp.where(real, jnp.arange(b, dtype=jnp.int32), 0))
+
+    def at(j) -> RaggedBatch:
+        col = lambda x: jax.lax.dynamic_index_in_dim(x, j, axis=1, keepdims=False)
+        return base._replace(tokens=col(tokens), positions=col(positions),
+                             lengths=jnp.where(real, batch.lengths - (q - 1 - j), 0),
+                             slot_mappings=tuple(col(m) for m in slots))
+
+    return at
 
 
 def _multi_fn(graphdef: nnx.GraphDef, layout: PackLayout, q: int, host: HostLayout,
@@ -284,8 +291,8 @@ def _multi_fn(graphdef: nnx.GraphDef, layout: PackLayout, q: int, host: HostLayo
     are step j + 1's tokens and fold the key (seed, output index + j), so the tokens
     equal q ordinary decode steps'. The host reserved pages for all q positions
     (`decode_rows`). Rows have no penalties and ask for no top-n logprobs (the host
-    sends no others); `filters`: top-k / top-p / min-p, as the full sampler applies
-    them (off: the plain sampler). Returns (caches, stats, tokens [b, q], logprobs
+    sends no others): `_sample` without them, and with `filters` (top-k / top-p / min-p)
+    as the full sampler applies them. Returns (caches, stats, tokens [b, q], logprobs
     [b, q]); the host keeps each row's tokens up to its stop (later ones were computed,
     never shown).
     """
@@ -294,21 +301,21 @@ def _multi_fn(graphdef: nnx.GraphDef, layout: PackLayout, q: int, host: HostLayo
         sampling, batch = host.unpack(buf)
         model = nnx.merge(graphdef, unpack(layout, params))
         b = batch.slot_ids.shape[0]
+        rows_at = decode_rows(batch, q)
 
         def body(j, carry):
             caches, stats, tok, out, lps = carry
-            rows = decode_rows(batch, q, j)._replace(tokens=tok)
+            rows = rows_at(j)._replace(tokens=tok)
             logits, caches = forward_ragged(model, rows, caches, decode=True)
             stats = update_token_stats(stats, tok, rows.positions, rows.cu_seqlens, rows.slot_ids,
                                        rows.has_initial, sampling.prompt_len)
-            # `_sample` without penalties and top-n: what a decode step samples for these rows.
-            nxt, _ = sample(logits, sampling._replace(step=sampling.step + j), filters=filters)
-            lp = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), nxt[:, None], axis=-1)[:, 0]
+            nxt, lp, _, _ = _sample(logits, stats, sampling._replace(step=sampling.step + j),
+                                    rows.slot_ids, full=False, filters=filters, max_seqs=b)
             out = jax.lax.dynamic_update_index_in_dim(out, nxt, j, axis=1)
             lps = jax.lax.dynamic_update_index_in_dim(lps, lp, j, axis=1)
             return caches, stats, nxt, out, lps
 
-        init = (caches, stats, decode_rows(batch, q, 0).tokens,
+        init = (caches, stats, rows_at(0).tokens,
                 jnp.zeros((b, q), jnp.int32), jnp.zeros((b, q), jnp.float32))
         caches, stats, _, out, lps = jax.lax.fori_loop(0, q, body, init)
         return caches, stats, out, lps
@@ -316,15 +323,16 @@ def _multi_fn(graphdef: nnx.GraphDef, layout: PackLayout, q: int, host: HostLayo
     return jax.jit(multi, donate_argnums=(1, 2))
 
 
-def _sample(logits, stats: TokenStats, sampling, slot_ids, *, full: bool, max_seqs: int):
+def _sample(logits, stats: TokenStats, sampling, slot_ids, *, full: bool, max_seqs: int,
+            filters: bool | None = None):
     """(tokens padded to max_seqs, logprobs, top ids, top logprobs) of a step's logits;
-    see `_sampler_fn`."""
+    see `_sampler_fn`. `filters` (default: `full`) applies top-k / top-p / min-p."""
     b = logits.shape[0]
     shaped = logits
     if full:
         shaped = apply_penalties(logits, stats, slot_ids, sampling.repetition,
                                  sampling.presence, sampling.frequency)
-    tokens, _ = sample(shaped, sampling, filters=full)
+    tokens, _ = sample(shaped, sampling, filters=full if filters is None else filters)
     raw = jax.nn.log_softmax(logits, axis=-1)
     logprobs = jnp.take_along_axis(raw, tokens[:, None], axis=-1)[:, 0]
     if full:
