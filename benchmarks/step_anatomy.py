@@ -167,6 +167,10 @@ def run(a: argparse.Namespace) -> dict:
         from hybrid_jax import ragged
         ragged.FUSED_MAMBA_DECODE = True
         os.environ["HYBRID_JAX_FUSED_MAMBA_DECODE"] = "1"  # keys the executable store apart
+    if a.unfused_attention_decode:
+        from hybrid_jax import ragged
+        ragged.FUSED_ATTENTION_DECODE = False
+        os.environ["HYBRID_JAX_UNFUSED_ATTENTION_DECODE"] = "1"  # keys the executable store apart
     lm = load_model(a.model, dtype=a.dtype)
     # Early sequences decode while later ones prefill: enough tokens that none finishes first.
     extra = 264 + 2 * -(-a.batch * a.prompt_len // max(a.chunk, a.batch))
@@ -314,6 +318,7 @@ def run(a: argparse.Namespace) -> dict:
         "xla_flags": os.environ.get("XLA_FLAGS", ""), "hlo": hlo,
         "host_ms_per_step": {k: 1e3 * v / a.steps for k, v in host.items()},
         "gaps": gaps, "engine_gaps": engine_gaps, "fused_mamba_decode": a.fused_mamba_decode,
+        "fused_attention_decode": not a.unfused_attention_decode,
         "fuse_projections": fuse_projections_enabled(), "host_events": host_events,
     }
     res["engine_over_floor"] = res["engine_ms"] / res["floor_ms"]
@@ -336,6 +341,9 @@ def main() -> None:
     p.add_argument("--dump", default=None, help="write the decode executable's optimised HLO here")
     p.add_argument("--fused-mamba-decode", action="store_true",
                    help="decode Mamba2 layers with the fused mamba2_step kernel (ragged.FUSED_MAMBA_DECODE)")
+    p.add_argument("--unfused-attention-decode", action="store_true",
+                   help="decode attention through RoPE + write_kv + paged decode in XLA "
+                        "(ragged.FUSED_ATTENTION_DECODE off): the pre-2026-11-25 step")
     p.add_argument("--trace-host", action="store_true",
                    help="trace 10 engine steps and print the host's TraceMe scopes by time")
     p.add_argument("--trace-engine", action="store_true",

@@ -46,6 +46,7 @@ from hybrid_jax.layers.attention import Attention
 from hybrid_jax.layers.linear import matmul
 from hybrid_jax.layers.mamba2 import Mamba2Mixer
 from hybrid_jax.layers.rglru import RecurrentBlock
+from hybrid_jax.layers.rotary import rope_cos_sin
 from hybrid_jax.layers.shared_block import DepthAttention, SharedBlock
 from hybrid_jax.layers.short_conv import ShortConv
 from hybrid_jax.model import Block, CausalLM, _scale
@@ -57,7 +58,9 @@ from pallas_kernels import (
     mamba2_step,
     mamba2_step_fits,
     paged_attention_decode,
+    paged_attention_decode_fused,
     paged_attention_prefill,
+    rope_write_fits,
     ssd_ragged,
     ssm_decode,
     ssm_decode_packed,
@@ -67,15 +70,29 @@ from pallas_kernels import (
 
 def _attention(layer: Attention | DepthAttention, x: jax.Array | None, batch: RaggedBatch, kv: KVCache,
                group: int, decode: bool, q_len: int = 0, raw: tuple[jax.Array, ...] | None = None,
-               project_out: bool = True) -> tuple[jax.Array, KVCache]:
+               project_out: bool = True, fused: tuple[jax.Array, tuple[int, int, int]] | None = None
+               ) -> tuple[jax.Array, KVCache]:
     """Paged attention over the ragged tokens. q_len > 0 (verification): every sequence has
     q_len tokens, attended by the decode kernel's multi-query form (one program per
     sequence and KV head) instead of the prefill kernel.
 
     raw: the q/k/v projections already computed (a fused layer; x unused). project_out
     False returns the heads merged [t, h * e] before o_proj (the layer's fused_out takes it).
+    fused: (proj, q/k/v starting columns), the fused projection raw was sliced from; a
+    decode step then reads q/k/v in place through `paged_attention_decode_fused` where
+    `_fused_decode` allows.
     """
     dtype = (x if raw is None else raw[0]).dtype
+    common = dict(window=layer.window, softcap=layer.cfg.softcap, scale=layer.cfg.query_scale)
+    table = batch.page_tables[group]
+    if fused is not None and decode and not q_len and _fused_decode(layer, kv):
+        # One kernel for q's and k's RoPE, the K/V page writes and q's block layout.
+        cfg, (proj, cols) = layer.cfg, fused
+        cos, sin = rope_cos_sin(batch.positions, cfg.rope_dim, *cfg.rope_params(layer.window))
+        o, k_pages, v_pages = paged_attention_decode_fused(
+            proj, cos, sin, kv.k, kv.v, batch.slot_mappings[group], batch.lengths, table,
+            heads=cfg.num_heads, cols=cols, key_multiplier=cfg.key_multiplier, **common)
+        return _attention_out(layer, o, project_out), KVCache(k_pages, v_pages)
     q, k, v = layer.project(x, batch.positions, raw) if raw is not None else layer.project(x, batch.positions)
     e = q.shape[-1]
     pad = kv.k.shape[-1] - e  # pages may be wider than the head (see cache.kv_head_dim)
@@ -83,18 +100,27 @@ def _attention(layer: Attention | DepthAttention, x: jax.Array | None, batch: Ra
         q, k, v = (jnp.pad(a, [(0, 0), (0, 0), (0, pad)]) for a in (q, k, v))
     k_pages, v_pages = write_kv(kv.k, kv.v, k.astype(kv.k.dtype),
                                                 v.astype(kv.v.dtype), batch.slot_mappings[group])
-    common = dict(window=layer.window, softcap=layer.cfg.softcap, scale=layer.cfg.query_scale)
-    table = batch.page_tables[group]
     if decode or q_len:
         o = paged_attention_decode(q, k_pages, v_pages, batch.lengths, table,
                                    queries=max(q_len, 1), **common)
     else:
         o = paged_attention_prefill(q, k_pages, v_pages, batch.cu_seqlens,
                                                     batch.lengths, table, **common)
-    o = o[..., :e].astype(dtype)
-    if not project_out:
-        return o.reshape(*o.shape[:-2], -1), KVCache(k_pages, v_pages)
-    return layer.output(o), KVCache(k_pages, v_pages)
+    return _attention_out(layer, o[..., :e].astype(dtype), project_out), KVCache(k_pages, v_pages)
+
+
+def _fused_decode(layer: Attention | DepthAttention, kv: KVCache) -> bool:
+    """Whether a decode step's attention of this layer runs `paged_attention_decode_fused`:
+    RoPE on, no q/k norms, pages exactly as wide as the head, shapes the kernel takes."""
+    cfg = layer.cfg
+    return (FUSED_ATTENTION_DECODE and isinstance(layer, Attention) and cfg.rope and not cfg.qk_norm
+            and rope_write_fits(cfg.head_dim, cfg.rope_dim, kv.k))
+
+
+def _attention_out(layer: Attention | DepthAttention, o: jax.Array, project_out: bool) -> jax.Array:
+    """o [t, h, e] -> o_proj's output, or the heads merged [t, h * e] (a fused layer's
+    fused_out takes them)."""
+    return layer.output(o) if project_out else o.reshape(*o.shape[:-2], -1)
 
 
 def _positions(q: int, step: Callable, xs: tuple[jax.Array, ...], states: tuple[jax.Array, ...],
@@ -163,6 +189,8 @@ def _scan_positions(a: jax.Array, x: jax.Array, states: jax.Array, slot_ids: jax
 
 # Decode through the fused kernel too (see the module doc: measured slower on the H100).
 FUSED_MAMBA_DECODE = False
+# Decode attention of fused layers through `paged_attention_decode_fused` (`_fused_decode`).
+FUSED_ATTENTION_DECODE = True
 
 
 def _mamba_in(layer: Mamba2Mixer, x: jax.Array | None, proj: jax.Array | None,
@@ -322,7 +350,8 @@ def block_ragged(block: Block, h: jax.Array, batch: RaggedBatch, cache: LayerCac
             raw = proj[..., :qw], proj[..., qw:qw + kw], proj[..., qw + kw:qw + 2 * kw]
             col = qw + 2 * kw
         x = None if raw is not None else _scale(u, cfg.attention_in_multiplier)
-        a, kv = _attention(block.attention, x, batch, kv, group, decode, q, raw, project_out)
+        fused = None if proj is None else (proj, (0, qw, qw + kw))
+        a, kv = _attention(block.attention, x, batch, kv, group, decode, q, raw, project_out, fused)
         branches.append((a, cfg.attention_out_multiplier))
     if block.mamba is not None:
         x = None if proj is not None else _scale(u, cfg.ssm_in_multiplier)

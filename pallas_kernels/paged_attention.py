@@ -24,8 +24,9 @@ from pallas_kernels.backend import Impl, resolve_impl
 from pallas_kernels.paged_attention_ref import (
     paged_attention_decode_reference,
     paged_attention_prefill_reference,
+    rope_reference,
 )
-from pallas_kernels.paged_decode import NUM_SMS, decode_pallas, default_splits
+from pallas_kernels.paged_decode import NUM_SMS, decode_pallas, default_splits, rope_write_pallas
 from pallas_kernels.paged_prefill import prefill_pallas
 from pallas_kernels.paged_tiles import TileConfig
 
@@ -127,15 +128,98 @@ def paged_attention_decode(
     # better (native-1b-parallel, batch 64, context 612: 55 us against 67 us per layer;
     # benchmarks/paged_decode_sweep.py); with fewer, splits fill the GPU and they do not
     # (batch 8, in the step: 0.58 ms against 0.52 ms).
+    cfg, splits = _decode_tuning(k_pages, page_table, b, queries, window, softcap, scale)
+    return decode_pallas(
+        q, k_pages, v_pages, lengths, page_table, cfg=cfg, splits=splits,
+        num_warps=4, num_stages=1, interpret=impl == "interpret", queries=queries)
+
+
+def _decode_tuning(k_pages, page_table, b: int, queries: int, window, softcap, scale
+                   ) -> tuple[TileConfig, int]:
+    """The decode kernel's tile configuration and splits for b sequences of n queries."""
     programs = b * k_pages.shape[0]
     tile_bytes = 8192 if queries == 1 and NUM_SMS <= programs < 4 * NUM_SMS else 16384
     tile = _fit(tile_bytes // _row_bytes(k_pages), 16, 128)
     cfg = _tile_config(k_pages, page_table, window, softcap, scale, tile_tokens=tile)
     max_keys = page_table.shape[1] * cfg.page_size if window is None else window + queries - 1
-    splits = default_splits(b, k_pages.shape[0], -(-max_keys // cfg.tile_tokens))
-    return decode_pallas(
-        q, k_pages, v_pages, lengths, page_table, cfg=cfg, splits=splits,
-        num_warps=4, num_stages=1, interpret=impl == "interpret", queries=queries)
+    return cfg, default_splits(b, k_pages.shape[0], -(-max_keys // cfg.tile_tokens))
+
+
+def rope_write_fits(head_dim: int, rope_dim: int, k_pages) -> bool:
+    """Whether `paged_attention_decode_fused` takes these shapes: the kernel shapes of the
+    decode kernel, pages exactly head_dim wide, and power-of-2 rotary halves and pass-through
+    dims (every block a kernel loads has a power-of-2 size)."""
+    e, rest = k_pages.shape[3], head_dim - rope_dim
+    pow2 = lambda v: v > 0 and v & (v - 1) == 0  # noqa: E731
+    return (e == head_dim and e in HEAD_DIMS and rope_dim % 2 == 0 and pow2(rope_dim // 2)
+            and (rest == 0 or pow2(rest)) and 8 <= k_pages.shape[2] <= 64
+            and pow2(k_pages.shape[2]))
+
+
+def paged_attention_decode_fused(
+    proj: jax.Array,
+    cos: jax.Array,
+    sin: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    slot_mapping: jax.Array,
+    lengths: jax.Array,
+    page_table: jax.Array,
+    *,
+    heads: int,
+    cols: tuple[int, int, int],
+    key_multiplier: float = 1.0,
+    window: int | None = None,
+    softcap: float | None = None,
+    scale: float | None = None,
+    impl: Impl | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """A decode step's attention from the fused q/k/v projection, RoPE and K/V write included.
+
+    proj [b, W]: each sequence's projection row, q's `heads` heads starting at column
+    cols[0], k's and v's KV heads at cols[1] and cols[2] (head_dim = the pages' e each).
+    k is multiplied by `key_multiplier` before RoPE (Falcon-H1). cos, sin [b, r] f32 from
+    `rope_cos_sin` at each token's position (r <= e rotary dims, rotate-half). The
+    token's k and v go to `slot_mapping` (as `write_kv`), then q attends as
+    `paged_attention_decode` with one query. Returns (o [b, heads, e] in proj's dtype,
+    k_pages, v_pages).
+
+    Equals slicing the columns, RoPE (`rope_reference`, as the model's `apply_rope`
+    rounds), `write_kv` and `paged_attention_decode`: the reference impl runs exactly
+    that. The kernels do the first three in one launch (`rope_write_pallas`) where XLA
+    takes three per layer and step (q's RoPE with its padding, the K and V scatters).
+    """
+    b, e = proj.shape[0], k_pages.shape[3]
+    nk, r = k_pages.shape[0], cos.shape[-1]
+    if proj.ndim != 2 or cos.shape != (b, r) or sin.shape != (b, r):
+        raise ValueError(f"proj {proj.shape} must be [b, W] and cos/sin {cos.shape}/{sin.shape} [b, r]")
+    if heads % nk or not rope_write_fits(e, r, k_pages):
+        raise ValueError(f"{heads=}, rotary dims {r} and pages {k_pages.shape} do not fit the "
+                         "fused decode (rope_write_fits)")
+    widths = (heads * e, nk * e, nk * e)
+    if any(c < 0 or c + w > proj.shape[1] for c, w in zip(cols, widths, strict=True)):
+        raise ValueError(f"{cols=} with widths {widths} outside proj of width {proj.shape[1]}")
+    if slot_mapping.shape != (b,) or slot_mapping.dtype != jnp.int32:
+        raise ValueError(f"slot_mapping must be int32 [{b}], got {slot_mapping.dtype}{slot_mapping.shape}")
+    _check_common(lengths, page_table, b, window, softcap)
+    impl = resolve_impl(impl)
+    common = dict(window=window, softcap=softcap, scale=scale)
+    if impl == "reference":
+        q, k, v = (proj[:, c:c + w].reshape(b, -1, e) for c, w in zip(cols, widths, strict=True))
+        if key_multiplier != 1.0:
+            k = k * key_multiplier
+        q, k = rope_reference(q, cos, sin), rope_reference(k, cos, sin)
+        k_pages, v_pages = write_kv(k_pages, v_pages, k, v, slot_mapping, impl=impl)
+        o = paged_attention_decode(q, k_pages, v_pages, lengths, page_table, impl=impl, **common)
+        return o, k_pages, v_pages
+    interpret = impl == "interpret"
+    qg, k_pages, v_pages = rope_write_pallas(
+        proj, cos, sin, k_pages, v_pages, slot_mapping, heads=heads, cols=tuple(cols),
+        key_multiplier=float(key_multiplier), interpret=interpret)
+    cfg, splits = _decode_tuning(k_pages, page_table, b, 1, window, softcap, scale)
+    o = decode_pallas(qg, k_pages, v_pages, lengths, page_table, cfg=cfg, splits=splits,
+                      num_warps=4, num_stages=1, interpret=interpret, heads=heads)
+    return o.astype(proj.dtype), k_pages, v_pages
 
 
 def paged_attention_prefill(

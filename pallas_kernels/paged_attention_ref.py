@@ -64,6 +64,16 @@ def _attend(q, k, v, visible, softcap, scale):
     return out / jnp.where(denom == 0.0, 1.0, denom)
 
 
+def rope_reference(x, cos, sin):
+    """Rotate-half RoPE of the first r dims of x [t, heads, e] (cos, sin [t, r] f32, cast
+    to x's dtype; products and sum in x's dtype); the other e - r dims pass through."""
+    r, half = cos.shape[-1], cos.shape[-1] // 2
+    x_rot, x_pass = x[..., :r], x[..., r:]
+    rotated = jnp.concatenate([-x_rot[..., half:], x_rot[..., :half]], axis=-1)
+    out = x_rot * cos[:, None].astype(x.dtype) + rotated * sin[:, None].astype(x.dtype)
+    return jnp.concatenate([out, x_pass], axis=-1) if x_pass.shape[-1] else out
+
+
 def paged_attention_decode_reference(
     q, k_pages, v_pages, lengths, page_table, *, window=None, softcap=None, scale=None
 ):

@@ -7,6 +7,9 @@ their references), forced by declaring the shapes unfit. The layer has two group
 conv bias, Falcon-H1's muP multipliers and a dt limit, so the [x | B | C] channel
 order, dt and the gate are the layer's own.
 
+A decode step's attention from a fused projection (`paged_attention_decode_fused`: the
+kernel in interpret mode) equals the same layer through project -> write_kv -> decode.
+
 The RG-LRU / short-conv verification conv and scan (XLA over the q positions) equal
 q one-token `conv1d_decode` / `linear_scan_decode` calls (`ragged._positions`), bf16
 conv states included (stored between positions as the decode calls store them).
@@ -24,9 +27,17 @@ from flax import nnx
 
 from hybrid_jax import ragged
 from hybrid_jax.cache import Mamba2State, RaggedBatch
-from hybrid_jax.config import Mamba2Config
+from hybrid_jax.config import AttentionConfig, LayerSpec, Mamba2Config, MLPConfig, ModelConfig
+from hybrid_jax.fusion import fuse_projections
 from hybrid_jax.layers.mamba2 import Mamba2Mixer
-from pallas_kernels import conv1d_decode, linear_scan_decode, mamba2_step
+from hybrid_jax.model import CausalLM
+from pallas_kernels import (
+    conv1d_decode,
+    linear_scan_decode,
+    mamba2_step,
+    paged_attention_decode_fused,
+)
+from tests.model.test_ragged_forward import MAX_LEN, Harness
 
 DIM, SLOTS = 32, 6
 CFG = Mamba2Config(4, 16, 16, n_groups=2, dt_limit=(0.0, 3.0),
@@ -116,3 +127,54 @@ def test_conv_and_scan_positions_equal_decode_steps(state_dtype, with_bias):
         assert g.shape == want.shape and g.dtype == want.dtype
         np.testing.assert_allclose(np.asarray(g.astype(jnp.float32)),
                                    np.asarray(want.astype(jnp.float32)), rtol=1e-5, atol=1e-5)
+
+
+def _attention_config(attention: AttentionConfig) -> ModelConfig:
+    """Attention layers the fused decode takes (64-wide heads): a hybrid with a window,
+    a global attention layer."""
+    return ModelConfig(
+        architecture="native", vocab_size=64, hidden_size=64,
+        layers=(LayerSpec("hybrid", 6), LayerSpec("attention", None)), attention=attention,
+        mamba2=Mamba2Config(4, 16, 16, n_groups=2, chunk_size=16), mlp=MLPConfig(64),
+        max_position_embeddings=MAX_LEN)
+
+
+@pytest.mark.parametrize("attention", [
+    AttentionConfig(4, 2, 64),
+    AttentionConfig(8, 1, 64, rotary_dim=32, key_multiplier=0.5, qkv_bias=True, softcap=20.0),
+], ids=["gqa", "partial-rotary-key-multiplier"])
+def test_fused_decode_attention_equals_unfused(monkeypatch, attention):
+    """A fused model's decode steps through `paged_attention_decode_fused` (the kernel,
+    interpret mode: RoPE and the K/V writes in one launch) give the logits of the same
+    model through project -> write_kv -> paged_attention_decode, and the same pages."""
+    model = fuse_projections(CausalLM(_attention_config(attention), rngs=nnx.Rngs(2)))
+    prompts = [np.random.default_rng(n).integers(0, 64, n).tolist() for n in (3, 9, 14)]
+    calls = []
+
+    def kernel(*a, **kw):
+        calls.append(1)
+        return paged_attention_decode_fused(*a, **kw, impl="interpret")
+
+    def serve(fused: bool):
+        h = Harness(model, len(prompts))
+        h.run(dict(enumerate(prompts)), decode=False)
+        out, last = [], [p[-1] for p in prompts]
+        with monkeypatch.context() as m:
+            m.setattr(ragged, "paged_attention_decode_fused", kernel)
+            if not fused:
+                m.setattr(ragged, "_fused_decode", lambda *_: False)
+            for step in range(MAX_LEN - 14 - 1):  # past the window of 6 and past pages
+                logits = h.run({i: [(last[i] + step) % 64] for i in range(len(prompts))},
+                               decode=True)
+                out.append(np.stack([logits[i] for i in range(len(prompts))]))
+        return np.stack(out), h.caches
+
+    got, got_caches = serve(True)
+    assert calls, "the fused decode was not taken"
+    n_calls = len(calls)
+    want, want_caches = serve(False)
+    assert len(calls) == n_calls, "the unfused run called the fused decode"
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    for g, w in zip(got_caches, want_caches, strict=True):
+        np.testing.assert_allclose(np.asarray(g.kv.k), np.asarray(w.kv.k), rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(g.kv.v), np.asarray(w.kv.v), rtol=1e-6, atol=1e-6)
