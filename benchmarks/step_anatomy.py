@@ -343,7 +343,7 @@ def main() -> None:
                    help="decode Mamba2 layers with the fused mamba2_step kernel (ragged.FUSED_MAMBA_DECODE)")
     p.add_argument("--unfused-attention-decode", action="store_true",
                    help="decode attention through RoPE + write_kv + paged decode in XLA "
-                        "(ragged.FUSED_ATTENTION_DECODE off): the pre-2026-11-25 step")
+                        "(ragged.FUSED_ATTENTION_DECODE off): the step before 2026-11-24 evening")
     p.add_argument("--trace-host", action="store_true",
                    help="trace 10 engine steps and print the host's TraceMe scopes by time")
     p.add_argument("--trace-engine", action="store_true",
