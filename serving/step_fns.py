@@ -206,7 +206,7 @@ def _forward_fn(graphdef: nnx.GraphDef, layout: PackLayout, decode: bool, host: 
         batch = batch._replace(tokens=tokens)
         logits, caches = model_forward(params, caches, batch)
         stats = update_token_stats(stats, tokens, batch.positions, batch.cu_seqlens, batch.slot_ids,
-                                   batch.has_initial, prompt_len)
+                                   batch.has_initial, prompt_len, continues=decode)
         return caches, stats, logits
 
     def plain(logits, stats, sampling, slot_ids):
@@ -308,7 +308,7 @@ def _multi_fn(graphdef: nnx.GraphDef, layout: PackLayout, q: int, host: HostLayo
             rows = rows_at(j)._replace(tokens=tok)
             logits, caches = forward_ragged(model, rows, caches, decode=True)
             stats = update_token_stats(stats, tok, rows.positions, rows.cu_seqlens, rows.slot_ids,
-                                       rows.has_initial, sampling.prompt_len)
+                                       rows.has_initial, sampling.prompt_len, continues=True)
             nxt, lp, _, _ = _sample(logits, stats, sampling._replace(step=sampling.step + j),
                                     rows.slot_ids, full=False, filters=filters, max_seqs=b)
             out = jax.lax.dynamic_update_index_in_dim(out, nxt, j, axis=1)

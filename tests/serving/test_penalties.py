@@ -47,6 +47,29 @@ def test_device_statistics_follow_prompts_outputs_and_first_chunks():
     np.testing.assert_allclose(np.asarray(got), np.stack([want0, want1]), rtol=1e-6, atol=1e-6)
 
 
+def test_decode_statistics_skip_the_reset_and_equal_the_general_update():
+    """`continues=True` (decode executables: every real row has_initial) leaves rows as the
+    general update does when no row starts anew; the general update zeroes only the rows
+    of first chunks (slot 3's stale row, untouched by this step, stays)."""
+    rng = np.random.default_rng(4)
+    stats = init_token_stats(5, 9)
+    stats = stats._replace(counts=jnp.asarray(rng.integers(0, 3, (5, 9)), jnp.int32),
+                           seen=jnp.asarray(rng.random((5, 9)) < 0.5))
+    tokens, positions = jnp.asarray([4, 7, 0], jnp.int32), jnp.asarray([6, 3, 0], jnp.int32)
+    cu, slots = jnp.asarray([0, 1, 2], jnp.int32), jnp.asarray([1, 2, 0], jnp.int32)
+    args = (tokens, positions, cu, slots, jnp.asarray([True, True, False]), jnp.asarray([2, 3, 0], jnp.int32))
+    got = update_token_stats(stats, *args, continues=True)
+    want = update_token_stats(stats, *args)
+    for g, w, old in zip(got, want, stats, strict=True):
+        np.testing.assert_array_equal(np.asarray(g)[1:], np.asarray(w)[1:])  # slot 0: the dummy
+        np.testing.assert_array_equal(np.asarray(g)[3:], np.asarray(old)[3:])
+    assert int(got.counts[1, 4]) == int(stats.counts[1, 4]) + 1  # position 6 >= prompt 2: output
+    assert int(got.counts[2, 7]) == int(stats.counts[2, 7]) + 1  # position 3 = prompt length 3: output
+    fresh = update_token_stats(stats, *args[:4], jnp.asarray([False, True, False]), args[5])
+    assert np.asarray(fresh.counts[1]).tolist() == [0, 0, 0, 0, 1, 0, 0, 0, 0]
+    np.testing.assert_array_equal(np.asarray(fresh.counts[3]), np.asarray(stats.counts[3]))
+
+
 @pytest.fixture(scope="module")
 def served():
     lm = load_model("native-tiny")
