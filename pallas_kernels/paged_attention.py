@@ -26,7 +26,7 @@ from pallas_kernels.paged_attention_ref import (
     paged_attention_prefill_reference,
     rope_reference,
 )
-from pallas_kernels.paged_decode import NUM_SMS, decode_pallas, default_splits, rope_write_pallas
+from pallas_kernels.paged_decode import NUM_SMS, decode_fused_pallas, decode_pallas, default_splits
 from pallas_kernels.paged_prefill import prefill_pallas
 from pallas_kernels.paged_tiles import TileConfig
 
@@ -186,8 +186,9 @@ def paged_attention_decode_fused(
 
     Equals slicing the columns, RoPE (`rope_reference`, as the model's `apply_rope`
     rounds), `write_kv` and `paged_attention_decode`: the reference impl runs exactly
-    that. The kernels do the first three in one launch (`rope_write_pallas`) where XLA
-    takes three per layer and step (q's RoPE with its padding, the K and V scatters).
+    that. The kernel does all of it in one launch (`decode_fused_pallas`), where XLA
+    took three more kernels per layer and step (q's RoPE with its padding, the K and V
+    scatters) before the decode kernel.
     """
     b, e = proj.shape[0], k_pages.shape[3]
     nk, r = k_pages.shape[0], cos.shape[-1]
@@ -212,13 +213,11 @@ def paged_attention_decode_fused(
         k_pages, v_pages = write_kv(k_pages, v_pages, k, v, slot_mapping, impl=impl)
         o = paged_attention_decode(q, k_pages, v_pages, lengths, page_table, impl=impl, **common)
         return o, k_pages, v_pages
-    interpret = impl == "interpret"
-    qg, k_pages, v_pages = rope_write_pallas(
-        proj, cos, sin, k_pages, v_pages, slot_mapping, heads=heads, cols=tuple(cols),
-        key_multiplier=float(key_multiplier), interpret=interpret)
     cfg, splits = _decode_tuning(k_pages, page_table, b, 1, window, softcap, scale)
-    o = decode_pallas(qg, k_pages, v_pages, lengths, page_table, cfg=cfg, splits=splits,
-                      num_warps=4, num_stages=1, interpret=interpret, heads=heads)
+    o, k_pages, v_pages = decode_fused_pallas(
+        proj, cos, sin, k_pages, v_pages, slot_mapping, lengths, page_table, cfg=cfg,
+        splits=splits, heads=heads, cols=tuple(cols), key_multiplier=float(key_multiplier),
+        num_warps=4, num_stages=1, interpret=impl == "interpret")
     return o.astype(proj.dtype), k_pages, v_pages
 
 

@@ -11,12 +11,20 @@ each program takes a contiguous share of those tiles and the partial softmax
 states are merged in XLA; that only pays when batch x KV heads is too small to
 fill the GPU.
 
+`decode_fused_pallas` is the one-query decode from a fused q/k/v projection row in one
+launch: each program gathers its group's q heads and its KV head's k and v from the row,
+applies RoPE, and attends the cached keys (positions < len - 1, as a query at len - 2
+with a window one shorter) through the same tile loop; the last split adds the current
+token from registers, and split 0 writes its k and v into their page slot, which no
+program reads (no ordering between programs is needed).
+
 This module knows the page layout and the ring table, not the serving engine:
 argument checking lives in `paged_attention.py`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -25,8 +33,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.launch import launch
-from pallas_kernels.paged_tiles import TileConfig, attend_tiles, finish, init_carry, tile_span
+from pallas_kernels.paged_tiles import LOG2E, TileConfig, attend_tiles, finish, init_carry, tile_span
 
 MIN_ROWS = 16  # Triton dots need M >= 16
 NUM_SMS = 132  # H100 SXM: the launch heuristics' idea of a full GPU
@@ -95,29 +102,22 @@ def query_rows(queries: int, group: int) -> int:
 
 
 @functools.partial(
-    jax.jit, static_argnames=("cfg", "splits", "num_warps", "num_stages", "interpret", "queries",
-                              "heads")
+    jax.jit, static_argnames=("cfg", "splits", "num_warps", "num_stages", "interpret", "queries")
 )
 def decode_pallas(
     q, k_pages, v_pages, lengths, page_table, *, cfg, splits, num_warps, num_stages, interpret,
-    queries=1, heads=None,
+    queries=1,
 ):
     """Kernel launch. q [b * n, h, e] (n = queries, sequence-major); pages [k, N, s, e];
-    returns [b * n, h, e] in q.dtype. With `heads` = h, q is already the kernel's block
-    layout [b, k, rows, e] in the pages' dtype (`rope_write_pallas` builds it; n = 1)."""
+    returns [b * n, h, e] in q.dtype."""
     nk, n_pages, s, e = k_pages.shape
     n = queries
-    if heads is None:
-        t, h, _ = q.shape
-        b, g = t // n, h // nk
-        rows = query_rows(n, g)
-        qg = q.astype(k_pages.dtype).reshape(b, n, nk, g, e)
-        qg = jnp.swapaxes(qg, 1, 2).reshape(b, nk, n * g, e)
-        qg = jnp.pad(qg, ((0, 0), (0, 0), (0, rows - n * g), (0, 0)))
-    else:
-        assert n == 1, n
-        qg, h, g = q, heads, heads // nk
-        b, rows, t = q.shape[0], q.shape[2], q.shape[0]
+    t, h, _ = q.shape
+    b, g = t // n, h // nk
+    rows = query_rows(n, g)
+    qg = q.astype(k_pages.dtype).reshape(b, n, nk, g, e)
+    qg = jnp.swapaxes(qg, 1, 2).reshape(b, nk, n * g, e)
+    qg = jnp.pad(qg, ((0, 0), (0, 0), (0, rows - n * g), (0, 0)))
     pool_spec = pl.BlockSpec((None, n_pages, s, e), lambda i, j, x: (j, 0, 0, 0))
     out_shape, out_specs = split_outputs(splits, b, nk, rows, e, q.dtype)
     pt_flat = page_table.reshape(-1)
@@ -144,69 +144,6 @@ def decode_pallas(
     return jnp.swapaxes(out, 1, 2).reshape(t, h, e)
 
 
-def _rope_half(x_lo, x_hi, c_lo, c_hi, s_lo, s_hi):
-    """Rotate-half RoPE of one head's rotary dims as `apply_rope` rounds it: products and
-    sum in x's dtype, cos / sin (f32) cast to it first."""
-    dt = x_lo.dtype
-    c_lo, c_hi, s_lo, s_hi = (a.astype(dt) for a in (c_lo, c_hi, s_lo, s_hi))
-    return x_lo * c_lo + (-x_hi) * s_lo, x_hi * c_hi + x_lo * s_hi
-
-
-def _rope_write_kernel(slot_ref, cos_ref, sin_ref, proj_ref, kp_ref, vp_ref, q_out, kp_out, vp_out,
-                       *, group, rows, head_dim, rope_dim, page_size, cols, key_multiplier):
-    i, j = pl.program_id(0), pl.program_id(1)
-    e, r, half = head_dim, rope_dim, rope_dim // 2
-    q_col, k_col, v_col = cols
-    cs = [ref[i, pl.ds(lo, half)] for ref in (cos_ref, sin_ref) for lo in (0, half)]
-
-    def head(col, multiplier=None):
-        """Roped pieces (offset, value) of the head at proj columns [col, col + e)."""
-        x_lo, x_hi = proj_ref[i, pl.ds(col, half)], proj_ref[i, pl.ds(col + half, half)]
-        rest = [(r, proj_ref[i, pl.ds(col + r, e - r)])] if e > r else []
-        if multiplier is not None:
-            x_lo, x_hi = x_lo * multiplier, x_hi * multiplier
-            rest = [(o, x * multiplier) for o, x in rest]
-        lo, hi = _rope_half(x_lo, x_hi, *cs)
-        return [(0, lo), (half, hi), *rest]
-
-    for hh in range(group):  # the group's query heads, then zero rows up to `rows`
-        for off, x in head(q_col + (j * group + hh) * e):
-            q_out[i, j, hh, pl.ds(off, x.shape[0])] = x.astype(q_out.dtype)
-    for hh in range(group, rows):
-        q_out[i, j, hh, pl.ds(0, e)] = jnp.zeros((e,), q_out.dtype)
-    slot = slot_ref[i]
-    page, pos = slot // page_size, slot % page_size
-    multiplier = None if key_multiplier == 1.0 else key_multiplier
-    for off, x in head(k_col + j * e, multiplier):
-        kp_out[j, page, pos, pl.ds(off, x.shape[0])] = x.astype(kp_out.dtype)
-    vp_out[j, page, pos, pl.ds(0, e)] = proj_ref[i, pl.ds(v_col + j * e, e)].astype(vp_out.dtype)
-
-
-@functools.partial(jax.jit, static_argnames=("heads", "cols", "key_multiplier", "interpret"))
-def rope_write_pallas(proj, cos, sin, k_pages, v_pages, slot_mapping, *, heads, cols,
-                      key_multiplier, interpret):
-    """One launch for what a decode step does before `decode_pallas`: RoPE of q and k
-    read in place from the fused projection proj [b, W] (q, k, v heads at columns
-    cols = (q, k, v) starting columns), k and v written into their page slots, and q laid
-    out as the decode kernel's block [b, k, rows, e] (zero padding rows). cos, sin [b, r]
-    f32 (`rope_cos_sin`). Returns (q block, k_pages, v_pages); the pools are updated in
-    place (aliased)."""
-    nk, _, s, e = k_pages.shape
-    b, r = proj.shape[0], cos.shape[1]
-    g = heads // nk
-    rows = query_rows(1, g)
-    kernel = functools.partial(
-        _rope_write_kernel, group=g, rows=rows, head_dim=e, rope_dim=r, page_size=s, cols=cols,
-        key_multiplier=key_multiplier)
-    return launch(
-        kernel, impl="interpret" if interpret else "pallas", grid=(b, nk),
-        out_shape=[jax.ShapeDtypeStruct((b, nk, rows, e), k_pages.dtype),
-                   jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype),
-                   jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype)],
-        aliases={4: 1, 5: 2}, num_warps=1, name="rope_write_kv",
-    )(slot_mapping, cos, sin, proj, k_pages, v_pages)
-
-
 def default_splits(batch: int, kv_heads: int, max_tiles: int, num_sms: int = NUM_SMS) -> int:
     """Split the tile loop only when b x k programs cannot fill the GPU twice."""
     programs = batch * kv_heads
@@ -214,3 +151,127 @@ def default_splits(batch: int, kv_heads: int, max_tiles: int, num_sms: int = NUM
         return 1
     want = -(-2 * num_sms // programs)
     return max(1, min(want, max_tiles // MIN_TILES_PER_SPLIT, MAX_SPLITS))
+
+
+def _roped(proj_ref, idx, idx_rot, sign, c, sn, multiplier):
+    """Rotate-half RoPE of the flat projection gathered at idx (any shape, last axis the head
+    dims), rounded as `apply_rope`: x * cos + (sign * x_rot) * sin in x's dtype (cos / sin
+    1 / 0 on pass-through dims, which are then taken as they are)."""
+    x, x_rot = proj_ref[idx], proj_ref[idx_rot]  # proj flattened row-major
+    if multiplier is not None:
+        x, x_rot = x * multiplier, x_rot * multiplier
+    dt = x.dtype
+    return x * c.astype(dt) + (sign * x_rot) * sn.astype(dt)
+
+
+def _decode_fused_kernel(lens_ref, pt_ref, slot_ref, cos_ref, sin_ref, proj_ref, k_ref, v_ref,
+                         *out_refs, cfg: TileConfig, splits: int, group: int, rows: int, width: int,
+                         rope_dim: int, cols: tuple[int, int, int], key_multiplier: float):
+    """One program of `decode_fused_pallas`: (sequence b, KV head j, split s)."""
+    b, j, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    *att_refs, kp_out, vp_out = out_refs
+    n_pages, page_size, e = k_ref.shape
+    length = lens_ref[b]
+    r, half = rope_dim, rope_dim // 2
+    q_col, k_col, v_col = cols
+    d = lax.broadcasted_iota(jnp.int32, (e,), 0)
+    rot = jnp.where(d < half, d + half, jnp.where(d < r, d - half, d))
+    sign = jnp.where(d < half, -1.0, 1.0).astype(proj_ref.dtype)
+    cd = jnp.where(d < r, d, 0)
+    c = jnp.where(d < r, cos_ref[b * r + cd], 1.0)
+    sn = jnp.where(d < r, sin_ref[b * r + cd], 0.0)
+    row0 = b * width
+    # q: the group's heads as rows (padding rows repeat the last head; their outputs are
+    # dropped), roped, in the pools' dtype.
+    hh = jnp.minimum(lax.broadcasted_iota(jnp.int32, (rows,), 0), group - 1)
+    qbase = row0 + q_col + (j * group + hh) * e
+    q = _roped(proj_ref, qbase[:, None] + d[None, :], qbase[:, None] + rot[None, :],
+               sign[None, :], c[None, :], sn[None, :], None).astype(k_ref.dtype)
+    kbase = row0 + k_col + j * e
+    mult = None if key_multiplier == 1.0 else key_multiplier
+    k_cur = _roped(proj_ref, kbase + d, kbase + rot, sign, c, sn, mult).astype(k_ref.dtype)
+    v_cur = proj_ref[row0 + v_col + j * e + d].astype(v_ref.dtype)
+
+    # This token's k and v go to their page slot (split 0 writes). No program reads that
+    # slot: the tiles below stop before it and the token is attended from registers.
+    slot = slot_ref[b]
+
+    @pl.when(s == 0)
+    def _():
+        kp_out[slot // page_size, slot % page_size, :] = k_cur
+        vp_out[slot // page_size, slot % page_size, :] = v_cur
+
+    # The cached keys: positions before this token, as a query at length - 2 with a window
+    # one shorter sees them.
+    prev = dataclasses.replace(cfg, window=None if cfg.window is None else cfg.window - 1)
+    qpos = jnp.full((rows,), length - 2, jnp.int32)
+    k_lo, k_hi, t_lo, t_hi, full_lo, full_hi = tile_span(length - 2, length - 2, prev)
+    t_hi = jnp.where(length > 1, t_hi, t_lo)
+    per_split = (t_hi - t_lo + splits - 1) // splits
+    t0 = jnp.minimum(t_lo + s * per_split, t_hi)
+    t1 = jnp.minimum(t0 + per_split, t_hi)
+    o, m, l = attend_tiles(q, qpos, k_ref, v_ref, pt_ref, b, (k_lo, k_hi, full_lo, full_hi),
+                           (t0, t1), init_carry(rows, e), prev)
+    # This token, in the last split: one more key of the online softmax.
+    f32 = jnp.float32
+    logit = jnp.sum(q.astype(f32) * k_cur.astype(f32)[None, :], axis=1) * cfg.scale
+    if cfg.softcap is not None:
+        logit = jnp.tanh(logit / cfg.softcap) * cfg.softcap
+    logit = jnp.where((length > 0) & (s == splits - 1), logit * LOG2E, -jnp.inf)
+    m_new = jnp.maximum(m, logit)
+    alpha = jnp.exp2(m - m_new)
+    p = jnp.exp2(logit - m_new)
+    l = l * alpha + p
+    pv = p.astype(v_ref.dtype).astype(f32)  # rounded as the tiles round p before their dot
+    o = o * alpha[:, None] + pv[:, None] * v_cur.astype(f32)[None, :]
+    carry = (o, m_new, l)
+    if splits == 1:
+        (o_ref,) = att_refs
+        o_ref[...] = finish(carry).astype(o_ref.dtype)
+    else:
+        o_ref, m_ref, l_ref = att_refs
+        o_ref[...], m_ref[...], l_ref[...] = carry
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "splits", "heads", "cols", "key_multiplier",
+                                             "num_warps", "num_stages", "interpret"))
+def decode_fused_pallas(proj, cos, sin, k_pages, v_pages, slot_mapping, lengths, page_table, *,
+                        cfg, splits, heads, cols, key_multiplier, num_warps, num_stages, interpret):
+    """A decode step's attention in one launch from the fused projection proj [b, W]: q's and
+    k's RoPE, the token's K/V write and one-query paged attention (`paged_attention_decode_
+    fused`). Returns (o [b, heads, e] in the pools' dtype, k_pages, v_pages), the pools
+    updated in place (aliased)."""
+    nk, n_pages, s, e = k_pages.shape
+    b, width = proj.shape
+    g = heads // nk
+    rows = query_rows(1, g)
+    pool_spec = pl.BlockSpec((None, n_pages, s, e), lambda i, j, x: (j, 0, 0, 0))
+    out_shape, out_specs = split_outputs(splits, b, nk, rows, e, k_pages.dtype)
+    pools = (jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype),
+             jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype))
+    out_shape = (*(out_shape if splits > 1 else (out_shape,)), *pools)
+    out_specs = (*(out_specs if splits > 1 else (out_specs,)), pool_spec, pool_spec)
+    pt_flat = page_table.reshape(-1)
+    flat = (proj.reshape(-1), cos.reshape(-1), sin.reshape(-1))
+    n_out = len(out_shape)
+    out = pl.pallas_call(
+        functools.partial(_decode_fused_kernel, cfg=cfg, splits=splits, group=g, rows=rows,
+                          width=width, rope_dim=cos.shape[1], cols=cols,
+                          key_multiplier=key_multiplier),
+        grid=(b, nk, splits),
+        in_specs=[_whole(lengths.shape), _whole(pt_flat.shape), _whole(slot_mapping.shape),
+                  _whole(flat[1].shape), _whole(flat[2].shape), _whole(flat[0].shape),
+                  pool_spec, pool_spec],
+        out_specs=out_specs,
+        out_shape=out_shape,
+        input_output_aliases={6: n_out - 2, 7: n_out - 1},
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="paged_decode_fused",
+    )(lengths, pt_flat, slot_mapping, flat[1], flat[2], flat[0], k_pages, v_pages)
+    *att, k_pages, v_pages = out
+    if splits > 1:
+        o = _merge_splits(*lax.optimization_barrier(tuple(att))).astype(k_pages.dtype)
+    else:
+        (o,) = att
+    return o[:, :, :g].reshape(b, heads, e), k_pages, v_pages

@@ -127,3 +127,15 @@ def test_fits_and_refusals():
         paged_attention_decode_fused(*args, **{**kw, "cols": (0, 0, 10**6)}, impl="reference")
     with pytest.raises(ValueError, match="slot_mapping"):
         paged_attention_decode_fused(*args[:5], args[5][:-1], *args[6:], **kw, impl="reference")
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_fused_decode_any_split_count(monkeypatch, splits):
+    """The kernel's split paths: one program per sequence and KV head, and three splits
+    of the tile loop (the current token attended by the last)."""
+    import pallas_kernels.paged_attention as pa
+    monkeypatch.setattr(pa, "default_splits", lambda *_: splits)
+    for case in (CASES[1], CASES[3]):
+        args, kw, want, _ = _setup(case)
+        o, _, _ = paged_attention_decode_fused(*args, **kw, impl=KERNEL_IMPL)
+        np.testing.assert_allclose(_f64(o), want, atol=TOL[case[0]][1], rtol=TOL[case[0]][1])
