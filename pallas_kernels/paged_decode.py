@@ -66,7 +66,12 @@ def _decode_kernel(lens_ref, pt_ref, q_ref, k_ref, v_ref, *out_refs, cfg: TileCo
     t1 = jnp.minimum(t0 + per_split, t_hi)
     span = (k_lo, k_hi, full_lo, full_hi)
     carry = attend_tiles(q, qpos, k_ref, v_ref, pt_ref, b, span, (t0, t1), init_carry(rows, e), cfg)
-    if splits == 1:
+    _store(carry, out_refs)
+
+
+def _store(carry, out_refs) -> None:
+    """A program's result: normalised (one split) or its partial softmax state (o, m, l)."""
+    if len(out_refs) == 1:
         (o_ref,) = out_refs
         o_ref[...] = finish(carry).astype(o_ref.dtype)
     else:
@@ -225,12 +230,7 @@ def _decode_fused_kernel(lens_ref, pt_ref, slot_ref, cos_ref, sin_ref, proj_ref,
     pv = p.astype(v_ref.dtype).astype(f32)  # rounded as the tiles round p before their dot
     o = o * alpha[:, None] + pv[:, None] * v_cur.astype(f32)[None, :]
     carry = (o, m_new, l)
-    if splits == 1:
-        (o_ref,) = att_refs
-        o_ref[...] = finish(carry).astype(o_ref.dtype)
-    else:
-        o_ref, m_ref, l_ref = att_refs
-        o_ref[...], m_ref[...], l_ref[...] = carry
+    _store(carry, att_refs)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "splits", "heads", "cols", "key_multiplier",
