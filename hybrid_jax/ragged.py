@@ -53,6 +53,7 @@ from hybrid_jax.model import Block, CausalLM, _scale
 from pallas_kernels import (
     conv1d_decode,
     conv1d_ragged,
+    decode_fused_fits,
     linear_scan_decode,
     linear_scan_ragged,
     mamba2_step,
@@ -60,7 +61,6 @@ from pallas_kernels import (
     paged_attention_decode,
     paged_attention_decode_fused,
     paged_attention_prefill,
-    rope_write_fits,
     ssd_ragged,
     ssm_decode,
     ssm_decode_packed,
@@ -114,7 +114,7 @@ def _fused_decode(layer: Attention | DepthAttention, kv: KVCache) -> bool:
     RoPE on, no q/k norms, pages exactly as wide as the head, shapes the kernel takes."""
     cfg = layer.cfg
     return (FUSED_ATTENTION_DECODE and isinstance(layer, Attention) and cfg.rope and not cfg.qk_norm
-            and rope_write_fits(cfg.head_dim, cfg.rope_dim, kv.k))
+            and decode_fused_fits(cfg.head_dim, cfg.rope_dim, kv.k))
 
 
 def _attention_out(layer: Attention | DepthAttention, o: jax.Array, project_out: bool) -> jax.Array:

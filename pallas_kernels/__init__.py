@@ -20,10 +20,10 @@ from pallas_kernels.linear_scan import (
 )
 from pallas_kernels.mamba_step import mamba2_step, mamba2_step_fits, mamba2_step_reference
 from pallas_kernels.paged_attention import (
+    decode_fused_fits,
     paged_attention_decode,
     paged_attention_decode_fused,
     paged_attention_prefill,
-    rope_write_fits,
     write_kv,
 )
 from pallas_kernels.paged_attention_ref import (
@@ -69,6 +69,6 @@ __all__ = [
     "ssm_decode",
     "ssm_decode_packed",
     "ssm_decode_reference",
-    "rope_write_fits",
+    "decode_fused_fits",
     "write_kv",
 ]

@@ -145,7 +145,7 @@ def _decode_tuning(k_pages, page_table, b: int, queries: int, window, softcap, s
     return cfg, default_splits(b, k_pages.shape[0], -(-max_keys // cfg.tile_tokens))
 
 
-def rope_write_fits(head_dim: int, rope_dim: int, k_pages) -> bool:
+def decode_fused_fits(head_dim: int, rope_dim: int, k_pages) -> bool:
     """Whether `paged_attention_decode_fused` takes these shapes: the kernel shapes of the
     decode kernel, pages exactly head_dim wide, and power-of-2 rotary halves and pass-through
     dims (every block a kernel loads has a power-of-2 size)."""
@@ -194,9 +194,9 @@ def paged_attention_decode_fused(
     nk, r = k_pages.shape[0], cos.shape[-1]
     if proj.ndim != 2 or cos.shape != (b, r) or sin.shape != (b, r):
         raise ValueError(f"proj {proj.shape} must be [b, W] and cos/sin {cos.shape}/{sin.shape} [b, r]")
-    if heads % nk or not rope_write_fits(e, r, k_pages):
+    if heads % nk or not decode_fused_fits(e, r, k_pages):
         raise ValueError(f"{heads=}, rotary dims {r} and pages {k_pages.shape} do not fit the "
-                         "fused decode (rope_write_fits)")
+                         "fused decode (decode_fused_fits)")
     widths = (heads * e, nk * e, nk * e)
     if any(c < 0 or c + w > proj.shape[1] for c, w in zip(cols, widths, strict=True)):
         raise ValueError(f"{cols=} with widths {widths} outside proj of width {proj.shape[1]}")

@@ -61,12 +61,17 @@ def _decode_kernel(lens_ref, pt_ref, q_ref, k_ref, v_ref, *out_refs, cfg: TileCo
         qpos = length - queries + tok
     k_lo, k_hi, t_lo, t_hi, full_lo, full_hi = tile_span(length - queries, length - 1, cfg)
     t_hi = jnp.where(length > 0, t_hi, t_lo)  # padding rows visit no tile
-    per_split = (t_hi - t_lo + splits - 1) // splits
-    t0 = jnp.minimum(t_lo + s * per_split, t_hi)
-    t1 = jnp.minimum(t0 + per_split, t_hi)
+    t0, t1 = _split_range(t_lo, t_hi, s, splits)
     span = (k_lo, k_hi, full_lo, full_hi)
     carry = attend_tiles(q, qpos, k_ref, v_ref, pt_ref, b, span, (t0, t1), init_carry(rows, e), cfg)
     _store(carry, out_refs)
+
+
+def _split_range(t_lo, t_hi, s, splits: int):
+    """Split s's contiguous share [t0, t1) of the tiles [t_lo, t_hi)."""
+    per_split = (t_hi - t_lo + splits - 1) // splits
+    t0 = jnp.minimum(t_lo + s * per_split, t_hi)
+    return t0, jnp.minimum(t0 + per_split, t_hi)
 
 
 def _store(carry, out_refs) -> None:
@@ -175,7 +180,7 @@ def _decode_fused_kernel(lens_ref, pt_ref, slot_ref, cos_ref, sin_ref, proj_ref,
     """One program of `decode_fused_pallas`: (sequence b, KV head j, split s)."""
     b, j, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     *att_refs, kp_out, vp_out = out_refs
-    n_pages, page_size, e = k_ref.shape
+    _, page_size, e = k_ref.shape
     length = lens_ref[b]
     r, half = rope_dim, rope_dim // 2
     q_col, k_col, v_col = cols
@@ -212,9 +217,7 @@ def _decode_fused_kernel(lens_ref, pt_ref, slot_ref, cos_ref, sin_ref, proj_ref,
     qpos = jnp.full((rows,), length - 2, jnp.int32)
     k_lo, k_hi, t_lo, t_hi, full_lo, full_hi = tile_span(length - 2, length - 2, prev)
     t_hi = jnp.where(length > 1, t_hi, t_lo)
-    per_split = (t_hi - t_lo + splits - 1) // splits
-    t0 = jnp.minimum(t_lo + s * per_split, t_hi)
-    t1 = jnp.minimum(t0 + per_split, t_hi)
+    t0, t1 = _split_range(t_lo, t_hi, s, splits)
     o, m, l = attend_tiles(q, qpos, k_ref, v_ref, pt_ref, b, (k_lo, k_hi, full_lo, full_hi),
                            (t0, t1), init_carry(rows, e), prev)
     # This token, in the last split: one more key of the online softmax.

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from paged_oracle import build_cache, decode_np, round_to
 
-from pallas_kernels.paged_attention import paged_attention_decode_fused, rope_write_fits
+from pallas_kernels.paged_attention import decode_fused_fits, paged_attention_decode_fused
 
 KERNEL_IMPL = "pallas" if jax.default_backend() == "gpu" else "interpret"
 DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16}
@@ -119,9 +119,9 @@ def test_fused_decode_donated_pools_update_in_place():
 
 def test_fits_and_refusals():
     pages = jnp.zeros((2, 4, 16, 128), jnp.bfloat16)
-    assert rope_write_fits(128, 128, pages) and rope_write_fits(128, 64, pages)
-    assert not rope_write_fits(128, 96, pages)  # 48-wide halves: not a power of 2
-    assert not rope_write_fits(64, 64, pages)  # pages wider than the head
+    assert decode_fused_fits(128, 128, pages) and decode_fused_fits(128, 64, pages)
+    assert not decode_fused_fits(128, 96, pages)  # 48-wide halves: not a power of 2
+    assert not decode_fused_fits(64, 64, pages)  # pages wider than the head
     args, kw, _, _ = _setup(CASES[0])
     with pytest.raises(ValueError, match="cols"):
         paged_attention_decode_fused(*args, **{**kw, "cols": (0, 0, 10**6)}, impl="reference")
