@@ -69,25 +69,29 @@ from pallas_kernels import (
 
 
 def _attention(layer: Attention | DepthAttention, x: jax.Array | None, batch: RaggedBatch, kv: KVCache,
-               group: int, decode: bool, q_len: int = 0, raw: tuple[jax.Array, ...] | None = None,
-               project_out: bool = True, fused: tuple[jax.Array, tuple[int, int, int]] | None = None
-               ) -> tuple[jax.Array, KVCache]:
+               group: int, decode: bool, q_len: int = 0,
+               fused: tuple[jax.Array, tuple[int, int, int]] | None = None,
+               project_out: bool = True) -> tuple[jax.Array, KVCache]:
     """Paged attention over the ragged tokens. q_len > 0 (verification): every sequence has
     q_len tokens, attended by the decode kernel's multi-query form (one program per
     sequence and KV head) instead of the prefill kernel.
 
-    raw: the q/k/v projections already computed (a fused layer; x unused). project_out
-    False returns the heads merged [t, h * e] before o_proj (the layer's fused_out takes it).
-    fused: (proj, q/k/v starting columns), the fused projection raw was sliced from; a
-    decode step then reads q/k/v in place through `paged_attention_decode_fused` where
-    `_fused_decode` allows.
+    fused: (proj, q/k/v starting columns): a fused layer's projection, already computed
+    (x unused). A decode step reads q/k/v there in place through
+    `paged_attention_decode_fused` where `_fused_decode` allows; other steps slice them.
+    project_out False returns the heads merged [t, h * e] before o_proj (the layer's
+    fused_out takes it).
     """
+    raw = None
+    if fused is not None:
+        cfg, (proj, cols) = layer.cfg, fused
+        widths = (cfg.num_heads * cfg.head_dim,) + (cfg.num_kv_heads * cfg.head_dim,) * 2
+        raw = tuple(proj[..., c:c + w] for c, w in zip(cols, widths, strict=True))
     dtype = (x if raw is None else raw[0]).dtype
     common = dict(window=layer.window, softcap=layer.cfg.softcap, scale=layer.cfg.query_scale)
     table = batch.page_tables[group]
     if fused is not None and decode and not q_len and _fused_decode(layer, kv):
-        # One kernel for q's and k's RoPE, the K/V page writes and q's block layout.
-        cfg, (proj, cols) = layer.cfg, fused
+        # One kernel: q's and k's RoPE, the K/V page write and the attention.
         cos, sin = rope_cos_sin(batch.positions, cfg.rope_dim, *cfg.rope_params(layer.window))
         o, k_pages, v_pages = paged_attention_decode_fused(
             proj, cos, sin, kv.k, kv.v, batch.slot_mappings[group], batch.lengths, table,
@@ -343,15 +347,13 @@ def block_ragged(block: Block, h: jax.Array, batch: RaggedBatch, cache: LayerCac
                                      else cfg.ssm_in_multiplier))
     project_out = block.fused_out is None
     if block.attention is not None:
-        raw = None
+        fused = None
         if proj is not None:
             acfg = block.attention.cfg
             qw, kw = acfg.num_heads * acfg.head_dim, acfg.num_kv_heads * acfg.head_dim
-            raw = proj[..., :qw], proj[..., qw:qw + kw], proj[..., qw + kw:qw + 2 * kw]
-            col = qw + 2 * kw
-        x = None if raw is not None else _scale(u, cfg.attention_in_multiplier)
-        fused = None if proj is None else (proj, (0, qw, qw + kw))
-        a, kv = _attention(block.attention, x, batch, kv, group, decode, q, raw, project_out, fused)
+            fused, col = (proj, (0, qw, qw + kw)), qw + 2 * kw
+        x = None if fused is not None else _scale(u, cfg.attention_in_multiplier)
+        a, kv = _attention(block.attention, x, batch, kv, group, decode, q, fused, project_out)
         branches.append((a, cfg.attention_out_multiplier))
     if block.mamba is not None:
         x = None if proj is not None else _scale(u, cfg.ssm_in_multiplier)
