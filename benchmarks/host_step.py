@@ -45,9 +45,9 @@ def stub_device(engine: LLMEngine, vocab_lo: int = 3, vocab_hi: int = 200) -> No
         t, lp, ids, tlp = outs[next(count) % 8]
         return t, lp[:b], ids[:b], tlp[:b]
 
-    def forward(bucket):  # (caches, stats, logits, plain samples[, checkpoints])
-        return lambda params, caches, stats, buf, last, *ck: (caches, stats, None,
-                                                               samples(bucket.seqs), *ck)
+    def forward(bucket):  # (caches, stats, logits, plain samples[, checkpoints]); outs come last
+        return lambda params, caches, stats, buf, last, *rest: (caches, stats, rest[-1][0],
+                                                                 samples(bucket.seqs), *rest[:-1])
 
     runner.compiled = {b: forward(b) for b in runner.compiled}
     runner.samplers = {b: (lambda logits, stats, buf, _b=b: samples(_b)) for b in runner.samplers}

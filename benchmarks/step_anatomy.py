@@ -270,12 +270,17 @@ def run(a: argparse.Namespace) -> dict:
     feed = np.full(bucket.tokens, -1, np.int32)
     tree = r._host_tree(bucket, r._pad(arrays, bucket), samp, feed, None)
     buf = jax.device_put(r.host_layouts[bucket].pack(tree))
-    state = {"caches": r.caches, "stats": r.stats, "last": r.last_tokens}
+    logits, plain = r.results.take(bucket.seqs, r.last_tokens)
+    # Two sets of sample buffers, alternating, as the engine's loop cycles them
+    # (serving/result_buffers.py).
+    sets = [plain, r.results.zeros(r.results.forward_shapes(bucket.seqs)[1])]
+    state = {"caches": r.caches, "stats": r.stats, "last": r.last_tokens, "logits": logits, "k": 0}
 
     def call():  # one executable: the plain sampler runs inside the forward
-        state["caches"], state["stats"], _, out = exe(r.params, state["caches"], state["stats"], buf,
-                                                      state["last"])
-        state["last"] = out[0]
+        k = state["k"]
+        state["caches"], state["stats"], state["logits"], out = exe(
+            r.params, state["caches"], state["stats"], buf, state["last"], (state["logits"], sets[k]))
+        sets[k], state["k"], state["last"] = out, 1 - k, out[0]
         return out
 
     jax.block_until_ready(call())
@@ -300,6 +305,7 @@ def run(a: argparse.Namespace) -> dict:
     print("hlo:", json.dumps(hlo))
     kernel_ms, kernels, top, gaps = trace_kernels(call, 10, a.top)
     r.caches, r.stats, r.last_tokens = state["caches"], state["stats"], state["last"]
+    r.results.keep_logits(bucket.seqs, state["logits"])
     bw = copy_bandwidth()
     # The measured steps' real contexts (the floor of their mean step), not the prompt length.
     ctx = np.stack(measured_lengths)  # [steps, b]

@@ -64,7 +64,8 @@ def segments(cu_seqlens: jax.Array, t: int) -> Segments:
     """The sequence and in-sequence position of each of `t` tokens."""
     b = cu_seqlens.shape[0] - 1
     tok = jnp.arange(t, dtype=jnp.int32)
-    seq = jnp.searchsorted(cu_seqlens[1:], tok, side="right").astype(jnp.int32)
+    # compare_all: no while loop in the step (see serving/penalties.py)
+    seq = jnp.searchsorted(cu_seqlens[1:], tok, side="right", method="compare_all").astype(jnp.int32)
     start = cu_seqlens[jnp.minimum(seq, b - 1)]
     pos = jnp.where(seq < b, tok - start, -1)
     return Segments(seq=seq, pos=pos)
@@ -81,7 +82,7 @@ def chunk_table(cu_seqlens: jax.Array, t: int, l: int) -> ChunkTable:
     first = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(counts, dtype=jnp.int32)])
     nc = num_chunks(t, b, l)
     c = jnp.arange(nc, dtype=jnp.int32)
-    seq = jnp.searchsorted(first[1:], c, side="right").astype(jnp.int32)  # b+1 if unused
+    seq = jnp.searchsorted(first[1:], c, side="right", method="compare_all").astype(jnp.int32)  # b+1: unused
     used = seq <= b
     seg = jnp.minimum(seq, b)
     start = cu[seg] + (c - first[seg]) * l

@@ -5,7 +5,8 @@ checkpoint copies: ~25 arrays) cost a transfer each, ~30-80 us of host time apie
 (measured: 20 arrays of 64 ints, 1.2-1.6 ms; one array of the same bytes 0.12 ms).
 `HostLayout` lays a pytree of numpy arrays end to end in one int32 vector (4-byte
 dtypes bit-cast, bools as 0/1) and unpacks it inside the jitted step with static
-slices, which XLA fuses into their consumers.
+slices, which XLA fuses into their consumers (single-device steps first copy the vector
+once, `stage=True`, so that those consumers read an address that does not change).
 
 The layout is static per shape: `host_layout(tree)` from the arrays (or
 ShapeDtypeStructs) of a bucket; `pack` on the host, `unpack` on the device. A layout
@@ -21,6 +22,8 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from pallas_kernels.stage_copy import stage_copy
 
 _FOUR_BYTE = (np.dtype(np.int32), np.dtype(np.uint32), np.dtype(np.float32))
 
@@ -51,8 +54,17 @@ class HostLayout:
             buf[off:off + n] = flat.astype(np.int32) if dtype == np.bool_ else flat.view(np.int32)
         return buf
 
-    def unpack(self, buf: jax.Array):
-        """Device (inside jit): the tree back from the vector."""
+    def unpack(self, buf: jax.Array, *, stage: bool = False):
+        """Device (inside jit): the tree back from the vector.
+
+        `stage`: first copy the vector with `stage_copy` (one kernel), so that the step's
+        kernels read the copy, at an address that is the same every call, instead of this
+        call's transfer: on a GPU, XLA updates each CUDA-graph node whose buffers moved,
+        and ~80 nodes per decode step read these fields (`pallas_kernels/stage_copy.py`).
+        Single-device steps only (the copy is not partitioned).
+        """
+        if stage:
+            buf = stage_copy(buf)
         leaves = []
         for off, shape, dtype in self.fields:
             x = jax.lax.slice_in_dim(buf, off, off + int(np.prod(shape, dtype=np.int64)))

@@ -48,7 +48,9 @@ def update_token_stats(stats: TokenStats, tokens: jax.Array, positions: jax.Arra
     else:
         counts, seen = stats.counts, stats.seen
     t = tokens.shape[0]
-    row = jnp.searchsorted(cu_seqlens[1:], jnp.arange(t), side="right")
+    # compare_all: no loop (the default method is a while loop, which on a GPU runs outside
+    # the step's CUDA graph, its kernels launched one by one by the host, and splits the graph)
+    row = jnp.searchsorted(cu_seqlens[1:], jnp.arange(t), side="right", method="compare_all")
     valid = jnp.arange(t) < cu_seqlens[-1]
     row = jnp.where(valid, row, 0)
     slot = jnp.where(valid, slot_ids[row], 0)  # padding tokens touch the dummy slot 0

@@ -43,6 +43,7 @@ from hybrid_jax.model import CausalLM
 from serving.host_pack import HostLayout, host_layout
 from serving.packing import pack, pack_host, plan_layout
 from serving.penalties import init_token_stats
+from serving.result_buffers import ResultBuffers
 from serving.sampling import SamplingArrays
 from serving.schedule import PENDING, StepArrays
 from serving.step_fns import (  # noqa: F401  (Bucket, make_buckets, _states: imported from here too)
@@ -88,6 +89,7 @@ class Pending(NamedTuple):
     logprobs: jax.Array
     top_ids: jax.Array
     top_logprobs: jax.Array
+    recycle: int = 0  # the forward's own output buffers (of this many rows): reused once fetched
 
 
 class ModelRunner:
@@ -174,6 +176,8 @@ class ModelRunner:
             batch, sampling = self._dummy(bk)
             self.multi_layouts[bk] = host_layout((sampling, batch))
         self.multisteps: dict[tuple[Bucket, bool], Callable] = {}
+        # The buffers the executables write their results into (serving/result_buffers.py).
+        self.results = ResultBuffers(self.cfg.vocab_size, self.max_seqs, self.replicated)
 
     def _q_buckets(self, q: int, max_seqs: int) -> list[Bucket]:
         """Buckets of b sequences x q tokens: the decode ladder's sizes up to max_seqs."""
@@ -268,20 +272,24 @@ class ModelRunner:
                               max_seqs=self.max_seqs)
             extra = (self.ckpts,) if ckpt else ()
             buf = jax.ShapeDtypeStruct((host.size,), jnp.int32)
-            add(bucket, fwd, (self.params, self.caches, self.stats, buf, self.last_tokens, *extra),
+            outs = self.results.forward_shapes(bucket.seqs)
+            add(bucket, fwd, (self.params, self.caches, self.stats, buf, self.last_tokens, *extra, outs),
                 ("forward", bucket, ckpt, self.max_seqs, repr(host)))  # max_seqs: the samples' padding
         for bucket in self.verify_buckets:
             host = self.verify_layouts[bucket]
             buf = jax.ShapeDtypeStruct((host.size,), jnp.int32)
+            outs = self.results.sync_shapes("verify", bucket)
             for filters in (False, True):
                 add((bucket, filters), _verify_fn(self.graphdef, self.layout, self.spec_q, host, filters),
-                    (self.params, self.caches, buf), ("verify", bucket, filters, self.spec_q, repr(host)))
+                    (self.params, self.caches, buf, outs),
+                    ("verify", bucket, filters, self.spec_q, repr(host)))
         for bucket in self.multi_buckets:
             host = self.multi_layouts[bucket]
             buf = jax.ShapeDtypeStruct((host.size,), jnp.int32)
+            outs = self.results.sync_shapes("multi", bucket)
             for filters in (False, True):
                 fn = _multi_fn(self.graphdef, self.layout, self.multi_q, host, filters)
-                add(("multi", bucket, filters), fn, (self.params, self.caches, self.stats, buf),
+                add(("multi", bucket, filters), fn, (self.params, self.caches, self.stats, buf, outs),
                     ("multi", bucket, filters, self.multi_q, repr(host)))
         for b in sorted({bk.seqs for bk in self.buckets}):
             logits = jax.ShapeDtypeStruct((b, self.cfg.vocab_size), jnp.float32, sharding=rep)
@@ -378,15 +386,21 @@ class ModelRunner:
         # One transfer for every host input of the step (serving/host_pack.py).
         buf = jax.device_put(self.host_layouts[bucket].pack(tree), self.replicated)
         args = (self.params, self.caches, self.stats, buf, self.last_tokens)
+        exe, outs = self.compiled[bucket], self.results.take(bs, self.last_tokens)
         if ckpt:
-            self.caches, self.stats, logits, plain, self.ckpts = self.compiled[bucket](*args, self.ckpts)
+            self.caches, self.stats, logits, plain, self.ckpts = exe(*args, self.ckpts, outs)
         else:
-            self.caches, self.stats, logits, plain = self.compiled[bucket](*args)
-        out = self.samplers[bs](logits, self.stats, buf) if full else plain
+            self.caches, self.stats, logits, plain = exe(*args, outs)
+        self.results.keep_logits(bs, logits)
+        if full:
+            out = self.samplers[bs](logits, self.stats, buf)
+            self.results.recycle(bs, plain)
+        else:
+            out = plain
         self.last_tokens = out[0]
         for x in out if full else out[:2]:
             x.copy_to_host_async()
-        return Pending(len(arrays.slot_ids), *out)
+        return Pending(len(arrays.slot_ids), *out, recycle=0 if full else bs)
 
     def verify(self, arrays: StepArrays, sampling: SamplingArrays, num_drafts: np.ndarray, *,
                filters: bool = True) -> tuple[np.ndarray, np.ndarray]:
@@ -402,7 +416,9 @@ class ModelRunner:
         samp = SamplingArrays(*(_pad_rows(np.asarray(x), bs) for x in sampling))
         tree = (self._pad(arrays, bucket), _pad_rows(num_drafts.astype(np.int32), bs), samp)
         buf = jax.device_put(self.verify_layouts[bucket].pack(tree), self.replicated)
-        self.caches, out, accepted = self.verifiers[(bucket, filters)](self.params, self.caches, buf)
+        outs = self.results.take_sync("verify", bucket)
+        self.caches, out, accepted = self.verifiers[(bucket, filters)](self.params, self.caches, buf, outs)
+        self.results.keep_sync("verify", bucket, (out, accepted))
         out, accepted = jax.device_get((out, accepted))
         return out[:b], accepted[:b]
 
@@ -420,15 +436,25 @@ class ModelRunner:
         buf = jax.device_put(self.multi_layouts[bucket].pack((samp, self._pad(arrays, bucket))),
                              self.replicated)
         exe = self.multisteps[(bucket, filters)]
-        self.caches, self.stats, out, lps = exe(self.params, self.caches, self.stats, buf)
+        outs = self.results.take_sync("multi", bucket)
+        self.caches, self.stats, out, lps = exe(self.params, self.caches, self.stats, buf, outs)
+        self.results.keep_sync("multi", bucket, (out, lps))
         out, lps = jax.device_get((out, lps))
         return out[:b], lps[:b]
 
-    @staticmethod
-    def fetch(p: Pending) -> StepResult:
-        """Wait for a dispatched step's results on the host."""
+    def fetch(self, p: Pending) -> StepResult:
+        """Wait for a dispatched step's results on the host. The step's device arrays may be
+        reused by a later dispatch once this returns (serving/result_buffers.py): read them
+        only here."""
         b = p.num_seqs
-        tokens, lps, top_ids, top_lps = jax.device_get((p.tokens, p.logprobs, p.top_ids, p.top_logprobs))
+        if p.recycle:  # the plain sampler's: no top-n logprobs (zeros), not worth a transfer
+            tokens, lps = jax.device_get((p.tokens, p.logprobs))
+            top_ids = np.zeros(p.top_ids.shape, p.top_ids.dtype)
+            top_lps = np.zeros(p.top_logprobs.shape, p.top_logprobs.dtype)
+            self.results.recycle(p.recycle, p[1:5])
+        else:
+            tokens, lps, top_ids, top_lps = jax.device_get(
+                (p.tokens, p.logprobs, p.top_ids, p.top_logprobs))
         return StepResult(tokens[:b], lps[:b], top_ids[:b], top_lps[:b])
 
     def run(self, arrays: StepArrays, sampling: SamplingArrays, feed: np.ndarray | None = None,

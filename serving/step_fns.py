@@ -29,6 +29,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from hybrid_jax import tensor_parallel as tp
 from hybrid_jax.cache import LayerCache, RaggedBatch
 from hybrid_jax.ragged import choose, forward_ragged, forward_verify
+from pallas_kernels.stage_copy import write_into
 from serving.host_pack import HostLayout
 from serving.packing import PackLayout, unpack
 from serving.penalties import TokenStats, apply_penalties, update_token_stats
@@ -183,6 +184,16 @@ def _forward_fn(graphdef: nnx.GraphDef, layout: PackLayout, decode: bool, host: 
     With `ckpt_ops` the step also restores and saves state checkpoints (`CkptOps`).
     With `sh` (tensor parallelism) the model runs per device on its shard under
     `shard_map`; logits come out replicated, and the step's in/out shardings are fixed.
+
+    `outs` (last argument, donated): buffers shaped as (logits, plain samples) that the
+    results are written into. On a GPU, XLA places temporaries of the whole step inside
+    its output buffers; an output allocated afresh each call has a new address, and the
+    CUDA graph's update then touches every node using those temporaries (~80 per decode
+    step). The logits buffer is the same every call (serving/result_buffers.py), so what
+    XLA puts in it never moves; the sample buffers cycle (the host reads them after the next
+    step is dispatched), and `write_into` (pallas_kernels/stage_copy.py) keeps them free of
+    temporaries by reading them, so only its node is updated when they change
+    (docs/benchmarks.md, seventh pass).
     """
 
     def model_forward(params, caches, batch):
@@ -194,12 +205,12 @@ def _forward_fn(graphdef: nnx.GraphDef, layout: PackLayout, decode: bool, host: 
         model_forward = jax.shard_map(model_forward, mesh=sh.mesh,
                                       in_specs=(PartitionSpec(tp.AXIS), cache_specs, PartitionSpec()),
                                       out_specs=(PartitionSpec(), cache_specs), check_vma=False)
-    jit = jax.jit
+    jit = functools.partial(jax.jit, keep_unused=True)  # `outs` is donated, never read
     if sh is not None:
         r = NamedSharding(sh.mesh, PartitionSpec())
-        ins = (sh.params, sh.caches, r, r, r) + ((sh.ckpts,) if ckpt_ops else ())
+        ins = (sh.params, sh.caches, r, r, r) + ((sh.ckpts,) if ckpt_ops else ()) + (r,)
         outs = (sh.caches, r, r, r) + ((sh.ckpts,) if ckpt_ops else ())
-        jit = functools.partial(jax.jit, in_shardings=ins, out_shardings=outs)
+        jit = functools.partial(jit, in_shardings=ins, out_shardings=outs)
 
     def model_step(params, caches, stats: TokenStats, batch: RaggedBatch, feed, last_tokens, prompt_len):
         tokens = jnp.where(feed >= 0, last_tokens[jnp.maximum(feed, 0)], batch.tokens)
@@ -212,23 +223,28 @@ def _forward_fn(graphdef: nnx.GraphDef, layout: PackLayout, decode: bool, host: 
     def plain(logits, stats, sampling, slot_ids):
         return _sample(logits, stats, sampling, slot_ids, full=False, max_seqs=max_seqs)
 
+    def results(outs, samples):
+        # The samples go into their donated buffers by `write_into` (single device): see below.
+        return write_into(outs[1], samples) if sh is None else samples
+
     if not ckpt_ops:
-        def forward(params, caches, stats, buf, last_tokens):
-            sampling, slot_ids, batch, feed = host.unpack(buf)
+        def forward(params, caches, stats, buf, last_tokens, outs):
+            sampling, slot_ids, batch, feed = host.unpack(buf, stage=sh is None)
             caches, stats, logits = model_step(params, caches, stats, batch, feed, last_tokens,
                                                sampling.prompt_len)
-            return caches, stats, logits, plain(logits, stats, sampling, slot_ids)
+            return caches, stats, logits, results(outs, plain(logits, stats, sampling, slot_ids))
 
-        return jit(forward, donate_argnums=(1, 2))
+        return jit(forward, donate_argnums=(1, 2, 5))
 
-    def forward_ckpt(params, caches, stats, buf, last_tokens, ckpts):
-        sampling, slot_ids, batch, feed, ops = host.unpack(buf)
+    def forward_ckpt(params, caches, stats, buf, last_tokens, ckpts, outs):
+        sampling, slot_ids, batch, feed, ops = host.unpack(buf, stage=sh is None)
         caches, stats = _restore(caches, ckpts, stats, ops)
         caches, stats, logits = model_step(params, caches, stats, batch, feed, last_tokens,
                                            sampling.prompt_len)
-        return caches, stats, logits, plain(logits, stats, sampling, slot_ids), _save(ckpts, caches, ops)
+        samples = results(outs, plain(logits, stats, sampling, slot_ids))
+        return caches, stats, logits, samples, _save(ckpts, caches, ops)
 
-    return jit(forward_ckpt, donate_argnums=(1, 2, 5))
+    return jit(forward_ckpt, donate_argnums=(1, 2, 5, 6))
 
 
 def _verify_fn(graphdef: nnx.GraphDef, layout: PackLayout, q: int, host: HostLayout,
@@ -242,8 +258,9 @@ def _verify_fn(graphdef: nnx.GraphDef, layout: PackLayout, q: int, host: HostLay
     `filters`: top-k / top-p / min-p (a vocabulary sort per token; off when no row asks).
     """
 
-    def verify(params, caches, buf):
-        batch, num_drafts, sampling = host.unpack(buf)
+    def verify(params, caches, buf, outs):
+        del outs  # donated: the results are written into these buffers (see `_forward_fn`)
+        batch, num_drafts, sampling = host.unpack(buf, stage=True)
         model = nnx.merge(graphdef, unpack(layout, params))
         logits, candidates = forward_verify(model, batch, caches, q)
         b = batch.slot_ids.shape[0]
@@ -251,7 +268,7 @@ def _verify_fn(graphdef: nnx.GraphDef, layout: PackLayout, q: int, host: HostLay
                                filters=filters)
         return choose(caches, candidates, batch.slot_ids, accepted), out, accepted
 
-    return jax.jit(verify, donate_argnums=(1,))
+    return jax.jit(verify, donate_argnums=(1, 3), keep_unused=True)
 
 
 def decode_rows(batch: RaggedBatch, q: int) -> Callable[[jax.Array], RaggedBatch]:
@@ -297,8 +314,9 @@ def _multi_fn(graphdef: nnx.GraphDef, layout: PackLayout, q: int, host: HostLayo
     never shown).
     """
 
-    def multi(params, caches, stats, buf):
-        sampling, batch = host.unpack(buf)
+    def multi(params, caches, stats, buf, outs):
+        del outs  # donated: the results are written into these buffers (see `_forward_fn`)
+        sampling, batch = host.unpack(buf, stage=True)
         model = nnx.merge(graphdef, unpack(layout, params))
         b = batch.slot_ids.shape[0]
         rows_at = decode_rows(batch, q)
@@ -320,7 +338,7 @@ def _multi_fn(graphdef: nnx.GraphDef, layout: PackLayout, q: int, host: HostLayo
         caches, stats, _, out, lps = jax.lax.fori_loop(0, q, body, init)
         return caches, stats, out, lps
 
-    return jax.jit(multi, donate_argnums=(1, 2))
+    return jax.jit(multi, donate_argnums=(1, 2, 4), keep_unused=True)
 
 
 def _sample(logits, stats: TokenStats, sampling, slot_ids, *, full: bool, max_seqs: int,
