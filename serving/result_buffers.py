@@ -8,7 +8,9 @@ ms of host time per call on an H100 host (docs/benchmarks.md, seventh pass). Buf
 kept here keep their addresses:
 
 - logits [b, vocab] f32, one buffer per row count, reused every call: the host never
-  reads it, and a full sampler enqueued on it runs before the next step (stream order);
+  reads it, and a full sampler enqueued on it runs before the next step (stream order).
+  Only the `LOGITS_KEPT` row counts used last keep theirs (a large vocabulary's logits
+  are hundreds of MB at b = 256; a dropped one is made again, once);
 - the plain samples (tokens [max_seqs], logprobs [b], top ids and top logprobs
   [b, TOP_LOGPROBS]): the host reads a step's samples after the next step is
   dispatched, so sets cycle through a free list. A set goes back when its step is
@@ -25,6 +27,8 @@ requests or scheduling.
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -33,12 +37,13 @@ from jax.sharding import NamedSharding
 from serving.step_fns import TOP_LOGPROBS, Bucket
 
 FREE_SETS = 3  # sample sets kept per row count (two alternate in the overlapped loop)
+LOGITS_KEPT = 4  # row counts whose logits buffer is kept (the most recently used)
 
 
 class ResultBuffers:
     def __init__(self, vocab_size: int, max_seqs: int, sharding: NamedSharding):
         self.vocab_size, self.max_seqs, self.sharding = vocab_size, max_seqs, sharding
-        self._logits: dict[int, jax.Array] = {}
+        self._logits: OrderedDict[int, jax.Array] = OrderedDict()
         self._free: dict[int, list[tuple[jax.Array, ...]]] = {}
         self._sync: dict[object, tuple[jax.Array, ...]] = {}
 
@@ -84,6 +89,9 @@ class ResultBuffers:
     def keep_logits(self, b: int, logits: jax.Array) -> None:
         """The call's logits result (in the donated buffer): the next call's buffer."""
         self._logits[b] = logits
+        self._logits.move_to_end(b)
+        while len(self._logits) > LOGITS_KEPT:
+            self._logits.popitem(last=False)
 
     def recycle(self, b: int, samples: tuple) -> None:
         """A set of samples the host is done with (fetched, or never to be read)."""

@@ -224,7 +224,7 @@ def _forward_fn(graphdef: nnx.GraphDef, layout: PackLayout, decode: bool, host: 
         return _sample(logits, stats, sampling, slot_ids, full=False, max_seqs=max_seqs)
 
     def results(outs, samples):
-        # The samples go into their donated buffers by `write_into` (single device): see below.
+        # The samples go into their donated buffers by `write_into` (single device; see above).
         return write_into(outs[1], samples) if sh is None else samples
 
     if not ckpt_ops:

@@ -152,3 +152,14 @@ def test_verify_ready_looks_past_the_step_in_flight():
         sch.update(decode, [8, 8])
         assert sch._can_verify(plan) is fits
         assert sch.schedule(plan).is_verify is fits
+
+
+def test_multi_step_executables_alias_their_results(engines):
+    """The multi-step executables write their results into donated buffers (the runner
+    reuses them call after call: serving/result_buffers.py)."""
+    from tests.serving.test_output_buffers import assert_results_aliased
+
+    r = engines[0].runner
+    assert r.multisteps
+    for (bucket, _), exe in r.multisteps.items():
+        assert_results_aliased(exe, r.caches, r.stats, r.results.sync_shapes("multi", bucket))

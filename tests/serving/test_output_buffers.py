@@ -1,61 +1,38 @@
 """The executables write their results into donated buffers that the runner cycles
-(serving/result_buffers.py): every executable aliases them (XLA keeps the step's
-temporaries out of them, so a CUDA graph's nodes stay valid between calls), and the
+(serving/result_buffers.py): every executable aliases them (the forward here; multi-step
+and verification in test_multi_step and test_speculative), and the
 buffers are reused across steps without ever handing a result still to be read, or the
 next step's fed tokens, to a new call. Outputs themselves are checked against the
 synchronous loop and the full forward elsewhere (test_overlap, test_engine_parity);
-here the decoding through the cycled buffers is checked against the engine built
-without any cycling (fresh buffers each call)."""
+here the decoding through the cycled buffers is checked against the same engine given
+fresh buffers each call."""
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
-import warnings
 
+import jax
 import numpy as np
-import pytest
 
-from serving.engine import LLMEngine
-from serving.engine_config import EngineConfig
 from serving.sampling_params import SamplingParams
-
-CFG = EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, max_prefill_chunk=16,
-                   max_model_len=128, page_size=8, num_scheduler_steps=3)
-
 
 _IDS = itertools.count()
 
 
-@pytest.fixture(scope="module")
-def built():
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        engine = LLMEngine("native-tiny", CFG, show_progress=False)
-    return engine, [str(w.message) for w in caught]
+def assert_results_aliased(exe, *donated) -> None:
+    """Every leaf of `donated` (the caches, statistics, checkpoints and result buffers the
+    executable takes donated) is aliased to one of its outputs: XLA writes the results
+    into the donated buffers. A result buffer whose shape or dtype matched no output would
+    be wasted, and the result allocated afresh each call (with temporaries in it)."""
+    header = exe.as_text().split("\n", 1)[0]
+    assert header.count("alias)") == len(jax.tree.leaves(donated)), header[:400]
 
 
-def test_every_donated_output_is_used(built):
-    """JAX warns when a donated buffer matches no result: then XLA would allocate the
-    result afresh (and place temporaries in it) while the donated buffer is wasted."""
-    engine, caught = built
-    assert not [m for m in caught if "donated" in m], caught
-    r = engine.runner
-    assert r.compiled and r.multisteps
-    for exe in [*r.compiled.values(), *r.multisteps.values()]:
-        text = exe.as_text()
-        header = text[:text.index("\n")]
-        assert "input_output_alias" in header
-
-
-def test_speculative_executables_alias_their_outputs():
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        engine = LLMEngine("native-tiny", dataclasses.replace(
-            CFG, num_scheduler_steps=1, speculative_method="ngram", num_speculative_tokens=2),
-            show_progress=False)
-    assert not [str(w.message) for w in caught if "donated" in str(w.message)]
-    assert engine.runner.verifiers
+def test_forward_executables_alias_their_results(server_engine):
+    r = server_engine.runner
+    assert r.compiled
+    for bucket, exe in r.compiled.items():
+        assert_results_aliased(exe, r.caches, r.stats, r.results.forward_shapes(bucket.seqs))
 
 
 def _drive(engine, prompts, params):
@@ -98,12 +75,12 @@ def test_buffers_cycle_and_outputs_match_fresh_buffers(server_engine, monkeypatc
     assert cycled == fresh
 
 
-def test_unfetched_results_and_fed_tokens_are_never_donated(built):
+def test_unfetched_results_and_fed_tokens_are_never_donated(server_engine):
     """Steps dispatched back to back before any fetch (as the draft model does) each keep
     their own result buffers; the tokens the next call is fed (`last_tokens`) are never
     donated into it, also in the synchronous loop (dispatch, fetch, dispatch). A donated
     array is deleted, so a wrong reuse shows as a deleted or shared buffer."""
-    engine, _ = built
+    engine = server_engine
     r = engine.runner
     from serving.sampling import SamplingArrays
 
@@ -135,3 +112,34 @@ def test_unfetched_results_and_fed_tokens_are_never_donated(built):
         fed = r.last_tokens
         r.fetch(r.dispatch(arrays, greedy, full=False))
         assert not fed.is_deleted()
+
+
+def test_result_buffers_bounds_and_skips():
+    """`ResultBuffers` on its own: logits buffers kept for the most recent row counts only,
+    at most FREE_SETS sample sets per row count, a set holding the fed tokens or a deleted
+    (donated) array never handed out."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from serving.result_buffers import FREE_SETS, LOGITS_KEPT, ResultBuffers
+    from serving.step_fns import TOP_LOGPROBS
+
+    rep = NamedSharding(Mesh(np.asarray(jax.devices()[:1]), ("x",)), PartitionSpec())
+    rb = ResultBuffers(vocab_size=11, max_seqs=8, sharding=rep)
+    for b in range(1, LOGITS_KEPT + 3):
+        logits, _ = rb.take(b, fed=None)
+        assert logits.shape == (b, 11)
+        rb.keep_logits(b, logits)
+    assert list(rb._logits) == list(range(3, LOGITS_KEPT + 3))
+    kept = rb._logits[LOGITS_KEPT + 2]
+    assert rb.take(LOGITS_KEPT + 2, fed=None)[0] is kept
+    sets = [rb.zeros(rb.forward_shapes(4)[1]) for _ in range(FREE_SETS + 2)]
+    for s in sets:
+        rb.recycle(4, s)
+    assert len(rb._free[4]) == FREE_SETS
+    fed = sets[0][0]
+    _, got = rb.take(4, fed=fed)
+    assert got is sets[1]  # sets[0] holds the fed tokens: skipped
+    sets[2][1].delete()
+    _, got = rb.take(4, fed=fed)
+    assert got is not sets[2] and got is not sets[0]
+    assert got[0].shape == (8,) and got[2].shape == (4, TOP_LOGPROBS)

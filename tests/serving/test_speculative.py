@@ -405,3 +405,14 @@ def test_a_stop_string_inside_an_accepted_run_cuts_the_run():
     assert detok.stopped_on == "return" and len(kept) < len(run_ids)
     assert "return" in tok.decode(kept) and "return" not in tok.decode(kept[:-1])
     assert seq.token_ids == prompt + kept and "return" not in text
+
+
+def test_verification_executables_alias_their_results(native_engine):
+    """The verification executables write their results into donated buffers (the runner
+    reuses them call after call: serving/result_buffers.py)."""
+    from tests.serving.test_output_buffers import assert_results_aliased
+
+    r = native_engine.runner
+    assert r.verifiers
+    for (bucket, _), exe in r.verifiers.items():
+        assert_results_aliased(exe, r.caches, r.results.sync_shapes("verify", bucket))
