@@ -33,7 +33,14 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.paged_tiles import LOG2E, TileConfig, attend_tiles, finish, init_carry, tile_span
+from pallas_kernels.paged_tiles import (
+    TileConfig,
+    attend_one,
+    attend_tiles,
+    finish,
+    init_carry,
+    tile_span,
+)
 
 MIN_ROWS = 16  # Triton dots need M >= 16
 NUM_SMS = 132  # H100 SXM: the launch heuristics' idea of a full GPU
@@ -218,21 +225,10 @@ def _decode_fused_kernel(lens_ref, pt_ref, slot_ref, cos_ref, sin_ref, proj_ref,
     k_lo, k_hi, t_lo, t_hi, full_lo, full_hi = tile_span(length - 2, length - 2, prev)
     t_hi = jnp.where(length > 1, t_hi, t_lo)
     t0, t1 = _split_range(t_lo, t_hi, s, splits)
-    o, m, l = attend_tiles(q, qpos, k_ref, v_ref, pt_ref, b, (k_lo, k_hi, full_lo, full_hi),
-                           (t0, t1), init_carry(rows, e), prev)
+    carry = attend_tiles(q, qpos, k_ref, v_ref, pt_ref, b, (k_lo, k_hi, full_lo, full_hi),
+                         (t0, t1), init_carry(rows, e), prev)
     # This token, in the last split: one more key of the online softmax.
-    f32 = jnp.float32
-    logit = jnp.sum(q.astype(f32) * k_cur.astype(f32)[None, :], axis=1) * cfg.scale
-    if cfg.softcap is not None:
-        logit = jnp.tanh(logit / cfg.softcap) * cfg.softcap
-    logit = jnp.where((length > 0) & (s == splits - 1), logit * LOG2E, -jnp.inf)
-    m_new = jnp.maximum(m, logit)
-    alpha = jnp.exp2(m - m_new)
-    p = jnp.exp2(logit - m_new)
-    l = l * alpha + p
-    pv = p.astype(v_ref.dtype).astype(f32)  # rounded as the tiles round p before their dot
-    o = o * alpha[:, None] + pv[:, None] * v_cur.astype(f32)[None, :]
-    carry = (o, m_new, l)
+    carry = attend_one(q, k_cur, v_cur, (length > 0) & (s == splits - 1), carry, cfg)
     _store(carry, att_refs)
 
 

@@ -78,12 +78,17 @@ def _tile_pages(pt_ref, seq, tile, k_lo, k_hi, cfg: TileConfig) -> jax.Array:
     return jnp.where(live, phys, 0)
 
 
-def _logits(q, k, cfg: TileConfig) -> jax.Array:
-    """Scaled (and soft-capped) logits in base-2 units, f32 [r, n]."""
-    s = _dot_nt(q, k) * cfg.scale
+def _base2(s: jax.Array, cfg: TileConfig) -> jax.Array:
+    """Raw dot products scaled (and soft-capped), in base-2 units."""
+    s = s * cfg.scale
     if cfg.softcap is not None:
         s = jnp.tanh(s / cfg.softcap) * cfg.softcap
     return s * LOG2E
+
+
+def _logits(q, k, cfg: TileConfig) -> jax.Array:
+    """Scaled (and soft-capped) logits in base-2 units, f32 [r, n]."""
+    return _base2(_dot_nt(q, k), cfg)
 
 
 def _visible(qpos, kpos, cfg: TileConfig) -> jax.Array:
@@ -165,6 +170,22 @@ def attend_tiles(q, qpos, k_ref, v_ref, pt_ref, seq, span, tiles, carry, cfg: Ti
     carry = lax.fori_loop(t0, a, _make_step(*args, masked=True), carry)
     carry = lax.fori_loop(a, c, _make_step(*args, masked=False), carry)
     return lax.fori_loop(c, t1, _make_step(*args, masked=True), carry)
+
+
+def attend_one(q, k, v, live, carry, cfg: TileConfig):
+    """One more key of the online softmax, held in registers: k, v [e] (storage dtype),
+    seen by every row of q [r, e] where `live` (a scalar). p is rounded to v's dtype as the
+    tiles round it before their dot."""
+    o, m, l = carry
+    f32 = jnp.float32
+    s = _base2(jnp.sum(q.astype(f32) * k.astype(f32)[None, :], axis=1), cfg)
+    s = jnp.where(live, s, -jnp.inf)
+    m_new = jnp.maximum(m, s)
+    alpha = jnp.exp2(m - m_new)
+    p = jnp.exp2(s - m_new)
+    l = l * alpha + p
+    o = o * alpha[:, None] + p.astype(v.dtype).astype(f32)[:, None] * v.astype(f32)[None, :]
+    return o, m_new, l
 
 
 def finish(carry) -> jax.Array:

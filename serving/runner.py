@@ -25,9 +25,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
-import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor, as_completed
 from typing import NamedTuple
 
 import jax
@@ -40,6 +38,7 @@ from hybrid_jax import tensor_parallel as tp
 from hybrid_jax.cache import RaggedBatch, init_caches
 from hybrid_jax.fusion import fuse_projections
 from hybrid_jax.model import CausalLM
+from serving.compile_pool import Job, compile_jobs
 from serving.host_pack import HostLayout, host_layout
 from serving.packing import pack, pack_host, plan_layout
 from serving.penalties import init_token_stats
@@ -248,8 +247,8 @@ class ModelRunner:
 
         Executables found in the executable store (serving/exec_store.py, beside the
         persistent compilation cache) are loaded without tracing; the others are lowered
-        (serial: Python) and compiled on a thread pool, in parallel, then stored.
-        `self.startup` records the seconds spent loading, lowering and compiling.
+        and compiled in parallel, then stored (serving/compile_pool.py). `self.startup`
+        records the seconds spent loading, lowering and compiling.
         """
         from serving.exec_store import default_store, describe_args
 
@@ -259,7 +258,7 @@ class ModelRunner:
         model_key = (repr(self.cfg), str(self.layout.dtypes), repr(self.layout.leaves),
                      str(self.layout.treedef), repr(self.shardings), repr(sorted((opts or {}).items())))
         # (key, what to lower: a function of nothing, store key)
-        todo: list[tuple[object, Callable[[], object], str | None]] = []
+        todo: list[Job] = []
 
         def add(key, fn: Callable, args: tuple, desc: tuple) -> None:
             skey = store.key(model_key, desc, describe_args(args)) if store is not None else None
@@ -299,11 +298,10 @@ class ModelRunner:
             add(b, _sampler_fn(self.max_seqs, host, rep), (logits, self.stats, buf),
                 ("sampler", b, self.max_seqs, repr(host)))
         n = len(todo)
-        done = 0
-        timing = {"load_s": 0.0, "lower_s": 0.0, "compile_s": 0.0}
+        built = 0
 
         def finish(key, exe) -> None:
-            nonlocal done
+            nonlocal built
             if isinstance(key, Bucket):
                 self.compiled[key] = exe
             elif isinstance(key, int):
@@ -312,52 +310,11 @@ class ModelRunner:
                 self.multisteps[key[1:]] = exe
             else:
                 self.verifiers[key] = exe
-            done += 1
+            built += 1
             if progress is not None:
-                progress(done, n, key)
+                progress(built, n, key)
 
-        t0 = time.perf_counter()
-        jobs = []
-        if store is not None:  # deserialize on a thread pool (XLA loads without the GIL)
-            with ThreadPoolExecutor(workers or max(1, min(len(todo), os.cpu_count() or 2))) as pool:
-                loaded = list(pool.map(lambda job: store.load(job[2]), todo))
-        else:
-            loaded = [None] * len(todo)
-        for (key, lower, skey), exe in zip(todo, loaded, strict=True):
-            if exe is not None:
-                finish(key, exe)
-            else:
-                jobs.append((key, lower, skey))
-        timing["load_s"] = time.perf_counter() - t0
-        if jobs:
-            # Each executable's compilation starts as soon as it is lowered: XLA compiles
-            # without the GIL, beside the (serial, Python) lowering of the next ones.
-            # lower_s: the lowering; compile_s: the wait for compilations after it.
-            workers = workers or min(len(jobs), max(1, (os.cpu_count() or 2)))
-            futures: dict = {}
-
-            def collect(fut) -> None:
-                key, skey = futures.pop(fut)
-                exe = fut.result()
-                if store is not None:
-                    store.save(skey, exe)
-                finish(key, exe)
-
-            with ThreadPoolExecutor(workers) as pool:
-                for key, lower, skey in jobs:
-                    t0 = time.perf_counter()
-                    low = lower()
-                    timing["lower_s"] += time.perf_counter() - t0
-                    futures[pool.submit(low.compile, compiler_options=opts)] = (key, skey)
-                    for fut in [f for f in futures if f.done()]:
-                        collect(fut)
-                t0 = time.perf_counter()
-                for fut in as_completed(list(futures)):
-                    collect(fut)
-                timing["compile_s"] = time.perf_counter() - t0
-        if store is not None and jobs:
-            store.prune()
-        self.startup = {**timing, "executables": n, "loaded": n - len(jobs)}
+        self.startup = compile_jobs(todo, opts=opts, store=store, done=finish, workers=workers)
 
     def pick(self, arrays: StepArrays) -> Bucket:
         b, t = len(arrays.slot_ids), len(arrays.token_ids)
@@ -451,7 +408,7 @@ class ModelRunner:
             tokens, lps = jax.device_get((p.tokens, p.logprobs))
             top_ids = np.zeros(p.top_ids.shape, p.top_ids.dtype)
             top_lps = np.zeros(p.top_logprobs.shape, p.top_logprobs.dtype)
-            self.results.recycle(p.recycle, p[1:5])
+            self.results.recycle(p.recycle, (p.tokens, p.logprobs, p.top_ids, p.top_logprobs))
         else:
             tokens, lps, top_ids, top_lps = jax.device_get(
                 (p.tokens, p.logprobs, p.top_ids, p.top_logprobs))
