@@ -15,6 +15,7 @@ import os
 import sys
 import time
 from collections import deque
+from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -34,11 +35,12 @@ from serving.sampling import SUPPRESS_WIDTH, SamplingArrays
 from serving.sampling_params import SamplingParams
 from serving.schedule import PENDING, Schedule, flatten
 from serving.scheduler import Scheduler, SpecPlan
-from serving.sequence import FinishReason, Sequence
+from serving.sequence import FinishReason, Sequence, SequenceStatus
 from serving.speculative import NgramDrafter, SpecCounters
 from serving.step_fns import decode_row_floor
 
 log = logging.getLogger(__name__)
+FINISHED = SequenceStatus.FINISHED
 
 
 @dataclass
@@ -55,10 +57,36 @@ _ROW = ("temperature", "top_k", "top_p", "min_p", "seed", "repetition", "presenc
         "prompt_len", "want_top")
 
 
-class _Launched(NamedTuple):
-    schedule: Schedule
-    pending: Pending
-    rows: dict[str, int]  # request id -> row in the step
+class _Launched:
+    """A dispatched step: its schedule and the runner's handle on its results."""
+
+    __slots__ = ("schedule", "pending", "_rows")
+
+    def __init__(self, schedule: Schedule, pending: Pending) -> None:
+        self.schedule, self.pending, self._rows = schedule, pending, None
+
+    @property
+    def rows(self) -> dict[str, int]:
+        """Request id -> row in the step (made when first needed: logprobs, a feed)."""
+        if self._rows is None:
+            self._rows = {q.request_id: i for i, q in enumerate(_seqs(self.schedule))}
+        return self._rows
+
+
+def _seqs(schedule: Schedule) -> SequenceABC[Sequence]:
+    """The schedule's sequences in batch order (a decode block's without making entries)."""
+    if schedule.block is not None:
+        return schedule.block.seqs
+    return [e.seq for e in schedule.entries]
+
+
+class _SamplingRows(NamedTuple):
+    """The constant part of a step's sampling arrays, kept while the same sequences run."""
+
+    seqs: tuple[Sequence, ...]
+    cols: dict[str, np.ndarray]
+    full: bool
+    bans: list[tuple[int, list[int], int]]  # (row, ids to suppress, min_tokens) where min_tokens > 0
 
 
 def _filters(p: SamplingParams) -> bool:
@@ -158,6 +186,7 @@ class LLMEngine:
             self.drafter.compile_all()
         self.requests: dict[str, _Request] = {}
         self._inflight: deque[_Launched] = deque()  # dispatched steps not yet resolved
+        self._rows: _SamplingRows | None = None  # the last step's constant sampling columns
         self._faults = FaultIsolator(self)
         self._ids = itertools.count()
         self._seeds = np.random.default_rng(seed)
@@ -408,8 +437,7 @@ class LLMEngine:
         arrays = flatten(schedule)
         sampling, full = self._sampling(schedule)
         pending = self.runner.dispatch(arrays, sampling, self._feed(schedule, arrays), full=full)
-        rows = {e.seq.request_id: i for i, e in enumerate(schedule.entries)}
-        return _Launched(schedule, pending, rows)
+        return _Launched(schedule, pending)
 
     def _feed(self, schedule: Schedule, arrays) -> np.ndarray | None:
         """For each PENDING token, the row of the last dispatched step that samples it.
@@ -420,9 +448,16 @@ class LLMEngine:
         if not where.size:
             return None
         feed = np.full(len(arrays.token_ids), -1, np.int32)
+        last = self._inflight[-1].schedule
+        if (schedule.block is not None and last.block is not None
+                and schedule.block.seqs == last.block.seqs):
+            feed[where] = where  # the same decode batch again: row i follows row i
+            return feed
+        seqs = _seqs(schedule)
+        rows = self._inflight[-1].rows
         entry = np.searchsorted(arrays.cu_seqlens[1:], where, side="right")
         for i, e in zip(where.tolist(), entry.tolist(), strict=True):
-            feed[i] = self._inflight[-1].rows[schedule.entries[e].seq.request_id]
+            feed[i] = rows[seqs[e].request_id]
         return feed
 
     def _resolve(self, launched: _Launched) -> list[RequestDelta]:
@@ -430,44 +465,58 @@ class LLMEngine:
             result = self.runner.fetch(launched.pending)
         except Exception as err:  # the device failed while running the step
             raise EngineFatal(f"fetching a step's results failed: {err}") from err
-        schedule, rows = launched.schedule, launched.rows
-        outputs = self.scheduler.update(schedule, result.tokens.tolist())
+        outputs = self.scheduler.update(launched.schedule, result.tokens.tolist())
+        reqs = [self.requests[o.seq.request_id] for o in outputs]
         # Every request's new token detokenized in one call (see IncrementalDetokenizer.add_batch).
-        detoks = [self.requests[o.seq.request_id].detok for o in outputs]
-        one = [i for i, (o, d) in enumerate(zip(outputs, detoks, strict=True))
-               if d is not None and len(o.new_token_ids) <= 1]
+        one = [i for i, (o, r) in enumerate(zip(outputs, reqs, strict=True))
+               if r.detok is not None and len(o.new_token_ids) <= 1]
         texts = dict(zip(one, IncrementalDetokenizer.add_batch(
-            [(detoks[i], outputs[i].new_token_ids) for i in one]), strict=True))
-        return [self._delta(out.seq, out.new_token_ids, result, rows[out.seq.request_id], texts.get(i))
-                for i, out in enumerate(outputs)]
+            [(reqs[i].detok, outputs[i].new_token_ids) for i in one]), strict=True))
+        # The row of a request's sample in `result`: for its logprobs only.
+        return [self._delta(o.seq, o.new_token_ids, result,
+                            launched.rows[o.seq.request_id] if o.seq.params.logprobs is not None else 0,
+                            texts.get(i), req=r)
+                for i, (o, r) in enumerate(zip(outputs, reqs, strict=True))]
 
     def _sampling(self, schedule: Schedule) -> tuple[SamplingArrays, bool]:
         """Per-row sampling arrays, and whether any row needs the full sampler.
 
         A request's constant fields are one tuple made at admission (`_Request.row`):
-        the arrays are built column-wise, not from a dict per row (host time per step).
+        the arrays are built column-wise, not from a dict per row, and kept while the same
+        sequences run in the same order (host time per step).
         """
-        reqs = [self.requests[e.seq.request_id] for e in schedule.entries]
-        b = len(reqs)
+        seqs = tuple(_seqs(schedule))
+        b = len(seqs)
         if not b:
             return SamplingArrays.from_rows([]), False
+        rows = self._rows
+        if rows is None or rows.seqs != seqs:
+            rows = self._rows = self._sampling_rows(seqs)
+        if schedule.block is not None:
+            step = schedule.block.out_index
+        else:
+            step = np.fromiter((e.out_index for e in schedule.entries), np.int32, count=b)
+        suppress = np.full((b, SUPPRESS_WIDTH), -1, np.int32)
+        for i, ban, min_tokens in rows.bans:
+            if step[i] < min_tokens:
+                suppress[i, :len(ban)] = ban
+        return SamplingArrays(**rows.cols, step=step, suppress=suppress), rows.full
+
+    def _sampling_rows(self, seqs: tuple[Sequence, ...]) -> _SamplingRows:
+        reqs = [self.requests[q.request_id] for q in seqs]
+        b = len(reqs)
         const = np.array([r.row for r in reqs], np.float64).reshape(b, len(_ROW))
         col = dict(zip(_ROW, const.T, strict=True))
-        step = np.fromiter((e.out_index for e in schedule.entries), np.int32, count=b)
-        suppress = np.full((b, SUPPRESS_WIDTH), -1, np.int32)
-        for i, (e, r) in enumerate(zip(schedule.entries, reqs, strict=True)):
-            if r.ban and e.out_index < e.seq.params.min_tokens:
-                suppress[i, :len(r.ban)] = r.ban
         # A float beyond float32's range becomes inf, as a float32 array built from the
         # Python value would (e.g. temperature 1e39: uniform sampling); no warning for it.
         with np.errstate(over="ignore"):
-            f32 = {k: col[k].astype(np.float32) for k in
-                   ("temperature", "top_p", "min_p", "repetition", "presence", "frequency")}
-        arrays = SamplingArrays(
-            **f32, top_k=col["top_k"].astype(np.int32), seed=col["seed"].astype(np.uint32), step=step,
-            suppress=suppress, prompt_len=col["prompt_len"].astype(np.int32),
-            want_top=col["want_top"] != 0)
-        return arrays, any(r.full for r in reqs)
+            cols = {k: col[k].astype(np.float32) for k in
+                    ("temperature", "top_p", "min_p", "repetition", "presence", "frequency")}
+        cols |= dict(top_k=col["top_k"].astype(np.int32), seed=col["seed"].astype(np.uint32),
+                     prompt_len=col["prompt_len"].astype(np.int32), want_top=col["want_top"] != 0)
+        bans = [(i, r.ban, r.seq.params.min_tokens) for i, r in enumerate(reqs)
+                if r.ban and r.seq.params.min_tokens > 0]
+        return _SamplingRows(seqs, cols, any(r.full for r in reqs), bans)
 
     @staticmethod
     def _add_run(seq: Sequence, detok: IncrementalDetokenizer, tokens: list[int]) -> tuple[str, list[int]]:
@@ -484,32 +533,38 @@ class LLMEngine:
         return text, tokens
 
     def _delta(self, seq: Sequence, tokens: list[int], result: StepResult | None, row: int,
-               text: str | None = None, lps: list[float] | None = None) -> RequestDelta:
+               text: str | None = None, lps: list[float] | None = None,
+               req: _Request | None = None) -> RequestDelta:
         """`text`: the tokens already detokenized (by `_resolve`'s batch), if they were;
-        `lps`: the sampled tokens' logprobs of a multi-token run (else from `result`)."""
-        req = self.requests[seq.request_id]
-        if req.detok is None:
+        `lps`: the sampled tokens' logprobs of a multi-token run (else from `result`);
+        `req`: the sequence's request, when the caller has it."""
+        if req is None:
+            req = self.requests[seq.request_id]
+        detok = req.detok
+        if detok is None:
             text = ""
         else:
             if text is None and len(tokens) > 1:  # a verification run may hold a stop string
-                text, tokens = self._add_run(seq, req.detok, tokens)
+                text, tokens = self._add_run(seq, detok, tokens)
             elif text is None:
-                text = req.detok.add(tokens)
-            if req.detok.stopped_on is not None and not seq.is_finished:
-                self.scheduler.finish(seq, FinishReason.STOP, req.detok.stopped_on)
-            if seq.is_finished:
-                text += req.detok.flush()
+                text = detok.add(tokens)
+            if detok.stopped_on is not None and seq.status is not FINISHED:
+                self.scheduler.finish(seq, FinishReason.STOP, detok.stopped_on)
+        finished = seq.status is FINISHED
+        if finished and detok is not None:
+            text += detok.flush()
         logprobs = None
-        if seq.params.logprobs is not None and lps is not None:  # a multi-step run (no top-n)
+        n = seq.params.logprobs
+        if n is not None and lps is not None:  # a multi-step run (no top-n)
             logprobs = [{int(t): float(v)} for t, v in zip(tokens, lps, strict=False)]
-        elif seq.params.logprobs is not None:
-            n = seq.params.logprobs
+        elif n is not None:
             entry = {int(result.tokens[row]): float(result.logprobs[row])}
             entry |= {int(i): float(v) for i, v in zip(result.top_ids[row, :n],
                                                        result.top_logprobs[row, :n], strict=True)}
             logprobs = [entry]
-        if seq.is_finished:
+        reason = None
+        if finished:
             self.requests.pop(seq.request_id, None)
-        reason = seq.finish_reason.value if seq.finish_reason is not None else None
-        return RequestDelta(seq.request_id, tokens, text, logprobs, seq.is_finished, reason,
+            reason = seq.finish_reason.value if seq.finish_reason is not None else None
+        return RequestDelta(seq.request_id, tokens, text, logprobs, finished, reason,
                             seq.num_prompt_tokens, seq.num_output_tokens)
