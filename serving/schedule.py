@@ -15,10 +15,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
 from serving.sequence import Sequence
+
+if TYPE_CHECKING:
+    from serving.decode_block import DecodeBlock
 
 PENDING = -1  # a token id not known on the host yet: fed on device from the last step's samples
 
@@ -71,63 +75,6 @@ class ScheduledSeq:
 
 
 @dataclass(frozen=True, slots=True)
-class DecodeBlock:
-    """A pure decode step as columns, one row per sequence (batch order), built by the
-    scheduler with numpy instead of one `ScheduledSeq` per sequence (host time per step
-    at large batches). Row i is the entry `entry(i)`: one token at `starts[i]`, sampled.
-
-    page_tables[g] [b, T_g] are copies of the ring rows taken after the step's pages were
-    allocated; slot_mappings[g] [b] the K/V write index of each row's token.
-    """
-
-    seqs: tuple[Sequence, ...]
-    token_ids: np.ndarray  # [b] int32, PENDING where the token is not on the host yet
-    starts: np.ndarray  # [b] int32: tokens in cache before the step
-    slots: np.ndarray  # [b] int32
-    out_index: np.ndarray  # [b] int32: output tokens preceding the one sampled
-    page_tables: tuple[np.ndarray, ...]
-    slot_mappings: tuple[np.ndarray, ...]
-
-    def __len__(self) -> int:
-        return len(self.seqs)
-
-    def entry(self, i: int) -> ScheduledSeq:
-        return ScheduledSeq(
-            seq=self.seqs[i], token_ids=(int(self.token_ids[i]),), start=int(self.starts[i]),
-            slot=int(self.slots[i]), ring_rows=tuple(t[i] for t in self.page_tables),
-            slot_mappings=tuple((int(m[i]),) for m in self.slot_mappings), samples=True,
-            out_index=int(self.out_index[i]))
-
-
-class BlockEntries(SequenceABC):
-    """A DecodeBlock's rows as ScheduledSeq entries, made on first use: the engine's hot
-    path reads the block's columns and never makes them."""
-
-    __slots__ = ("block", "_made")
-
-    def __init__(self, block: DecodeBlock) -> None:
-        self.block = block
-        self._made: tuple[ScheduledSeq, ...] | None = None
-
-    def _entries(self) -> tuple[ScheduledSeq, ...]:
-        if self._made is None:
-            self._made = tuple(self.block.entry(i) for i in range(len(self.block)))
-        return self._made
-
-    def __len__(self) -> int:
-        return len(self.block)
-
-    def __getitem__(self, i):
-        return self._entries()[i]
-
-    def __iter__(self):
-        return iter(self._entries())
-
-    def __bool__(self) -> bool:
-        return len(self.block) > 0
-
-
-@dataclass(frozen=True, slots=True)
 class Schedule:
     """Everything one step computes, in batch order (decodes first, then prefill chunks).
 
@@ -142,13 +89,9 @@ class Schedule:
     page_size: int
     preempted: tuple[Sequence, ...] = ()
     spec_q: int = 0  # > 0: a verification step, every entry a decode of spec_q tokens
-    # A pure decode step's columns (then `entries` is `BlockEntries(block)`), else None.
+    # A pure decode step's columns (serving/decode_block.py; `entries` then makes its
+    # entries when first read), else None.
     block: DecodeBlock | None = None
-
-    @classmethod
-    def of_block(cls, block: DecodeBlock, group_names: tuple[str, ...], ring_widths: tuple[int, ...],
-                 page_size: int) -> Schedule:
-        return cls(BlockEntries(block), len(block), group_names, ring_widths, page_size, block=block)
 
     @property
     def is_verify(self) -> bool:
@@ -167,6 +110,14 @@ class Schedule:
     @property
     def is_empty(self) -> bool:
         return not self.entries
+
+
+class StepOutput(NamedTuple):
+    """What one step produced for one sequence that sampled."""
+
+    seq: Sequence
+    new_token_ids: list[int]
+    finished: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,7 +163,7 @@ class StepArrays:
 def flatten(schedule: Schedule) -> StepArrays:
     """Concatenate a Schedule's entries into the arrays a runner pads and transfers."""
     if schedule.block is not None:
-        return _flatten_block(schedule.block)
+        return schedule.block.flatten()
     entries = schedule.entries
     i32 = np.int32
     query_lens = np.fromiter((e.num_tokens for e in entries), dtype=i32, count=len(entries))
@@ -253,15 +204,3 @@ def flatten(schedule: Schedule) -> StepArrays:
         save_ckpt=np.array([e.save for e in entries if e.save], dtype=i32),
     )
 
-
-def _flatten_block(block: DecodeBlock) -> StepArrays:
-    """`flatten` of a pure decode step: its columns are the arrays (one token per row)."""
-    b = len(block)
-    i32 = np.int32
-    cu = np.arange(b + 1, dtype=i32)
-    return StepArrays(
-        token_ids=block.token_ids, positions=block.starts, cu_seqlens=cu,
-        query_lens=np.ones(b, i32), seq_lens=block.starts + 1, slot_ids=block.slots,
-        has_initial=block.starts > 0, page_tables=block.page_tables,
-        slot_mappings=block.slot_mappings, sample_mask=np.ones(b, bool), logits_indices=cu[:-1],
-        num_decodes=b)

@@ -59,25 +59,17 @@ from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-import numpy as np
-
+from serving import decode_block
 from serving.block_table import KVGroup
+from serving.decode_block import DecodeBlock
 from serving.pools import DUMMY_INDEX, SlotPool
 from serving.prefix_cache import PrefixCache
-from serving.schedule import PENDING, DecodeBlock, Schedule, ScheduledSeq
+from serving.schedule import PENDING, Schedule, ScheduledSeq, StepOutput
 from serving.scheduler_config import SchedulerConfig
 from serving.sequence import FinishReason, Sequence, SequenceStatus, check_stop
 
 RUNNING = SequenceStatus.RUNNING
 FINISHED = SequenceStatus.FINISHED
-
-
-class StepOutput(NamedTuple):
-    """What one step produced for one sequence that sampled."""
-
-    seq: Sequence
-    new_token_ids: list[int]
-    finished: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -224,8 +216,7 @@ class Scheduler:
         if not q:
             block = self._decode_block()
             if block is not None:  # the common step, planned over columns
-                schedule = Schedule.of_block(block, tuple(g.name for g in self.groups),
-                                             tuple(g.width for g in self.groups), self.config.page_size)
+                schedule = block.schedule(self.groups, self.config.page_size)
                 self._inflight.append(schedule)
                 return schedule
             self._schedule_decodes(step)
@@ -263,7 +254,9 @@ class Scheduler:
             raise RuntimeError("update() needs the oldest Schedule that awaits it")
         self._inflight.popleft()
         if schedule.block is not None:
-            return self._update_block(schedule.block, sampled_token_ids)
+            return decode_block.update(schedule.block, sampled_token_ids, windowed=self._windowed,
+                                       page_size=self.config.page_size, prefix=self.prefix,
+                                       eos_token_ids=self.eos_token_ids, finish=self._finish)
         outputs: list[StepOutput] = []
         for entry, token in zip(schedule.entries, sampled_token_ids, strict=True):
             seq = entry.seq
@@ -294,38 +287,6 @@ class Scheduler:
                     self._finish(seq, reason)
             else:
                 reason = None
-            outputs.append(StepOutput(seq, [token], reason is not None))
-        return outputs
-
-    def _update_block(self, block: DecodeBlock, tokens: SequenceABC[int]) -> list[StepOutput]:
-        """`update` of a pure decode step, row by row as the general loop does, with its
-        tests reduced to what a decode needs (the host's per-sequence work per step)."""
-        s = self.config.page_size
-        # Prefix caching keys a decode's page when its token completes it (prefix.commit).
-        commit = (set(np.flatnonzero((block.starts + 1) % s == 0).tolist())
-                  if self.prefix is not None else ())
-        windowed = [(i, g, g.window - 1) for i, g in self._windowed]
-        eos, outputs = self.eos_token_ids, []
-        for i, (seq, token) in enumerate(zip(block.seqs, tokens, strict=True)):
-            if i in commit:
-                self.prefix.commit(block.entry(i))
-            status = seq.status
-            if status is FINISHED:
-                continue  # aborted or stopped since: a late step's sample is dropped
-            if status is RUNNING:  # _release_window
-                n = seq.num_computed_tokens
-                for gi, group, w1 in windowed:
-                    if seq.rings[gi].first < (n - w1) // s:
-                        group.release(seq.rings[gi], n)
-            token = int(token)
-            seq.num_pending -= 1
-            ids = seq.token_ids
-            ids.append(token)
-            reason = None
-            if token in seq.stop_ids or len(ids) - seq.num_prompt_tokens >= seq.params.max_tokens:
-                reason = check_stop(seq, eos)
-                if reason is not None:
-                    self._finish(seq, reason)
             outputs.append(StepOutput(seq, [token], reason is not None))
         return outputs
 
@@ -434,55 +395,11 @@ class Scheduler:
     # -- internals ------------------------------------------------------------
 
     def _decode_block(self) -> DecodeBlock | None:
-        """This step as a DecodeBlock, when it is pure decode and no decode can lack a page:
-        every running sequence has one token left to compute (or is exhausted), nothing
-        waiting can be admitted, and every group has a free page for each decode entering
-        a new page. Then the general path (`_schedule_decodes` and the rest) would plan
-        exactly these entries, in this order, allocating the same pages. Else None, with
-        nothing changed: the general path plans the step (it may preempt or admit).
-        """
-        running = self.running
-        if not running or self._can_admit():
+        """The step planned over columns (serving/decode_block.py) when it is pure decode
+        and nothing waiting can be admitted; else None and the general path plans it."""
+        if not self.running or self._can_admit():
             return None
-        seqs, ns, toks, outs = [], [], [], []
-        for seq in running:
-            n, ids, pending = seq.num_computed_tokens, seq.token_ids, seq.num_pending
-            known = len(ids)
-            if seq.status is not RUNNING or known + pending - n != 1:
-                return None  # a prefill chunk to plan
-            out = known - seq.num_prompt_tokens + pending
-            if pending and out >= seq.params.max_tokens:
-                continue  # is_exhausted: nothing to schedule
-            seqs.append(seq)
-            ns.append(n)
-            toks.append(ids[n] if n < known else PENDING)
-            outs.append(out)
-        if not seqs:
-            return None
-        b, s = len(seqs), self.config.page_size
-        n = np.array(ns, np.int32)
-        page = n // s
-        need = []
-        for g, group in enumerate(self.groups):
-            first = np.fromiter((q.rings[g].first for q in seqs), np.int32, b)
-            held = np.fromiter((len(q.rings[g].pages) for q in seqs), np.int32, b)
-            need.append((page < first) | (page >= first + held))  # its page is not held
-            if int(need[-1].sum()) > group.cache.num_free:
-                return None  # someone is preempted: the general path chooses whom
-        for i in np.flatnonzero(np.logical_or.reduce(need)).tolist():  # in order, as _commit
-            seq = seqs[i]
-            for group, ring in zip(self.groups, seq.rings, strict=True):
-                group.allocate(ring, ns[i], 1)
-        rows = np.arange(b)
-        tables = tuple(np.stack([q.rings[g].row for q in seqs]) for g in range(len(self.groups)))
-        maps = tuple(t[rows, page % t.shape[1]] * s + n % s for t in tables)
-        for seq in seqs:
-            seq.num_computed_tokens += 1
-            seq.num_pending += 1
-        return DecodeBlock(
-            seqs=tuple(seqs), token_ids=np.array(toks, np.int32), starts=n,
-            slots=np.fromiter((q.slot for q in seqs), np.int32, b),
-            out_index=np.array(outs, np.int32), page_tables=tables, slot_mappings=maps)
+        return decode_block.plan(self.running, self.groups, self.config.page_size)
 
     def _release_windows(self, seqs: Iterable[Sequence]) -> None:
         """`_release_window` of each sequence, testing inline whether a ring's first page
