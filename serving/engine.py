@@ -16,8 +16,6 @@ import sys
 import time
 from collections import deque
 from collections.abc import Sequence as SequenceABC
-from dataclasses import dataclass
-from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -33,6 +31,7 @@ from serving.outputs import RequestDelta
 from serving.runner import ModelRunner, Pending, StepResult
 from serving.sampling import SUPPRESS_WIDTH, SamplingArrays
 from serving.sampling_params import SamplingParams
+from serving.sampling_rows import Request, SamplingRows, constant_row, filters, needs_full, penalties
 from serving.schedule import PENDING, Schedule, flatten
 from serving.scheduler import Scheduler, SpecPlan
 from serving.sequence import FinishReason, Sequence, SequenceStatus
@@ -41,20 +40,6 @@ from serving.step_fns import decode_row_floor
 
 log = logging.getLogger(__name__)
 FINISHED = SequenceStatus.FINISHED
-
-
-@dataclass
-class _Request:
-    seq: Sequence
-    detok: IncrementalDetokenizer | None
-    ban: list[int]  # EOS and stop ids, suppressed while fewer than min_tokens were generated
-    full: bool  # needs the full sampler: penalties, top-k/p/min-p, or top-n logprobs
-    row: tuple  # the constant sampling fields (seed included), in `_ROW` order
-
-
-# Sampling fields that stay constant over a request's life (SamplingArrays names).
-_ROW = ("temperature", "top_k", "top_p", "min_p", "seed", "repetition", "presence", "frequency",
-        "prompt_len", "want_top")
 
 
 class _Launched:
@@ -78,28 +63,6 @@ def _seqs(schedule: Schedule) -> SequenceABC[Sequence]:
     if schedule.block is not None:
         return schedule.block.seqs
     return [e.seq for e in schedule.entries]
-
-
-class _SamplingRows(NamedTuple):
-    """The constant part of a step's sampling arrays, kept while the same sequences run."""
-
-    seqs: tuple[Sequence, ...]
-    cols: dict[str, np.ndarray]
-    full: bool
-    bans: list[tuple[int, list[int], int]]  # (row, ids to suppress, min_tokens) where min_tokens > 0
-
-
-def _filters(p: SamplingParams) -> bool:
-    """The request samples through top-k / top-p / min-p."""
-    return p.temperature > 0 and (p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0)
-
-
-def _penalties(p: SamplingParams) -> bool:
-    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
-
-
-def _needs_full(p: SamplingParams) -> bool:
-    return _filters(p) or _penalties(p) or bool(p.logprobs)
 
 
 def freeze_heap() -> None:
@@ -184,9 +147,9 @@ class LLMEngine:
         self.runner.compile_all(_progress if show_progress else None)
         if self.drafter is not None and hasattr(self.drafter, "compile_all"):
             self.drafter.compile_all()
-        self.requests: dict[str, _Request] = {}
+        self.requests: dict[str, Request] = {}
         self._inflight: deque[_Launched] = deque()  # dispatched steps not yet resolved
-        self._rows: _SamplingRows | None = None  # the last step's constant sampling columns
+        self._sampling_rows = SamplingRows()
         self._faults = FaultIsolator(self)
         self._ids = itertools.count()
         self._seeds = np.random.default_rng(seed)
@@ -216,7 +179,7 @@ class LLMEngine:
         """Verification samples with temperature, top-k, top-p and min-p: no penalties, no
         logprobs, no EOS suppression (min_tokens) pending."""
         req, p = self.requests.get(seq.request_id), seq.params
-        return (req is not None and not _penalties(p) and p.logprobs is None
+        return (req is not None and not penalties(p) and p.logprobs is None
                 and seq.num_output_tokens >= p.min_tokens)
 
     def _multi_eligible(self, seq: Sequence) -> bool:
@@ -224,7 +187,7 @@ class LLMEngine:
         top-k / top-p / min-p and the sampled token's logprob are kept) and have no EOS
         suppression (min_tokens) pending."""
         p = seq.params
-        return (seq.request_id in self.requests and not _penalties(p) and not p.logprobs
+        return (seq.request_id in self.requests and not penalties(p) and not p.logprobs
                 and seq.num_output_tokens >= p.min_tokens)
 
     def _propose(self, work: list[tuple[Sequence, int]]) -> list[list[int]]:
@@ -256,12 +219,8 @@ class LLMEngine:
         seed = params.seed % 2**32 if params.seed is not None else int(self._seeds.integers(2**32))
         eos = () if params.ignore_eos else self.model_config.eos_token_ids
         ban = list(dict.fromkeys((*eos, *params.stop_token_ids)))
-        p = params
-        # top_k >= the vocabulary keeps every token, as top_k off does (and fits int32).
-        top_k = min(max(p.top_k, 0), self.model_config.vocab_size)
-        row = (p.temperature, top_k, p.top_p, p.min_p, seed, p.repetition_penalty, p.presence_penalty,
-               p.frequency_penalty, seq.num_prompt_tokens, bool(p.logprobs))
-        self.requests[rid] = _Request(seq, detok, ban, _needs_full(params), row)
+        row = constant_row(params, seed, seq.num_prompt_tokens, self.model_config.vocab_size)
+        self.requests[rid] = Request(seq, detok, ban, needs_full(params), row)
         return rid
 
     def _prompt_ids(self, prompt: str | None, ids: list[int] | None) -> list[int]:
@@ -383,7 +342,7 @@ class LLMEngine:
         try:
             arrays = flatten(schedule)
             sampling, _ = self._sampling(schedule)
-            filters = any(_filters(e.seq.params) for e in schedule.entries)
+            filters = any(filters(e.seq.params) for e in schedule.entries)
             out, lps = self.runner.multi(arrays, sampling, filters=filters)
         except Exception as err:
             return self._faults.failed(schedule, err)
@@ -419,7 +378,7 @@ class LLMEngine:
             arrays = flatten(schedule)
             sampling, _ = self._sampling(schedule)
             drafts = np.array([e.num_drafts for e in schedule.entries], np.int32)
-            filters = any(_filters(e.seq.params) for e in schedule.entries)
+            filters = any(filters(e.seq.params) for e in schedule.entries)
             out, accepted = self.runner.verify(arrays, sampling, drafts, filters=filters)
         except Exception as err:
             return self._faults.failed(schedule, err)
@@ -479,44 +438,14 @@ class LLMEngine:
                 for i, (o, r) in enumerate(zip(outputs, reqs, strict=True))]
 
     def _sampling(self, schedule: Schedule) -> tuple[SamplingArrays, bool]:
-        """Per-row sampling arrays, and whether any row needs the full sampler.
-
-        A request's constant fields are one tuple made at admission (`_Request.row`):
-        the arrays are built column-wise, not from a dict per row, and kept while the same
-        sequences run in the same order (host time per step).
-        """
+        """Per-row sampling arrays, and whether any row needs the full sampler
+        (serving/sampling_rows.py)."""
         seqs = tuple(_seqs(schedule))
-        b = len(seqs)
-        if not b:
-            return SamplingArrays.from_rows([]), False
-        rows = self._rows
-        if rows is None or rows.seqs != seqs:
-            rows = self._rows = self._sampling_rows(seqs)
         if schedule.block is not None:
             step = schedule.block.out_index
         else:
-            step = np.fromiter((e.out_index for e in schedule.entries), np.int32, count=b)
-        suppress = np.full((b, SUPPRESS_WIDTH), -1, np.int32)
-        for i, ban, min_tokens in rows.bans:
-            if step[i] < min_tokens:
-                suppress[i, :len(ban)] = ban
-        return SamplingArrays(**rows.cols, step=step, suppress=suppress), rows.full
-
-    def _sampling_rows(self, seqs: tuple[Sequence, ...]) -> _SamplingRows:
-        reqs = [self.requests[q.request_id] for q in seqs]
-        b = len(reqs)
-        const = np.array([r.row for r in reqs], np.float64).reshape(b, len(_ROW))
-        col = dict(zip(_ROW, const.T, strict=True))
-        # A float beyond float32's range becomes inf, as a float32 array built from the
-        # Python value would (e.g. temperature 1e39: uniform sampling); no warning for it.
-        with np.errstate(over="ignore"):
-            cols = {k: col[k].astype(np.float32) for k in
-                    ("temperature", "top_p", "min_p", "repetition", "presence", "frequency")}
-        cols |= dict(top_k=col["top_k"].astype(np.int32), seed=col["seed"].astype(np.uint32),
-                     prompt_len=col["prompt_len"].astype(np.int32), want_top=col["want_top"] != 0)
-        bans = [(i, r.ban, r.seq.params.min_tokens) for i, r in enumerate(reqs)
-                if r.ban and r.seq.params.min_tokens > 0]
-        return _SamplingRows(seqs, cols, any(r.full for r in reqs), bans)
+            step = np.fromiter((e.out_index for e in schedule.entries), np.int32, count=len(seqs))
+        return self._sampling_rows.arrays(seqs, self.requests, step)
 
     @staticmethod
     def _add_run(seq: Sequence, detok: IncrementalDetokenizer, tokens: list[int]) -> tuple[str, list[int]]:
@@ -534,7 +463,7 @@ class LLMEngine:
 
     def _delta(self, seq: Sequence, tokens: list[int], result: StepResult | None, row: int,
                text: str | None = None, lps: list[float] | None = None,
-               req: _Request | None = None) -> RequestDelta:
+               req: Request | None = None) -> RequestDelta:
         """`text`: the tokens already detokenized (by `_resolve`'s batch), if they were;
         `lps`: the sampled tokens' logprobs of a multi-token run (else from `result`);
         `req`: the sequence's request, when the caller has it."""
