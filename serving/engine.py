@@ -31,7 +31,14 @@ from serving.outputs import RequestDelta
 from serving.runner import ModelRunner, Pending, StepResult
 from serving.sampling import SUPPRESS_WIDTH, SamplingArrays
 from serving.sampling_params import SamplingParams
-from serving.sampling_rows import Request, SamplingRows, constant_row, filters, needs_full, penalties
+from serving.sampling_rows import (
+    Request,
+    SamplingRows,
+    constant_row,
+    needs_full,
+    uses_filters,
+    uses_penalties,
+)
 from serving.schedule import PENDING, Schedule, flatten
 from serving.scheduler import Scheduler, SpecPlan
 from serving.sequence import FinishReason, Sequence, SequenceStatus
@@ -179,7 +186,7 @@ class LLMEngine:
         """Verification samples with temperature, top-k, top-p and min-p: no penalties, no
         logprobs, no EOS suppression (min_tokens) pending."""
         req, p = self.requests.get(seq.request_id), seq.params
-        return (req is not None and not penalties(p) and p.logprobs is None
+        return (req is not None and not uses_penalties(p) and p.logprobs is None
                 and seq.num_output_tokens >= p.min_tokens)
 
     def _multi_eligible(self, seq: Sequence) -> bool:
@@ -187,7 +194,7 @@ class LLMEngine:
         top-k / top-p / min-p and the sampled token's logprob are kept) and have no EOS
         suppression (min_tokens) pending."""
         p = seq.params
-        return (seq.request_id in self.requests and not penalties(p) and not p.logprobs
+        return (seq.request_id in self.requests and not uses_penalties(p) and not p.logprobs
                 and seq.num_output_tokens >= p.min_tokens)
 
     def _propose(self, work: list[tuple[Sequence, int]]) -> list[list[int]]:
@@ -342,7 +349,7 @@ class LLMEngine:
         try:
             arrays = flatten(schedule)
             sampling, _ = self._sampling(schedule)
-            filters = any(filters(e.seq.params) for e in schedule.entries)
+            filters = any(uses_filters(e.seq.params) for e in schedule.entries)
             out, lps = self.runner.multi(arrays, sampling, filters=filters)
         except Exception as err:
             return self._faults.failed(schedule, err)
@@ -378,7 +385,7 @@ class LLMEngine:
             arrays = flatten(schedule)
             sampling, _ = self._sampling(schedule)
             drafts = np.array([e.num_drafts for e in schedule.entries], np.int32)
-            filters = any(filters(e.seq.params) for e in schedule.entries)
+            filters = any(uses_filters(e.seq.params) for e in schedule.entries)
             out, accepted = self.runner.verify(arrays, sampling, drafts, filters=filters)
         except Exception as err:
             return self._faults.failed(schedule, err)

@@ -37,17 +37,17 @@ class Request:
     row: tuple  # the constant sampling fields (seed included), in `ROW` order
 
 
-def filters(p: SamplingParams) -> bool:
+def uses_filters(p: SamplingParams) -> bool:
     """The request samples through top-k / top-p / min-p."""
     return p.temperature > 0 and (p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0)
 
 
-def penalties(p: SamplingParams) -> bool:
+def uses_penalties(p: SamplingParams) -> bool:
     return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
 
 
 def needs_full(p: SamplingParams) -> bool:
-    return filters(p) or penalties(p) or bool(p.logprobs)
+    return uses_filters(p) or uses_penalties(p) or bool(p.logprobs)
 
 
 def constant_row(p: SamplingParams, seed: int, prompt_len: int, vocab_size: int) -> tuple:
