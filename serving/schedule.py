@@ -203,4 +203,3 @@ def flatten(schedule: Schedule) -> StepArrays:
         save_slot=np.array([e.slot for e in entries if e.save], dtype=i32),
         save_ckpt=np.array([e.save for e in entries if e.save], dtype=i32),
     )
-
