@@ -134,3 +134,25 @@ def test_a_slot_reused_at_once_never_sees_the_old_state(engines):
     batch = llm.generate(prompt_token_ids=prompts, sampling_params=params)
     for pr, p, out in zip(prompts, params, batch, strict=True):
         assert out.token_ids == llm.generate(prompt_token_ids=[pr], sampling_params=p)[0].token_ids
+
+
+def test_decode_steps_over_columns_equal_the_general_path(engines, monkeypatch):
+    """The mixed workload with pure decode steps planned as columns (serving/decode_block.py)
+    and with every step on the general path: the same outputs."""
+    fast, _ = engines
+    prompts, params = _workload(fast)
+    planned = fast.scheduler._decode_block
+    kinds: list[bool] = []
+
+    def counted():
+        block = planned()
+        kinds.append(block is not None)
+        return block
+
+    monkeypatch.setattr(fast.scheduler, "_decode_block", counted)
+    got = _drive(fast, prompts, params)
+    monkeypatch.setattr(fast.scheduler, "_decode_block", lambda: None)
+    expect = _drive(fast, prompts, params)
+    assert sum(kinds) >= 10, kinds  # the column path ran
+    assert got.keys() == expect.keys()
+    assert [r for r in got if not _same(got[r], expect[r])] == []
