@@ -2,7 +2,8 @@
 
 XLA's dot of x [m, k] with a weight stored [k, n] (the model's layout) against the same
 weight stored transposed, [n, k], contracted on its last axis (cuBLAS's "TN" case, both
-operands k-major). Shapes: native-1b-parallel's four fused projections per layer (the
+operands k-major), and [k, n] weights sliced out of one flat buffer (as the step reads
+its packed parameters). Shapes: native-1b-parallel's four fused projections per layer (the
 input projections q|k|v|in_proj, the gate/up projection, the fused out-projection o|out,
 the down-projection), bf16, at m rows. Each timing is a jit of a chain of 24 calls on
 distinct weights (so they stream from HBM, as in a decode step), x shared, compiled
@@ -39,40 +40,106 @@ def _chain(transposed: bool):
     return f
 
 
-def time_chain(m: int, k: int, n: int, transposed: bool, reps: int) -> tuple[float, float]:
-    """Mean GPU kernel time of one product and kernels per chain (a jax.profiler trace of
-    `reps` chains)."""
+def _flat_chain(transposed: bool, shape: tuple[int, int]):
+    """The chain over weights sliced out of one flat buffer, as the step reads its packed
+    parameters (serving/packing.py)."""
+    inner, size = _chain(transposed), shape[0] * shape[1]
+
+    def f(x, flat):
+        return inner(x, [flat[i * size:(i + 1) * size].reshape(shape) for i in range(CHAIN)])
+    return f
+
+
+def time_chain(m: int, k: int, n: int, transposed: bool, reps: int,
+               flat: bool = False) -> tuple[float, float, list[str]]:
+    """Mean GPU kernel time of one product, kernels per chain and their names (a
+    jax.profiler trace of `reps` chains). `flat`: the weights are slices of one buffer."""
     key = jax.random.PRNGKey(0)
     shape = (n, k) if transposed else (k, n)
     ws = [jax.random.normal(jax.random.fold_in(key, i), shape, jnp.bfloat16) for i in range(CHAIN)]
     x = jax.random.normal(key, (m, k), jnp.bfloat16)
-    fn = jax.jit(_chain(transposed)).lower(x, ws).compile(compile_options())
+    if flat:
+        ws = jnp.concatenate([w.reshape(-1) for w in ws])
+        fn = jax.jit(_flat_chain(transposed, shape)).lower(x, ws).compile(compile_options())
+    else:
+        fn = jax.jit(_chain(transposed)).lower(x, ws).compile(compile_options())
     jax.block_until_ready(fn(x, ws))
     with tempfile.TemporaryDirectory() as d:
         with jax.profiler.trace(d):
             for _ in range(reps):
                 jax.block_until_ready(fn(x, ws))
-        durs = [ev.duration_ns for _, ev in gpu_kernel_events(d)]
-    if not durs:
+        events = [ev for _, ev in gpu_kernel_events(d)]
+    if not events:
         raise SystemExit("no GPU kernel traced: run on a GPU")
     # XLA may emit a chain's m = 1 products as a few reduction fusions: the time still
     # counts every kernel of the chain.
-    return sum(durs) * 1e-9 / (reps * CHAIN), len(durs) / reps
+    names = sorted({ev.name for ev in events})
+    return sum(ev.duration_ns for ev in events) * 1e-9 / (reps * CHAIN), len(events) / reps, names
+
+def mlp_chain(m: int, reps: int, barrier: bool = False) -> dict[str, list[float]]:
+    """24 gated MLPs in sequence as the step runs them (RMS norm, the fused gate/up GEMM,
+    silu(gate) * up, the down-projection added to the residual), weights sliced out of
+    one flat buffer: GPU time per call of each kernel name, and calls per chain.
+    `barrier`: the down-projection's product passes an optimization barrier before the
+    residual add, so XLA cannot fold the add into the GEMM (cuBLAS beta = 1)."""
+    (k, n2), (f, n) = SHAPES["gate_up"], SHAPES["down"]
+    key = jax.random.PRNGKey(1)
+    flat = jax.random.normal(key, (CHAIN * (k * n2 + f * n),), jnp.bfloat16) * 0.02
+    x = jax.random.normal(key, (m, k), jnp.bfloat16)
+
+    def run(x, flat):
+        off = 0
+        for _ in range(CHAIN):
+            wgu = flat[off:off + k * n2].reshape(k, n2)
+            wd = flat[off + k * n2:off + k * n2 + f * n].reshape(f, n)
+            off += k * n2 + f * n
+            h = (x * jax.lax.rsqrt(jnp.mean(jnp.square(x.astype(jnp.float32)), -1, keepdims=True)
+                                   + 1e-5)).astype(jnp.bfloat16)
+            gu = h @ wgu
+            act = jax.nn.silu(gu[:, :f]) * gu[:, f:]
+            y = act @ wd
+            x = x + (jax.lax.optimization_barrier(y) if barrier else y)
+        return x
+
+    fn = jax.jit(run).lower(x, flat).compile(compile_options())
+    jax.block_until_ready(fn(x, flat))
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d):
+            for _ in range(reps):
+                jax.block_until_ready(fn(x, flat))
+        events = [ev for _, ev in gpu_kernel_events(d)]
+    out: dict[str, list[float]] = {}
+    for ev in events:
+        t = out.setdefault(ev.name, [0.0, 0])
+        t[0] += ev.duration_ns * 1e-3
+        t[1] += 1
+    return {name: [us / c, c / reps] for name, (us, c) in out.items()}
+
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 64])
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--out", default=None)
+    p.add_argument("--mlp", action="store_true", help="kernel times of 24 gated MLPs in sequence")
     a = p.parse_args()
+    if a.mlp:
+        for m in a.rows:
+            for barrier in (False, True):
+                res = mlp_chain(m, a.reps, barrier)
+                total = sum(us * per for us, per in res.values())
+                print(f"mlp m={m} barrier={barrier}: {total:.1f} us per chain")
+                for name, (us, per) in sorted(res.items(), key=lambda x: -x[1][0])[:4]:
+                    print(f"    {us:7.2f} us x{per:.0f}  {name}")
+        return
     bw = copy_bandwidth()
     rows = []
     for m in a.rows:
         for name, (k, n) in SHAPES.items():
             r = {"m": m, "shape": name, "k": k, "n": n, "device": str(jax.devices()[0]),
                  "copy_TBps": bw / 1e12}
-            for lay, tr in (("kn", False), ("nk", True)):
-                t, r[f"{lay}_kernels"] = time_chain(m, k, n, tr, a.reps)
+            for lay, tr, fl in (("kn", False, False), ("nk", True, False), ("kn_flat", False, True)):
+                t, r[f"{lay}_kernels"], r[f"{lay}_names"] = time_chain(m, k, n, tr, a.reps, fl)
                 r[f"{lay}_us"] = t * 1e6
                 r[f"{lay}_pct_copy"] = 100 * (2 * k * n / bw) / t
             rows.append(r)
@@ -80,10 +147,11 @@ def main() -> None:
     if a.out:
         with open(a.out, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
-    print("m | shape | [k,n] us (%copy) | [n,k] us (%copy)")
+    print("m | shape | [k,n] us (%copy) | [n,k] us (%copy) | [k,n] in a flat buffer us (%copy)")
     for r in rows:
         print(f"{r['m']} | {r['shape']} | {r['kn_us']:.2f} ({r['kn_pct_copy']:.0f}%) | "
-              f"{r['nk_us']:.2f} ({r['nk_pct_copy']:.0f}%)")
+              f"{r['nk_us']:.2f} ({r['nk_pct_copy']:.0f}%) | "
+              f"{r['kn_flat_us']:.2f} ({r['kn_flat_pct_copy']:.0f}%)")
 
 
 if __name__ == "__main__":
