@@ -32,6 +32,16 @@ SHAPES = {"in": (2048, 7456), "gate_up": (2048, 11264), "out": (4096, 2048), "do
 CHAIN = 24
 
 
+def _traced_kernels(fn, args: tuple, reps: int) -> list:
+    """The GPU kernel events of `reps` calls of `fn(*args)` (after one untraced call)."""
+    jax.block_until_ready(fn(*args))
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d):
+            for _ in range(reps):
+                jax.block_until_ready(fn(*args))
+        return [ev for _, ev in gpu_kernel_events(d)]
+
+
 def _chain(transposed: bool):
     dims = (((1,), (1,)), ((), ())) if transposed else (((1,), (0,)), ((), ()))
 
@@ -63,12 +73,7 @@ def time_chain(m: int, k: int, n: int, transposed: bool, reps: int,
         fn = jax.jit(_flat_chain(transposed, shape)).lower(x, ws).compile(compile_options())
     else:
         fn = jax.jit(_chain(transposed)).lower(x, ws).compile(compile_options())
-    jax.block_until_ready(fn(x, ws))
-    with tempfile.TemporaryDirectory() as d:
-        with jax.profiler.trace(d):
-            for _ in range(reps):
-                jax.block_until_ready(fn(x, ws))
-        events = [ev for _, ev in gpu_kernel_events(d)]
+    events = _traced_kernels(fn, (x, ws), reps)
     if not events:
         raise SystemExit("no GPU kernel traced: run on a GPU")
     # XLA may emit a chain's m = 1 products as a few reduction fusions: the time still
@@ -102,14 +107,8 @@ def mlp_chain(m: int, reps: int, barrier: bool = False) -> dict[str, list[float]
         return x
 
     fn = jax.jit(run).lower(x, flat).compile(compile_options())
-    jax.block_until_ready(fn(x, flat))
-    with tempfile.TemporaryDirectory() as d:
-        with jax.profiler.trace(d):
-            for _ in range(reps):
-                jax.block_until_ready(fn(x, flat))
-        events = [ev for _, ev in gpu_kernel_events(d)]
     out: dict[str, list[float]] = {}
-    for ev in events:
+    for ev in _traced_kernels(fn, (x, flat), reps):
         t = out.setdefault(ev.name, [0.0, 0])
         t[0] += ev.duration_ns * 1e-3
         t[1] += 1
