@@ -12,7 +12,8 @@ kernel time of `--reps` chains in a jax.profiler trace, per product (GPU only). 
 weight bytes over the device's copy bandwidth (serving/bench/floor.copy_bandwidth)
 against that time.
 
-    PYTHONPATH=. python benchmarks/gemm_layout.py [--rows 1 8 64] [--reps 30] [--out r.jsonl]
+    PYTHONPATH=. python benchmarks/gemm_layout.py [--rows 1 8 64] [--reps 10] [--out r.jsonl]
+    PYTHONPATH=. python benchmarks/gemm_layout.py --mlp [--state-mb 68] [--rows 8 64]
 """
 
 from __future__ import annotations
@@ -81,20 +82,26 @@ def time_chain(m: int, k: int, n: int, transposed: bool, reps: int,
     names = sorted({ev.name for ev in events})
     return sum(ev.duration_ns for ev in events) * 1e-9 / (reps * CHAIN), len(events) / reps, names
 
-def mlp_chain(m: int, reps: int, barrier: bool = False) -> dict[str, list[float]]:
+def mlp_chain(m: int, reps: int, barrier: bool = False, state_mb: int = 0) -> dict[str, list[float]]:
     """24 gated MLPs in sequence as the step runs them (RMS norm, the fused gate/up GEMM,
     silu(gate) * up, the down-projection added to the residual), weights sliced out of
     one flat buffer: GPU time per call of each kernel name, and calls per chain.
     `barrier`: the down-projection's product passes an optimization barrier before the
-    residual add, so XLA cannot fold the add into the GEMM (cuBLAS beta = 1)."""
+    residual add, so XLA cannot fold the add into the GEMM (cuBLAS beta = 1). `state_mb`:
+    before each MLP an elementwise pass reads and writes an f32 buffer of that size, as
+    the step's SSM state update does (68 MB per layer at B = 64)."""
     (k, n2), (f, n) = SHAPES["gate_up"], SHAPES["down"]
     key = jax.random.PRNGKey(1)
     flat = jax.random.normal(key, (CHAIN * (k * n2 + f * n),), jnp.bfloat16) * 0.02
     x = jax.random.normal(key, (m, k), jnp.bfloat16)
+    state = jnp.zeros((CHAIN, state_mb * (1 << 18)), jnp.float32)  # 2**18 f32 = 1 MB
 
-    def run(x, flat):
+    def run(x, flat, state):
         off = 0
-        for _ in range(CHAIN):
+        for i in range(CHAIN):
+            if state_mb:  # written in place; its sum feeds x so the pass stays live
+                state = state.at[i].set(state[i] * 0.5 + 1.0)
+                x = x + state[i, :1].astype(x.dtype)
             wgu = flat[off:off + k * n2].reshape(k, n2)
             wd = flat[off + k * n2:off + k * n2 + f * n].reshape(f, n)
             off += k * n2 + f * n
@@ -104,11 +111,11 @@ def mlp_chain(m: int, reps: int, barrier: bool = False) -> dict[str, list[float]
             act = jax.nn.silu(gu[:, :f]) * gu[:, f:]
             y = act @ wd
             x = x + (jax.lax.optimization_barrier(y) if barrier else y)
-        return x
+        return x, state
 
-    fn = jax.jit(run).lower(x, flat).compile(compile_options())
+    fn = jax.jit(run, donate_argnums=2).lower(x, flat, state).compile(compile_options())
     out: dict[str, list[float]] = {}
-    for ev in _traced_kernels(fn, (x, flat), reps):
+    for ev in _traced_kernels(lambda *a: fn(x, flat, jnp.zeros_like(state)), (), reps):
         t = out.setdefault(ev.name, [0.0, 0])
         t[0] += ev.duration_ns * 1e-3
         t[1] += 1
@@ -121,14 +128,18 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--out", default=None)
     p.add_argument("--mlp", action="store_true", help="kernel times of 24 gated MLPs in sequence")
+    p.add_argument("--state-mb", type=int, default=0,
+                   help="with --mlp, also a chain with an f32 state pass of this size before each MLP")
     a = p.parse_args()
     if a.mlp:
         for m in a.rows:
-            for barrier in (False, True):
-                res = mlp_chain(m, a.reps, barrier)
+            for barrier, mb in ((False, 0), (True, 0), *(((False, a.state_mb),) if a.state_mb else ())):
+                res = mlp_chain(m, a.reps, barrier, mb)
                 total = sum(us * per for us, per in res.values())
-                print(f"mlp m={m} barrier={barrier}: {total:.1f} us per chain")
-                for name, (us, per) in sorted(res.items(), key=lambda x: -x[1][0])[:4]:
+                print(f"mlp m={m} barrier={barrier} state_mb={mb}: {total:.1f} us per chain")
+                top = sorted(res.items(), key=lambda x: -x[1][0])
+                gemms = [t for t in top if "gemm" in t[0] or "nvjet" in t[0]]
+                for name, (us, per) in gemms + [t for t in top[:3] if t not in gemms]:
                     print(f"    {us:7.2f} us x{per:.0f}  {name}")
         return
     bw = copy_bandwidth()
