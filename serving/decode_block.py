@@ -143,16 +143,15 @@ def plan(running: list[Sequence], groups: tuple[KVGroup, ...], page_size: int) -
         page_tables=tables, slot_mappings=maps)
 
 
-def update(block: DecodeBlock, tokens: SequenceABC[int], *, windowed: tuple[tuple[int, KVGroup], ...],
-           page_size: int, prefix: PrefixCache | None, eos_token_ids: Collection[int],
+def update(block: DecodeBlock, tokens: SequenceABC[int], *, page_size: int,
+           prefix: PrefixCache | None, eos_token_ids: Collection[int],
+           release_window: Callable[[Sequence], None],
            finish: Callable[[Sequence, FinishReason], None]) -> list[StepOutput]:
     """`Scheduler.update` of a pure decode step, row by row as the general loop goes, with
-    its tests reduced to a decode's. `windowed`: (index, group) of the sliding-window groups;
-    `finish`: the scheduler's, for a sequence that stops."""
-    s = page_size
+    its tests reduced to a decode's. `release_window` and `finish`: the scheduler's."""
     # Prefix caching keys a decode's page when its token completes the page (prefix.commit).
-    commit = set(np.flatnonzero((block.starts + 1) % s == 0).tolist()) if prefix is not None else ()
-    windows = [(i, g, g.window - 1) for i, g in windowed]
+    commit = (set(np.flatnonzero((block.starts + 1) % page_size == 0).tolist())
+              if prefix is not None else ())
     outputs = []
     for i, (seq, token) in enumerate(zip(block.seqs, tokens, strict=True)):
         if i in commit:
@@ -160,11 +159,8 @@ def update(block: DecodeBlock, tokens: SequenceABC[int], *, windowed: tuple[tupl
         status = seq.status
         if status is FINISHED:
             continue  # aborted or stopped since: a late step's sample is dropped
-        if status is RUNNING:  # pages that left the window (Scheduler._release_window)
-            n = seq.num_computed_tokens
-            for gi, group, w1 in windows:
-                if seq.rings[gi].first < (n - w1) // s:
-                    group.release(seq.rings[gi], n)
+        if status is RUNNING:
+            release_window(seq)
         token = int(token)
         seq.num_pending -= 1
         ids = seq.token_ids

@@ -15,7 +15,6 @@ import os
 import sys
 import time
 from collections import deque
-from collections.abc import Sequence as SequenceABC
 
 import jax
 import numpy as np
@@ -61,15 +60,8 @@ class _Launched:
     def rows(self) -> dict[str, int]:
         """Request id -> row in the step (made when first needed: logprobs, a feed)."""
         if self._rows is None:
-            self._rows = {q.request_id: i for i, q in enumerate(_seqs(self.schedule))}
+            self._rows = {q.request_id: i for i, q in enumerate(self.schedule.seqs)}
         return self._rows
-
-
-def _seqs(schedule: Schedule) -> SequenceABC[Sequence]:
-    """The schedule's sequences in batch order (a decode block's without making entries)."""
-    if schedule.block is not None:
-        return schedule.block.seqs
-    return [e.seq for e in schedule.entries]
 
 
 def freeze_heap() -> None:
@@ -419,7 +411,7 @@ class LLMEngine:
                 and schedule.block.seqs == last.block.seqs):
             feed[where] = where  # the same decode batch again: row i follows row i
             return feed
-        seqs = _seqs(schedule)
+        seqs = schedule.seqs
         rows = self._inflight[-1].rows
         entry = np.searchsorted(arrays.cu_seqlens[1:], where, side="right")
         for i, e in zip(where.tolist(), entry.tolist(), strict=True):
@@ -447,7 +439,7 @@ class LLMEngine:
     def _sampling(self, schedule: Schedule) -> tuple[SamplingArrays, bool]:
         """Per-row sampling arrays, and whether any row needs the full sampler
         (serving/sampling_rows.py)."""
-        seqs = tuple(_seqs(schedule))
+        seqs = tuple(schedule.seqs)
         if schedule.block is not None:
             step = schedule.block.out_index
         else:

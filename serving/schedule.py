@@ -102,6 +102,13 @@ class Schedule:
         return len(self.entries)
 
     @property
+    def seqs(self) -> SequenceABC[Sequence]:
+        """The sequences in batch order (a decode block's without making its entries)."""
+        if self.block is not None:
+            return self.block.seqs
+        return [e.seq for e in self.entries]
+
+    @property
     def num_tokens(self) -> int:
         if self.block is not None:
             return len(self.block)

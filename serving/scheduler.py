@@ -127,7 +127,8 @@ class Scheduler:
             for g in config.groups
         )  # fmt: skip
         # (index, group) of each sliding-window group: global groups never release a page.
-        self._windowed = tuple((i, g) for i, g in enumerate(self.groups) if g.window is not None)
+        self._windowed = tuple((i, g, g.window - 1) for i, g in enumerate(self.groups)
+                               if g.window is not None)
         self.slots = SlotPool(config.num_slots)
         self.prefix = (PrefixCache(self.groups, config.page_size, config.prefix_state_stride,
                                    config.num_checkpoints) if config.prefix_caching else None)
@@ -203,7 +204,8 @@ class Scheduler:
         step = _Step(budget=self.config.max_num_batched_tokens)
         # Pages that left every window since the last update: a sequence admitted in the
         # step still in flight has had no update yet, and its next chunk must fit its ring.
-        self._release_windows(self.running)
+        for seq in self.running:
+            self._release_window(seq)
         q = 0
         if spec is not None and self._can_verify(spec):
             work = [(seq, max(0, min(spec.q - 1, seq.params.max_tokens - seq.num_output_tokens - 1)))
@@ -254,9 +256,9 @@ class Scheduler:
             raise RuntimeError("update() needs the oldest Schedule that awaits it")
         self._inflight.popleft()
         if schedule.block is not None:
-            return decode_block.update(schedule.block, sampled_token_ids, windowed=self._windowed,
-                                       page_size=self.config.page_size, prefix=self.prefix,
-                                       eos_token_ids=self.eos_token_ids, finish=self._finish)
+            return decode_block.update(schedule.block, sampled_token_ids, page_size=self.config.page_size,
+                                       prefix=self.prefix, eos_token_ids=self.eos_token_ids,
+                                       release_window=self._release_window, finish=self._finish)
         outputs: list[StepOutput] = []
         for entry, token in zip(schedule.entries, sampled_token_ids, strict=True):
             seq = entry.seq
@@ -401,17 +403,6 @@ class Scheduler:
             return None
         return decode_block.plan(self.running, self.groups, self.config.page_size)
 
-    def _release_windows(self, seqs: Iterable[Sequence]) -> None:
-        """`_release_window` of each sequence, testing inline whether a ring's first page
-        left the window before calling `release` (every running sequence, every step)."""
-        s = self.config.page_size
-        for i, group in self._windowed:
-            w1 = group.window - 1
-            for seq in seqs:
-                n = seq.num_computed_tokens
-                if seq.rings[i].first < (n - w1) // s:
-                    group.release(seq.rings[i], n)
-
     def _schedule_decodes(self, step: _Step) -> None:
         """One token for every running sequence that has one left, oldest first.
 
@@ -466,10 +457,13 @@ class Scheduler:
         return entry
 
     def _release_window(self, seq: Sequence) -> None:
-        """`release` the pages that left the window, in the sliding-window groups only."""
-        n, rings = seq.num_computed_tokens, seq.rings
-        for i, group in self._windowed:
-            group.release(rings[i], n)
+        """`release` the pages that left the window, in the sliding-window groups only,
+        testing first whether the ring's first page left it (every running sequence,
+        every step: the call is skipped when nothing goes)."""
+        n, rings, s = seq.num_computed_tokens, seq.rings, self.config.page_size
+        for i, group, w1 in self._windowed:
+            if rings[i].first < (n - w1) // s:  # first_needed(n), without its call
+                group.release(rings[i], n)
 
     def _schedule_partial_prefills(self, step: _Step) -> None:
         """Next chunks of running sequences still in their prefill, oldest first."""
