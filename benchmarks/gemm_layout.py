@@ -82,6 +82,37 @@ def time_chain(m: int, k: int, n: int, transposed: bool, reps: int,
     names = sorted({ev.name for ev in events})
     return sum(ev.duration_ns for ev in events) * 1e-9 / (reps * CHAIN), len(events) / reps, names
 
+def _gemv_chain(form: str):
+    """x [m, k] times 24 distinct weights as XLA's dot (cuBLAS) or as a multiply and a
+    reduction XLA fuses into one kernel: `colsum` sums the model's [k, n] weights over
+    their rows, `rowsum` sums [n, k] weights over their columns (f32 accumulation)."""
+    def f(x, ws):
+        if form == "dot":
+            return [(x @ w).astype(jnp.bfloat16) for w in ws]
+        xf = x.astype(jnp.float32)
+        if form == "colsum":
+            return [jnp.sum(xf[:, :, None] * w.astype(jnp.float32)[None], axis=1).astype(jnp.bfloat16)
+                    for w in ws]
+        return [jnp.sum(xf[:, None, :] * w.astype(jnp.float32)[None], axis=2).astype(jnp.bfloat16)
+                for w in ws]
+    return f
+
+
+def time_gemv(m: int, k: int, n: int, form: str, reps: int) -> tuple[float, float, list[str]]:
+    """`time_chain` for the forms of `_gemv_chain`."""
+    key = jax.random.PRNGKey(0)
+    shape = (n, k) if form == "rowsum" else (k, n)
+    ws = [jax.random.normal(jax.random.fold_in(key, i), shape, jnp.bfloat16) for i in range(CHAIN)]
+    x = jax.random.normal(key, (m, k), jnp.bfloat16)
+    fn = jax.jit(_gemv_chain(form)).lower(x, ws).compile(compile_options())
+    events = _traced_kernels(fn, (x, ws), reps)
+    names = sorted({ev.name for ev in events})
+    if m == 1 or form == "dot":
+        for ev in events[:1]:
+            print(f"    {form} m={m} {ev.name}: {dict((str(a), str(b)) for a, b in ev.stats)}")
+    return sum(ev.duration_ns for ev in events) * 1e-9 / (reps * CHAIN), len(events) / reps, names
+
+
 def mlp_chain(m: int, reps: int, barrier: bool = False, state_mb: int = 0) -> dict[str, list[float]]:
     """24 gated MLPs in sequence as the step runs them (RMS norm, the fused gate/up GEMM,
     silu(gate) * up, the down-projection added to the residual), weights sliced out of
@@ -116,6 +147,8 @@ def mlp_chain(m: int, reps: int, barrier: bool = False, state_mb: int = 0) -> di
     fn = jax.jit(run, donate_argnums=2).lower(x, flat, state).compile(compile_options())
     out: dict[str, list[float]] = {}
     for ev in _traced_kernels(lambda *a: fn(x, flat, jnp.zeros_like(state)), (), reps):
+        if ev.name not in out and "nvjet" in ev.name:  # launch shape, to compare with the step's
+            print(f"    details {ev.name}: {dict((str(a), str(b)) for a, b in ev.stats)}")
         t = out.setdefault(ev.name, [0.0, 0])
         t[0] += ev.duration_ns * 1e-3
         t[1] += 1
@@ -130,7 +163,22 @@ def main() -> None:
     p.add_argument("--mlp", action="store_true", help="kernel times of 24 gated MLPs in sequence")
     p.add_argument("--state-mb", type=int, default=0,
                    help="with --mlp, also a chain with an f32 state pass of this size before each MLP")
+    p.add_argument("--gemv", action="store_true",
+                   help="XLA's dot against multiply + reduction fusions (colsum, rowsum)")
     a = p.parse_args()
+    if a.gemv:
+        bw = copy_bandwidth()
+        for m in a.rows:
+            for name, (k, n) in SHAPES.items():
+                r = {"m": m, "shape": name, "k": k, "n": n, "copy_TBps": bw / 1e12}
+                for form in ("dot", "colsum", "rowsum"):
+                    t, r[f"{form}_kernels"], r[f"{form}_names"] = time_gemv(m, k, n, form, a.reps)
+                    r[f"{form}_us"] = t * 1e6
+                    r[f"{form}_pct_copy"] = 100 * (2 * k * n / bw) / t
+                print(json.dumps(r), flush=True)
+                print(f"m={m} {name}: " + " ".join(f"{f} {r[f'{f}_us']:.2f} us ({r[f'{f}_pct_copy']:.0f}%)"
+                                                  for f in ("dot", "colsum", "rowsum")), flush=True)
+        return
     if a.mlp:
         for m in a.rows:
             for barrier, mb in ((False, 0), (True, 0), *(((False, a.state_mb),) if a.state_mb else ())):

@@ -63,6 +63,16 @@ def floor_bytes(engine: LLMEngine, lengths: np.ndarray) -> dict[str, int]:
     return {"weights": weights, "kv": kv, "state": state, "total": weights + kv + state}
 
 
+KERNEL_DETAILS: dict[str, str] = {}  # GEMM kernel name -> its launch details in the trace
+
+
+def kernel_details(ev) -> str:
+    """The profiler's launch details of a kernel event (grid, block, registers, shared
+    memory), or all its stats if that one is missing."""
+    stats = {str(k): str(v) for k, v in ev.stats}
+    return stats.get("kernel_details", json.dumps(stats))
+
+
 def trace_kernels(fn, n: int, keep: int = 150) -> tuple[float, float, list[tuple[str, float, int]], dict]:
     """Run fn() n times under the profiler: (kernel ms per step, kernels per step, top kernels,
     idle time between them: `idle_gaps`)."""
@@ -81,6 +91,8 @@ def trace_kernels(fn, n: int, keep: int = 150) -> tuple[float, float, list[tuple
         spans.append((ev.start_ns, ev.end_ns, ev.name[:80]))
         if "memcpy" in ev.name.lower():
             continue
+        if "nvjet" in ev.name or "gemm" in ev.name:  # launch shape: grid, block, registers
+            KERNEL_DETAILS.setdefault(ev.name[:80], kernel_details(ev))
         total += ev.duration_ns
         count += 1
         by_name[ev.name[:80]].append(ev.duration_ns)
@@ -321,6 +333,7 @@ def run(a: argparse.Namespace) -> dict:
         "compiled_ms": 1e3 * statistics.median(per), "enqueue_ms": 1e3 * statistics.median(enq),
         "kernel_ms": kernel_ms, "kernels_per_step": kernels, "copy_TBps": bw / 1e12,
         "floor_bytes": fb, "floor_ms": 1e3 * fb["total"] / bw, "top_kernels": top,
+        "gemm_kernel_details": dict(KERNEL_DETAILS),
         "xla_flags": os.environ.get("XLA_FLAGS", ""), "hlo": hlo,
         "host_ms_per_step": {k: 1e3 * v / a.steps for k, v in host.items()},
         "gaps": gaps, "engine_gaps": engine_gaps, "fused_mamba_decode": a.fused_mamba_decode,

@@ -36,7 +36,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from hybrid_jax import tensor_parallel as tp
 from hybrid_jax.cache import RaggedBatch, init_caches
-from hybrid_jax.fusion import fuse_projections
+from hybrid_jax.fusion import fuse_projections, is_fused
 from hybrid_jax.model import CausalLM
 from serving.compile_pool import Job, compile_jobs
 from serving.host_pack import HostLayout, host_layout
@@ -58,6 +58,7 @@ from serving.step_fns import (  # noqa: F401  (Bucket, make_buckets, _states: im
     compile_options,
     decode_row_floor,
     make_buckets,
+    single_row_gemv,
 )
 
 log = logging.getLogger(__name__)
@@ -106,6 +107,7 @@ class ModelRunner:
         self.mesh = mesh or Mesh(np.asarray(jax.devices()[:1]), (tp.AXIS,))
         self.replicated = NamedSharding(self.mesh, PartitionSpec())
         self.shardings: Shardings | None = None
+        self.fused = False
         n = self.mesh.size
         # Prefix caching: `ckpt_ops` copies per mixed step into / out of a pool of
         # `num_checkpoints` state checkpoints (0 for a model without recurrent state).
@@ -124,6 +126,7 @@ class ModelRunner:
         if n == 1 and os.environ.get("HYBRID_JAX_SHARDED_RUNNER", "0") != "1":
             if fuse_projections_enabled():  # one GEMM per shared input (hybrid_jax/fusion.py)
                 model = fuse_projections(model)
+            self.fused = is_fused(model)
             self.graphdef, params = nnx.split(model)
             del model  # a fused copy's concatenated weights go once packed
             # One flat buffer per dtype (serving/packing.py: hundreds of arguments cost ms per call).
@@ -140,8 +143,12 @@ class ModelRunner:
         self.ring_widths = ring_widths
         self.page_size = page_size
         self.num_pages, self.num_slots = num_pages, num_slots
+        # A lone sequence decodes in a one-row bucket where its projections are reductions
+        # at full bandwidth (the fused model's transposed Linears on a GPU), else padded.
+        self.single_row = self.shardings is None and self.fused and single_row_gemv()
         self.buckets = make_buckets(max_num_seqs, max_num_batched_tokens, seq_sizes=seq_sizes,
-                                    token_sizes=token_sizes, min_decode_rows=decode_row_floor())
+                                    token_sizes=token_sizes, min_decode_rows=decode_row_floor(),
+                                    single_row_decode=self.single_row)
         self.max_seqs = max(b.seqs for b in self.buckets)
         self.last_tokens = jax.device_put(np.zeros(self.max_seqs, np.int32), self.replicated)
         self.compiled: dict[Bucket, Callable] = {}
@@ -181,7 +188,8 @@ class ModelRunner:
     def _q_buckets(self, q: int, max_seqs: int) -> list[Bucket]:
         """Buckets of b sequences x q tokens: the decode ladder's sizes up to max_seqs."""
         limit = min(max_seqs, self.max_seqs)
-        sizes = sorted({*(b.seqs for b in self.buckets if b.decode and b.seqs < limit), limit})
+        floor = decode_row_floor()  # not the one-row decode bucket: q rows are no GEMV
+        sizes = sorted({*(b.seqs for b in self.buckets if b.decode and floor <= b.seqs < limit), limit})
         return [Bucket(b * q, b, False, True) for b in sizes]
 
     def _host_tree(self, bucket: Bucket, batch: RaggedBatch, sampling: SamplingArrays,

@@ -28,6 +28,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from hybrid_jax import tensor_parallel as tp
 from hybrid_jax.cache import LayerCache, RaggedBatch
+from hybrid_jax.layers import linear
 from hybrid_jax.ragged import choose, forward_ragged, forward_verify
 from pallas_kernels.stage_copy import write_into
 from serving.host_pack import HostLayout
@@ -70,19 +71,24 @@ def _ladder(name: str, sizes: tuple[int, ...] | None, limit: int, lo: int, facto
 
 def make_buckets(max_num_seqs: int, max_num_batched_tokens: int, min_tokens: int = 16,
                  min_seqs: int = 8, *, seq_sizes: tuple[int, ...] | None = None,
-                 token_sizes: tuple[int, ...] | None = None, min_decode_rows: int = 1) -> list[Bucket]:
+                 token_sizes: tuple[int, ...] | None = None, min_decode_rows: int = 1,
+                 single_row_decode: bool = False) -> list[Bucket]:
     """Decode buckets (t == b) and mixed buckets (t tokens, b <= t sequences).
 
     The ladders are geometric up to the limits (sequences x2 from 8, tokens x4 from 16)
     unless `seq_sizes` / `token_sizes` give them (fewer buckets: faster start-up, more
     padding); the limits always close them, and sizes above a limit are clamped to it.
     Decode buckets have at least `min_decode_rows` rows (padding rows beyond
-    max_num_seqs; see `decode_row_floor`).
+    max_num_seqs; see `decode_row_floor`), except a one-row decode bucket added when
+    `single_row_decode` (a model whose one-row projections are reductions at full
+    bandwidth: hybrid_jax/layers/linear.py), which then replaces the padded bucket
+    when max_num_seqs is 1.
     """
     seqs = _ladder("seq_buckets", seq_sizes, max_num_seqs, min(min_seqs, max_num_seqs), 2)
     toks = _ladder("token_buckets", token_sizes, max_num_batched_tokens,
                    min(min_tokens, max_num_batched_tokens), 4)
-    out = [Bucket(b, b, True) for b in sorted({max(b, min_decode_rows) for b in seqs})]
+    rows = {max(b, min_decode_rows) for b in seqs if b > 1 or not single_row_decode}
+    out = [Bucket(b, b, True) for b in sorted(rows | ({1} if single_row_decode else set()))]
     out += [Bucket(t, b, False) for t in toks for b in seqs if b <= t or b == seqs[0]]
     return out
 
@@ -105,6 +111,13 @@ def decode_row_floor() -> int:
     costs what launching the step without CUDA graphs costs (9.6 ms), as if XLA rebuilt
     the graph on every call; why the slot count decides it is not known."""
     return GPU_MIN_DECODE_ROWS if jax.default_backend() == "gpu" else 1
+
+
+def single_row_gemv() -> bool:
+    """Whether a one-row decode bucket pays here: on a GPU a fused model's one-row
+    projections are reductions at 95-102% of copy bandwidth (hybrid_jax/layers/linear.py,
+    `REDUCTION_GEMV`), where cuBLAS's padded 8-row GEMMs reach 67-90%."""
+    return linear.REDUCTION_GEMV and (jax.default_backend() == "gpu" or linear.REDUCTION_GEMV_ANY_BACKEND)
 
 
 def compile_options() -> dict[str, object]:

@@ -18,6 +18,16 @@ compiled step 6.55 ms against 4.85 ms at batch 64 on the H100), and read in plac
 HBM the kernel is no faster than cuBLAS at these shapes (docs/kernels.md).
 The switch is static (shapes are known at trace time) and local to the matmul: under
 tensor parallelism the psum / all_gather that follow are unchanged.
+
+A Linear may hold its kernel transposed, [out, in] (`transposed`; the serving engine's
+fused copy of a model does, hybrid_jax/fusion.py). Its products contract both operands'
+last axes (cuBLAS's TN case, as fast as [in, out] at 8-128 rows on the H100). With one
+row on a GPU (a batch-1 decode step) the product is a multiply and a sum over each
+kernel row, which XLA emits as one reduction fusion reading the weights once at
+95-102% of copy bandwidth, against 67-90% for cuBLAS's GEMV kernels (17% for one
+shape: benchmarks/gemm_layout.py --gemv). `REDUCTION_GEMV` (env
+HYBRID_JAX_REDUCTION_GEMV, default on) turns that off; `REDUCTION_GEMV_ANY_BACKEND` lets
+tests run it on the CPU.
 """
 
 from __future__ import annotations
@@ -56,10 +66,21 @@ SKINNY_GEMM_IMPL: Impl | None = None
 SKINNY_GEMM_DTYPES = (jnp.dtype(jnp.bfloat16),)
 
 
-def matmul(x: jax.Array, kernel: jax.Array) -> jax.Array:
-    """x [..., i] @ kernel [i, o] in the kernel's dtype: the skinny GEMM where it applies
-    (see SKINNY_GEMM_*), else XLA's dot. Both give x.astype(kernel.dtype) @ kernel."""
+REDUCTION_GEMV = os.environ.get("HYBRID_JAX_REDUCTION_GEMV", "1") != "0"
+REDUCTION_GEMV_ANY_BACKEND = False  # tests: the one-row reduction on any backend
+
+
+def matmul(x: jax.Array, kernel: jax.Array, transposed: bool = False) -> jax.Array:
+    """x [..., i] @ kernel [i, o] (or kernel [o, i] contracted on its last axis when
+    `transposed`) in the kernel's dtype, f32 accumulation: the skinny GEMM or the one-row
+    reduction where they apply (module doc), else XLA's dot."""
     rows = math.prod(x.shape[:-1])
+    if transposed:
+        x = x.astype(kernel.dtype)
+        if rows == 1 and REDUCTION_GEMV and (REDUCTION_GEMV_ANY_BACKEND or jax.default_backend() == "gpu"):
+            y = jnp.sum(x.astype(jnp.float32)[..., None, :] * kernel.astype(jnp.float32), axis=-1)
+            return y.astype(kernel.dtype)
+        return jax.lax.dot_general(x, kernel, (((x.ndim - 1,), (1,)), ((), ())))
     skinny = (
         (SKINNY_GEMM_IMPL is not None or jax.default_backend() == "gpu")
         and rows <= SKINNY_GEMM_MAX_ROWS
@@ -73,7 +94,8 @@ def matmul(x: jax.Array, kernel: jax.Array) -> jax.Array:
 
 
 class Linear(nnx.Module):
-    """y = x @ kernel (+ bias).  x [..., i] -> y [..., o]."""
+    """y = x @ kernel (+ bias).  x [..., i] -> y [..., o].  kernel [i, o], or [o, i] when
+    `transposed` (module doc)."""
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool, dtype: jnp.dtype,
                  rngs: nnx.Rngs):
@@ -83,9 +105,18 @@ class Linear(nnx.Module):
         self.bias = nnx.Param(jnp.zeros((out_features,), dtype)) if bias else None
         self.reduce_axis: str | None = None  # row-parallel: psum over this mesh axis
         self.gather_axis: str | None = None  # column shards of the output gathered over it
+        self.transposed = False  # kernel held [o, i] (hybrid_jax/fusion.py)
+
+    def product_rows(self, x: jax.Array, start: int) -> jax.Array:
+        """x [..., w] times the kernel's input rows [start, start + w): a part of the product
+        whose input is the concatenation of several (no bias, no reduction)."""
+        w, kernel = x.shape[-1], self.kernel[...]
+        if self.transposed:
+            return matmul(x, kernel[:, start:start + w], transposed=True)
+        return matmul(x, kernel[start:start + w])
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = matmul(x, self.kernel[...])
+        y = matmul(x, self.kernel[...], self.transposed)
         if self.reduce_axis is not None:
             y = jax.lax.psum(y, self.reduce_axis)
         if self.bias is not None:

@@ -15,6 +15,7 @@ from flax import nnx
 from hybrid_jax.config import AttentionConfig, LayerSpec, Mamba2Config, MLPConfig, ModelConfig
 from hybrid_jax.fusion import MAMBA_STACKED, fuse_projections, is_fused
 from hybrid_jax.generate import greedy_generate
+from hybrid_jax.layers.linear import Linear
 from hybrid_jax.model import CausalLM
 from tests.model.test_ragged_forward import MAX_LEN, Harness, all_kinds_config, serve_greedy
 
@@ -72,23 +73,33 @@ def test_which_layers_fuse(case):
 
 
 def test_fused_weights_are_the_originals(case):
+    """The fused Linears hold the originals concatenated, transposed ([out, in]), and
+    every other plain Linear of the layers is held transposed too."""
     _, model, fused = case
     for orig, new in zip(model.layers, fused.layers, strict=True):
         if new.fused_in is not None:
             parts = [orig.attention.q_proj, orig.attention.k_proj, orig.attention.v_proj] \
                 if orig.attention is not None else []
             parts += [orig.mamba.in_proj] if orig.mamba is not None else []
+            assert new.fused_in.transposed
             np.testing.assert_array_equal(
-                new.fused_in.kernel[...], jnp.concatenate([p.kernel[...] for p in parts], axis=1))
+                new.fused_in.kernel[...], jnp.concatenate([p.kernel[...] for p in parts], axis=1).T)
             if new.fused_in.bias is not None:
                 want = [p.bias[...] if p.bias is not None else jnp.zeros(p.kernel.shape[1])
                         for p in parts]
                 np.testing.assert_array_equal(new.fused_in.bias[...], jnp.concatenate(want))
         if new.fused_out is not None:
+            assert new.fused_out.transposed
             np.testing.assert_array_equal(new.fused_out.kernel[...], jnp.concatenate(
-                [orig.attention.o_proj.kernel[...], orig.mamba.out_proj.kernel[...]], axis=0))
+                [orig.attention.o_proj.kernel[...], orig.mamba.out_proj.kernel[...]], axis=0).T)
+        assert new.mlp.gate_up_proj.transposed and new.mlp.down_proj.transposed
         np.testing.assert_array_equal(new.mlp.gate_up_proj.kernel[...], jnp.concatenate(
-            [orig.mlp.gate_proj.kernel[...], orig.mlp.up_proj.kernel[...]], axis=1))
+            [orig.mlp.gate_proj.kernel[...], orig.mlp.up_proj.kernel[...]], axis=1).T)
+        np.testing.assert_array_equal(new.mlp.down_proj.kernel[...], orig.mlp.down_proj.kernel[...].T)
+        assert not orig.mlp.down_proj.transposed  # the argument model keeps [in, out]
+        for _, node in nnx.iter_graph(new):
+            if isinstance(node, Linear):
+                assert node.transposed
     # Mamba2 parameters: one stack per name, shared by the layers, row i = layer i's.
     mixers = [(o.mamba, n.mamba) for o, n in zip(model.layers, fused.layers, strict=True)
               if o.mamba is not None]

@@ -3,7 +3,10 @@ XLA lower the projections to slow reduction fusions) serve exactly what unpadded
 
 from __future__ import annotations
 
+import jax
+
 import serving.runner as runner_mod
+from hybrid_jax.layers import linear
 from hybrid_jax.loading import load_model
 from serving.engine import LLMEngine
 from serving.engine_config import EngineConfig
@@ -20,16 +23,31 @@ def test_decode_buckets_take_the_row_floor_and_mixed_buckets_do_not():
     assert [b.seqs for b in make_buckets(4, 64, seq_sizes=(1, 2, 4)) if b.decode] == [1, 2, 4]
 
 
+def test_single_row_decode_bucket():
+    """One row beside the padded ladder; alone when max_num_seqs is 1."""
+    decode = lambda *a, **k: [b for b in make_buckets(*a, **k) if b.decode]
+    assert decode(1, 64, min_decode_rows=8, single_row_decode=True) == [Bucket(1, 1, True)]
+    assert decode(32, 512, min_decode_rows=8, single_row_decode=True) == [
+        Bucket(b, b, True) for b in (1, 8, 16, 32)]
+    assert decode(4, 64, seq_sizes=(1, 2, 4), min_decode_rows=8, single_row_decode=True) == [
+        Bucket(1, 1, True), Bucket(8, 8, True)]
+
+
 def test_one_sequence_in_an_eight_row_decode_bucket_equals_a_one_row_bucket(monkeypatch):
+    """Also the one-row bucket of a fused model whose one-row projections are reductions
+    (forced on the CPU: `linear.REDUCTION_GEMV_ANY_BACKEND`), beside a padded ladder."""
     lm = load_model("native-tiny")
+    max_seqs = 1
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     prompt = [1, 5, 9, 13, 7, 22, 3, 40, 41]
 
-    def serve(floor: int) -> tuple[list[int], list[Bucket]]:
+    def serve(floor: int, single_row: bool = False) -> tuple[list[int], list[Bucket]]:
         monkeypatch.setattr(runner_mod, "decode_row_floor", lambda: floor)
-        cfg = EngineConfig(max_num_seqs=1, max_num_batched_tokens=16, max_prefill_chunk=16,
+        monkeypatch.setattr(runner_mod, "single_row_gemv", lambda: single_row)
+        cfg = EngineConfig(max_num_seqs=max_seqs, max_num_batched_tokens=16, max_prefill_chunk=16,
                            max_model_len=64, num_pages=16)
         engine = LLMEngine(lm, cfg, show_progress=False)
+        assert engine.runner.single_row == (single_row and engine.runner.fused)
         used = []
         pick = engine.runner.pick
         engine.runner.pick = lambda arrays: used.append(pick(arrays)) or used[-1]
@@ -44,3 +62,10 @@ def test_one_sequence_in_an_eight_row_decode_bucket_equals_a_one_row_bucket(monk
     padded, used8 = serve(8)
     assert Bucket(1, 1, True) in used1 and Bucket(8, 8, True) in used8
     assert len(plain) == 12 and padded == plain
+    jax.clear_caches()  # the reduction switch is read when the step traces
+    monkeypatch.setattr(linear, "REDUCTION_GEMV_ANY_BACKEND", True)
+    max_seqs = 4
+    reduced, used_r = serve(8, single_row=True)
+    jax.clear_caches()
+    assert Bucket(1, 1, True) in used_r and Bucket(8, 8, True) not in used_r
+    assert reduced == plain
