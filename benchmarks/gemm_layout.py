@@ -93,23 +93,26 @@ def _gemv_chain(form: str):
         if form == "colsum":
             return [jnp.sum(xf[:, :, None] * w.astype(jnp.float32)[None], axis=1).astype(jnp.bfloat16)
                     for w in ws]
-        return [jnp.sum(xf[:, None, :] * w.astype(jnp.float32)[None], axis=2).astype(jnp.bfloat16)
-                for w in ws]
+        if form == "rowsum":
+            return [jnp.sum(xf[:, None, :] * w.astype(jnp.float32)[None], axis=2).astype(jnp.bfloat16)
+                    for w in ws]
+        # rowsum_rows: one row reduction per input row, siblings over the same weights
+        # (XLA may fuse them into one multi-output reduction reading the weights once)
+        return [jnp.stack([jnp.sum(xf[i][None, :] * w.astype(jnp.float32), axis=1)
+                           for i in range(x.shape[0])]).astype(jnp.bfloat16) for w in ws]
     return f
 
 
 def time_gemv(m: int, k: int, n: int, form: str, reps: int) -> tuple[float, float, list[str]]:
     """`time_chain` for the forms of `_gemv_chain`."""
     key = jax.random.PRNGKey(0)
-    shape = (n, k) if form == "rowsum" else (k, n)
+    shape = (n, k) if form.startswith("rowsum") else (k, n)
     ws = [jax.random.normal(jax.random.fold_in(key, i), shape, jnp.bfloat16) for i in range(CHAIN)]
     x = jax.random.normal(key, (m, k), jnp.bfloat16)
     fn = jax.jit(_gemv_chain(form)).lower(x, ws).compile(compile_options())
     events = _traced_kernels(fn, (x, ws), reps)
     names = sorted({ev.name for ev in events})
-    if m == 1 or form == "dot":
-        for ev in events[:1]:
-            print(f"    {form} m={m} {ev.name}: {dict((str(a), str(b)) for a, b in ev.stats)}")
+    print(f"    {form} m={m}: {len(events) / reps:.0f} kernels per chain: {names[:4]}")
     return sum(ev.duration_ns for ev in events) * 1e-9 / (reps * CHAIN), len(events) / reps, names
 
 
@@ -165,19 +168,21 @@ def main() -> None:
                    help="with --mlp, also a chain with an f32 state pass of this size before each MLP")
     p.add_argument("--gemv", action="store_true",
                    help="XLA's dot against multiply + reduction fusions (colsum, rowsum)")
+    p.add_argument("--forms", nargs="+", default=["dot", "colsum", "rowsum", "rowsum_rows"],
+                   help="with --gemv: the forms timed")
     a = p.parse_args()
     if a.gemv:
         bw = copy_bandwidth()
         for m in a.rows:
             for name, (k, n) in SHAPES.items():
                 r = {"m": m, "shape": name, "k": k, "n": n, "copy_TBps": bw / 1e12}
-                for form in ("dot", "colsum", "rowsum"):
+                for form in a.forms:
                     t, r[f"{form}_kernels"], r[f"{form}_names"] = time_gemv(m, k, n, form, a.reps)
                     r[f"{form}_us"] = t * 1e6
                     r[f"{form}_pct_copy"] = 100 * (2 * k * n / bw) / t
                 print(json.dumps(r), flush=True)
                 print(f"m={m} {name}: " + " ".join(f"{f} {r[f'{f}_us']:.2f} us ({r[f'{f}_pct_copy']:.0f}%)"
-                                                  for f in ("dot", "colsum", "rowsum")), flush=True)
+                                                  for f in a.forms), flush=True)
         return
     if a.mlp:
         for m in a.rows:

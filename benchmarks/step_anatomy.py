@@ -3,7 +3,9 @@
 Fills a batch of B sequences with prompts of length P through `LLMEngine`, runs until
 every sequence decodes, then measures on steps where the WHOLE batch decodes:
 
-  engine_ms    `LLMEngine.step()` wall time (median; the step returns host tokens)
+  engine_ms    `LLMEngine.step()` wall time (median; the step returns host tokens);
+               engine_mean_ms its mean (the throughput figure: a slow step now and then
+               moves the mean, not the median)
   compiled_ms  the compiled decode step alone (forward with the plain sampler), inputs
                already on the device, called back to back (median per call, synchronised loop)
   enqueue_ms   host time for one such call to return (before the device finishes)
@@ -233,6 +235,7 @@ def run(a: argparse.Namespace) -> dict:
     # Inside the runner's dispatch: host-to-device transfers, and enqueueing the forward
     # and the sampler executables.
     timed(jax, "device_put", host)
+    timed(engine.runner, "_put", host)  # the step's packed inputs (serving/host_pack.host_put)
     executables = (engine.runner.compiled, engine.runner.samplers)
     saved = [dict(d) for d in executables]
     for d, kind in zip(executables, ("enqueue_forward", "enqueue_sampler"), strict=True):
@@ -248,7 +251,7 @@ def run(a: argparse.Namespace) -> dict:
         t = time.perf_counter()
         engine.step()
         step_s.append(time.perf_counter() - t)
-    for obj, name in undo:
+    for obj, name in [*undo, (engine.runner, "_put")]:
         obj.__dict__.pop(name, None)
     jax.device_put = jax.device_put.__wrapped__
     for d, orig_d in zip(executables, saved, strict=True):
@@ -330,6 +333,7 @@ def run(a: argparse.Namespace) -> dict:
         "batch_run": a.batch, "context": context, "context_min": int(ctx.min()),
         "context_max": int(ctx.max()), "device": str(jax.devices()[0]),
         "startup_s": round(startup, 1), "engine_ms": 1e3 * statistics.median(step_s),
+        "engine_mean_ms": 1e3 * statistics.fmean(step_s),
         "compiled_ms": 1e3 * statistics.median(per), "enqueue_ms": 1e3 * statistics.median(enq),
         "kernel_ms": kernel_ms, "kernels_per_step": kernels, "copy_TBps": bw / 1e12,
         "floor_bytes": fb, "floor_ms": 1e3 * fb["total"] / bw, "top_kernels": top,
@@ -370,7 +374,8 @@ def main() -> None:
     p.add_argument("--top", type=int, default=150, help="kernels kept in the JSON, by time (0: all)")
     a = p.parse_args()
     res = run(a)
-    cols = ["batch_run", "context", "state_dtype", "loop", "engine_ms", "compiled_ms", "enqueue_ms",
+    cols = ["batch_run", "context", "state_dtype", "loop", "engine_ms", "engine_mean_ms", "compiled_ms",
+            "enqueue_ms",
             "kernel_ms", "kernels_per_step", "floor_ms", "engine_over_floor", "startup_s"]
     print(" | ".join(cols))
     print(" | ".join(f"{res[c]:.2f}" if isinstance(res[c], float) else str(res[c]) for c in cols))

@@ -39,7 +39,7 @@ from hybrid_jax.cache import RaggedBatch, init_caches
 from hybrid_jax.fusion import fuse_projections, is_fused
 from hybrid_jax.model import CausalLM
 from serving.compile_pool import Job, compile_jobs
-from serving.host_pack import HostLayout, host_layout
+from serving.host_pack import HostLayout, host_layout, host_put
 from serving.packing import pack, pack_host, plan_layout
 from serving.penalties import init_token_stats
 from serving.result_buffers import ResultBuffers
@@ -108,6 +108,7 @@ class ModelRunner:
         self.replicated = NamedSharding(self.mesh, PartitionSpec())
         self.shardings: Shardings | None = None
         self.fused = False
+        self._host_put: Callable[[np.ndarray], jax.Array] | None = None
         n = self.mesh.size
         # Prefix caching: `ckpt_ops` copies per mixed step into / out of a pool of
         # `num_checkpoints` state checkpoints (0 for a model without recurrent state).
@@ -324,6 +325,12 @@ class ModelRunner:
 
         self.startup = compile_jobs(todo, opts=opts, store=store, done=finish, workers=workers)
 
+    def _put(self, buf: np.ndarray) -> jax.Array:
+        """A step's packed host inputs to the device (serving/host_pack.host_put)."""
+        if self._host_put is None:
+            self._host_put = host_put(self.replicated)
+        return self._host_put(buf)
+
     def pick(self, arrays: StepArrays) -> Bucket:
         b, t = len(arrays.slot_ids), len(arrays.token_ids)
         decode = arrays.num_decodes == b
@@ -349,7 +356,7 @@ class ModelRunner:
             raise ValueError("checkpoint copies in a step without them (decode or caching off)")
         tree = self._host_tree(bucket, batch, samp, feed, self._ops(arrays) if ckpt else None)
         # One transfer for every host input of the step (serving/host_pack.py).
-        buf = jax.device_put(self.host_layouts[bucket].pack(tree), self.replicated)
+        buf = self._put(self.host_layouts[bucket].pack(tree))
         args = (self.params, self.caches, self.stats, buf, self.last_tokens)
         exe, outs = self.compiled[bucket], self.results.take(bs, self.last_tokens)
         if ckpt:
@@ -380,7 +387,7 @@ class ModelRunner:
         bs = bucket.seqs
         samp = SamplingArrays(*(_pad_rows(np.asarray(x), bs) for x in sampling))
         tree = (self._pad(arrays, bucket), _pad_rows(num_drafts.astype(np.int32), bs), samp)
-        buf = jax.device_put(self.verify_layouts[bucket].pack(tree), self.replicated)
+        buf = self._put(self.verify_layouts[bucket].pack(tree))
         outs = self.results.take_sync("verify", bucket)
         self.caches, out, accepted = self.verifiers[(bucket, filters)](self.params, self.caches, buf, outs)
         self.results.keep_sync("verify", bucket, (out, accepted))
@@ -398,8 +405,7 @@ class ModelRunner:
         b = len(arrays.slot_ids)
         bucket = _q_bucket(self.multi_buckets, self.multi_q, arrays, "multi-step call")
         samp = SamplingArrays(*(_pad_rows(np.asarray(x), bucket.seqs) for x in sampling))
-        buf = jax.device_put(self.multi_layouts[bucket].pack((samp, self._pad(arrays, bucket))),
-                             self.replicated)
+        buf = self._put(self.multi_layouts[bucket].pack((samp, self._pad(arrays, bucket))))
         exe = self.multisteps[(bucket, filters)]
         outs = self.results.take_sync("multi", bucket)
         self.caches, self.stats, out, lps = exe(self.params, self.caches, self.stats, buf, outs)
@@ -495,4 +501,6 @@ def _pad_rows(x: np.ndarray, n: int, fill: int = 0) -> np.ndarray:
     """Pad the leading axis to n rows (zeros = dummy slot/page 0, greedy, empty)."""
     if len(x) > n:
         raise ValueError(f"{len(x)} rows do not fit a bucket of {n}")
+    if len(x) == n:  # a full bucket: nothing to add (the caller packs it, a copy)
+        return x
     return np.concatenate([x, np.full((n - len(x), *x.shape[1:]), fill, x.dtype)])

@@ -45,13 +45,19 @@ def test_concurrent_streams_equal_sequential_results(engine):
 
 
 def test_abort_frees_pages_and_slot_and_ends_the_stream(engine):
-    core = EngineCore(engine).start()
+    core = EngineCore(engine)
+    # The loop waits (outside its lock) after the step that produced the first token until
+    # the abort is in: otherwise a descheduled test thread could see all 100 tokens out first.
+    go = threading.Event()
+    core.on_step.append(lambda deltas, dt: deltas and go.wait(timeout=120))
+    core.start()
     try:
         stream = core.submit(prompt_token_ids=[5, 6, 7],
                              params=SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True))
         first = stream.get(timeout=300)
         assert not first.finished
         assert core.abort(stream.request_id)
+        go.set()
         deltas = list(stream)
         assert deltas[-1].finished and deltas[-1].finish_reason == "abort"
         stats = core.stats()

@@ -39,3 +39,37 @@ def test_refuses_what_it_cannot_carry():
         layout.pack((np.zeros(4, np.int32),))
     with pytest.raises(ValueError, match="does not fit"):
         layout.padded(2)
+
+
+def test_host_put_fast_path_and_its_fallback(monkeypatch):
+    """`host_put` gives a committed array with the sharding and the host values, through
+    JAX's private transfer where it works here, else through jax.device_put."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from serving import host_pack
+
+    sharding = NamedSharding(Mesh(np.asarray(jax.devices()[:1]), ("tp",)), PartitionSpec())
+    buf = np.arange(-5, 300, dtype=np.int32)
+    put = host_pack.host_put(sharding)
+    assert put.__name__ == "fast"  # the private path works with this jax
+    calls = []
+    real = jax.device_put
+    monkeypatch.setattr(jax, "device_put", lambda *a, **k: calls.append(1) or real(*a, **k))
+    for fn in (put, host_pack.host_put(sharding)):
+        got = fn(buf)
+        assert got.sharding == sharding and got.committed
+        np.testing.assert_array_equal(np.asarray(got), buf)
+    assert calls == []
+
+    def broken(*a, **k):
+        raise TypeError("signature changed")
+
+    monkeypatch.setattr(host_pack, "_private_transfer", lambda: broken)
+    fallback = host_pack.host_put(sharding)
+    got = fallback(buf)
+    assert fallback.__name__ == "<lambda>" and calls == [1]
+    assert got.sharding == sharding and got.committed
+    np.testing.assert_array_equal(np.asarray(got), buf)
+    zeros = lambda *a: jax.device_put(np.zeros(7, np.int32), sharding)
+    monkeypatch.setattr(host_pack, "_private_transfer", lambda: zeros)
+    assert host_pack.host_put(sharding).__name__ == "<lambda>"  # wrong values: refused
