@@ -12,8 +12,16 @@ kernel time of `--reps` chains in a jax.profiler trace, per product (GPU only). 
 weight bytes over the device's copy bandwidth (serving/bench/floor.copy_bandwidth)
 against that time.
 
+`--gemv`: the same products as XLA's dot, as a multiply + reduction over [k, n]
+weights (colsum), over [n, k] weights (rowsum: what a one-row decode step runs,
+hybrid_jax/layers/linear.py), and as one rowsum per input row (rowsum_rows).
+`--mlp`: 24 (`--chain`) gated MLPs in sequence, each GEMM's kernel time and launch
+shape, to compare with the same kernels inside the decode step (step_anatomy.py's
+gemm_kernel_details); `--chain 72` triples the memory the chain streams.
+
     PYTHONPATH=. python benchmarks/gemm_layout.py [--rows 1 8 64] [--reps 10] [--out r.jsonl]
-    PYTHONPATH=. python benchmarks/gemm_layout.py --mlp [--state-mb 68] [--rows 8 64]
+    PYTHONPATH=. python benchmarks/gemm_layout.py --mlp [--state-mb 68] [--rows 8 64] [--chain 24 72]
+    PYTHONPATH=. python benchmarks/gemm_layout.py --gemv [--rows 1 2 4 8] [--forms dot rowsum]
 """
 
 from __future__ import annotations
@@ -116,7 +124,8 @@ def time_gemv(m: int, k: int, n: int, form: str, reps: int) -> tuple[float, floa
     return sum(ev.duration_ns for ev in events) * 1e-9 / (reps * CHAIN), len(events) / reps, names
 
 
-def mlp_chain(m: int, reps: int, barrier: bool = False, state_mb: int = 0) -> dict[str, list[float]]:
+def mlp_chain(m: int, reps: int, barrier: bool = False, state_mb: int = 0,
+              chain: int = CHAIN) -> dict[str, list[float]]:
     """24 gated MLPs in sequence as the step runs them (RMS norm, the fused gate/up GEMM,
     silu(gate) * up, the down-projection added to the residual), weights sliced out of
     one flat buffer: GPU time per call of each kernel name, and calls per chain.
@@ -126,13 +135,13 @@ def mlp_chain(m: int, reps: int, barrier: bool = False, state_mb: int = 0) -> di
     the step's SSM state update does (68 MB per layer at B = 64)."""
     (k, n2), (f, n) = SHAPES["gate_up"], SHAPES["down"]
     key = jax.random.PRNGKey(1)
-    flat = jax.random.normal(key, (CHAIN * (k * n2 + f * n),), jnp.bfloat16) * 0.02
+    flat = jax.random.normal(key, (chain * (k * n2 + f * n),), jnp.bfloat16) * 0.02
     x = jax.random.normal(key, (m, k), jnp.bfloat16)
-    state = jnp.zeros((CHAIN, state_mb * (1 << 18)), jnp.float32)  # 2**18 f32 = 1 MB
+    state = jnp.zeros((chain, state_mb * (1 << 18)), jnp.float32)  # 2**18 f32 = 1 MB
 
     def run(x, flat, state):
         off = 0
-        for i in range(CHAIN):
+        for i in range(chain):
             if state_mb:  # written in place; its sum feeds x so the pass stays live
                 state = state.at[i].set(state[i] * 0.5 + 1.0)
                 x = x + state[i, :1].astype(x.dtype)
@@ -166,6 +175,8 @@ def main() -> None:
     p.add_argument("--mlp", action="store_true", help="kernel times of 24 gated MLPs in sequence")
     p.add_argument("--state-mb", type=int, default=0,
                    help="with --mlp, also a chain with an f32 state pass of this size before each MLP")
+    p.add_argument("--chain", type=int, nargs="+", default=[CHAIN],
+                   help="with --mlp: MLPs per chain (more: a larger memory footprint per call)")
     p.add_argument("--gemv", action="store_true",
                    help="XLA's dot against multiply + reduction fusions (colsum, rowsum)")
     p.add_argument("--forms", nargs="+", default=["dot", "colsum", "rowsum", "rowsum_rows"],
@@ -186,14 +197,15 @@ def main() -> None:
         return
     if a.mlp:
         for m in a.rows:
-            for barrier, mb in ((False, 0), (True, 0), *(((False, a.state_mb),) if a.state_mb else ())):
-                res = mlp_chain(m, a.reps, barrier, mb)
-                total = sum(us * per for us, per in res.values())
-                print(f"mlp m={m} barrier={barrier} state_mb={mb}: {total:.1f} us per chain")
-                top = sorted(res.items(), key=lambda x: -x[1][0])
-                gemms = [t for t in top if "gemm" in t[0] or "nvjet" in t[0]]
-                for name, (us, per) in gemms + [t for t in top[:3] if t not in gemms]:
-                    print(f"    {us:7.2f} us x{per:.0f}  {name}")
+            for chain in a.chain:
+                for barrier, mb in ((False, 0), (True, 0), *(((False, a.state_mb),) if a.state_mb else ())):
+                    res = mlp_chain(m, a.reps, barrier, mb, chain)
+                    total = sum(us * per for us, per in res.values())
+                    print(f"mlp m={m} chain={chain} barrier={barrier} state_mb={mb}: {total:.1f} us")
+                    top = sorted(res.items(), key=lambda x: -x[1][0])
+                    gemms = [t for t in top if "gemm" in t[0] or "nvjet" in t[0]]
+                    for name, (us, per) in gemms + [t for t in top[:3] if t not in gemms]:
+                        print(f"    {us:7.2f} us x{per:.0f}  {name}")
         return
     bw = copy_bandwidth()
     rows = []

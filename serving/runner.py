@@ -177,7 +177,9 @@ class ModelRunner:
             raise ValueError("multi-step decoding does not run tensor-parallel yet "
                              "(tensor_parallel_size > 1 or HYBRID_JAX_SHARDED_RUNNER=1)")
         self.multi_q = multi_q
-        self.multi_buckets = self._q_buckets(multi_q, multi_max_seqs) if multi_q else []
+        # A multi-step call's forwards have b rows each: a lone sequence's are one-row
+        # reductions too when the runner has the one-row decode bucket.
+        self.multi_buckets = self._q_buckets(multi_q, multi_max_seqs, self.single_row) if multi_q else []
         self.multi_layouts: dict[Bucket, HostLayout] = {}
         for bk in self.multi_buckets:
             batch, sampling = self._dummy(bk)
@@ -186,10 +188,11 @@ class ModelRunner:
         # The buffers the executables write their results into (serving/result_buffers.py).
         self.results = ResultBuffers(self.cfg.vocab_size, self.max_seqs, self.replicated)
 
-    def _q_buckets(self, q: int, max_seqs: int) -> list[Bucket]:
-        """Buckets of b sequences x q tokens: the decode ladder's sizes up to max_seqs."""
+    def _q_buckets(self, q: int, max_seqs: int, single_row: bool = False) -> list[Bucket]:
+        """Buckets of b sequences x q tokens: the decode ladder's sizes up to max_seqs (the
+        one-row decode bucket only if `single_row`: a verification forward has b x q rows)."""
         limit = min(max_seqs, self.max_seqs)
-        floor = decode_row_floor()  # not the one-row decode bucket: q rows are no GEMV
+        floor = 1 if single_row else decode_row_floor()
         sizes = sorted({*(b.seqs for b in self.buckets if b.decode and floor <= b.seqs < limit), limit})
         return [Bucket(b * q, b, False, True) for b in sizes]
 

@@ -41,11 +41,11 @@ def test_one_sequence_in_an_eight_row_decode_bucket_equals_a_one_row_bucket(monk
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     prompt = [1, 5, 9, 13, 7, 22, 3, 40, 41]
 
-    def serve(floor: int, single_row: bool = False) -> tuple[list[int], list[Bucket]]:
+    def serve(floor: int, single_row: bool = False, steps: int = 1) -> tuple[list[int], list[Bucket]]:
         monkeypatch.setattr(runner_mod, "decode_row_floor", lambda: floor)
         monkeypatch.setattr(runner_mod, "single_row_gemv", lambda: single_row)
         cfg = EngineConfig(max_num_seqs=max_seqs, max_num_batched_tokens=16, max_prefill_chunk=16,
-                           max_model_len=64, num_pages=16)
+                           max_model_len=64, num_pages=16, num_scheduler_steps=steps)
         engine = LLMEngine(lm, cfg, show_progress=False)
         assert engine.runner.single_row == (single_row and engine.runner.fused)
         used = []
@@ -56,6 +56,9 @@ def test_one_sequence_in_an_eight_row_decode_bucket_equals_a_one_row_bucket(monk
         while engine.has_unfinished():
             for d in engine.step():
                 out.extend(d.token_ids)
+        if steps > 1:  # one sequence: its multi-step calls take the one-row bucket if there
+            assert engine.stats()["multi_step_calls"] > 0
+            used.extend(engine.runner.multi_buckets[:1])
         return out, used
 
     plain, used1 = serve(1)
@@ -69,3 +72,6 @@ def test_one_sequence_in_an_eight_row_decode_bucket_equals_a_one_row_bucket(monk
     jax.clear_caches()
     assert Bucket(1, 1, True) in used_r and Bucket(8, 8, True) not in used_r
     assert reduced == plain
+    multi, used_m = serve(8, single_row=True, steps=4)  # multi-step calls of one-row forwards
+    jax.clear_caches()
+    assert Bucket(4, 1, False, True) in used_m and multi == plain
