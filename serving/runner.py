@@ -36,7 +36,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from hybrid_jax import tensor_parallel as tp
 from hybrid_jax.cache import RaggedBatch, init_caches
-from hybrid_jax.fusion import fuse_projections, is_fused
+from hybrid_jax.fusion import fuse_projections
 from hybrid_jax.model import CausalLM
 from serving.compile_pool import Job, compile_jobs
 from serving.host_pack import HostLayout, host_layout, host_put
@@ -107,7 +107,7 @@ class ModelRunner:
         self.mesh = mesh or Mesh(np.asarray(jax.devices()[:1]), (tp.AXIS,))
         self.replicated = NamedSharding(self.mesh, PartitionSpec())
         self.shardings: Shardings | None = None
-        self.fused = False
+        self.transposed = False
         self._host_put: Callable[[np.ndarray], jax.Array] | None = None
         n = self.mesh.size
         # Prefix caching: `ckpt_ops` copies per mixed step into / out of a pool of
@@ -127,7 +127,7 @@ class ModelRunner:
         if n == 1 and os.environ.get("HYBRID_JAX_SHARDED_RUNNER", "0") != "1":
             if fuse_projections_enabled():  # one GEMM per shared input (hybrid_jax/fusion.py)
                 model = fuse_projections(model)
-            self.fused = is_fused(model)
+                self.transposed = True  # its layers' Linears held [out, in], fused or not
             self.graphdef, params = nnx.split(model)
             del model  # a fused copy's concatenated weights go once packed
             # One flat buffer per dtype (serving/packing.py: hundreds of arguments cost ms per call).
@@ -145,8 +145,8 @@ class ModelRunner:
         self.page_size = page_size
         self.num_pages, self.num_slots = num_pages, num_slots
         # A lone sequence decodes in a one-row bucket where its projections are reductions
-        # at full bandwidth (the fused model's transposed Linears on a GPU), else padded.
-        self.single_row = self.shardings is None and self.fused and single_row_gemv()
+        # at full bandwidth (the fused copy's transposed Linears on a GPU), else padded.
+        self.single_row = self.shardings is None and self.transposed and single_row_gemv()
         self.buckets = make_buckets(max_num_seqs, max_num_batched_tokens, seq_sizes=seq_sizes,
                                     token_sizes=token_sizes, min_decode_rows=decode_row_floor(),
                                     single_row_decode=self.single_row)

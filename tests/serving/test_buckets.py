@@ -47,7 +47,7 @@ def test_one_sequence_in_an_eight_row_decode_bucket_equals_a_one_row_bucket(monk
         cfg = EngineConfig(max_num_seqs=max_seqs, max_num_batched_tokens=16, max_prefill_chunk=16,
                            max_model_len=64, num_pages=16, num_scheduler_steps=steps)
         engine = LLMEngine(lm, cfg, show_progress=False)
-        assert engine.runner.single_row == (single_row and engine.runner.fused)
+        assert engine.runner.transposed and engine.runner.single_row == single_row
         used = []
         pick = engine.runner.pick
         engine.runner.pick = lambda arrays: used.append(pick(arrays)) or used[-1]
