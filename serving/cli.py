@@ -24,7 +24,7 @@ import sys
 from collections.abc import Sequence
 
 from configs import DEFAULT_MODEL, resolve_model_name
-from serving.cli_support import check_bindable, prepare_model, run_user_command
+from serving.cli_support import add_client_args, check_bindable, prepare_model, run_user_command
 
 EPILOG = """examples:
   hybrid-jax presets
@@ -210,8 +210,6 @@ def _parser() -> argparse.ArgumentParser:
     _engine_args(serve)
 
     client = _sub(sub, "client", "stream a prompt's continuation from a running server", CLIENT_EPILOG)
-    from serving.client import add_client_args
-
     add_client_args(client)
     _sub(sub, "presets", "list the model presets")
     # `train` is parsed by hybrid_jax.train (main() hands it the arguments), which imports
