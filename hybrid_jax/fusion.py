@@ -64,6 +64,10 @@ def _kernel_t(lin: Linear) -> jnp.ndarray:
     return lin.kernel[...] if lin.transposed else lin.kernel[...].T
 
 
+def _out_features(lin: Linear) -> int:
+    return lin.kernel.shape[0 if lin.transposed else 1]
+
+
 def _concat(linears: list[Linear], axis: int) -> Linear:
     """Linears concatenated by output columns (axis 1: shared input) or input rows (axis 0:
     summed outputs; biases must then be absent), held transposed."""
@@ -72,7 +76,7 @@ def _concat(linears: list[Linear], axis: int) -> Linear:
         return linear_from(kernel_t, None)
     assert axis == 1
     bias = jnp.concatenate([lin.bias[...] if lin.bias is not None
-                            else jnp.zeros(_kernel_t(lin).shape[0], lin.kernel.dtype) for lin in linears])
+                            else jnp.zeros(_out_features(lin), lin.kernel.dtype) for lin in linears])
     return linear_from(kernel_t, bias)
 
 

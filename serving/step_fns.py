@@ -28,7 +28,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from hybrid_jax import tensor_parallel as tp
 from hybrid_jax.cache import LayerCache, RaggedBatch
-from hybrid_jax.layers import linear
 from hybrid_jax.ragged import choose, forward_ragged, forward_verify
 from pallas_kernels.stage_copy import write_into
 from serving.host_pack import HostLayout
@@ -111,13 +110,6 @@ def decode_row_floor() -> int:
     costs what launching the step without CUDA graphs costs (9.6 ms), as if XLA rebuilt
     the graph on every call; why the slot count decides it is not known."""
     return GPU_MIN_DECODE_ROWS if jax.default_backend() == "gpu" else 1
-
-
-def single_row_gemv() -> bool:
-    """Whether a one-row decode bucket pays here: on a GPU a fused model's one-row
-    projections are reductions at 95-102% of copy bandwidth (hybrid_jax/layers/linear.py,
-    `REDUCTION_GEMV`), where cuBLAS's padded 8-row GEMMs reach 67-90%."""
-    return linear.REDUCTION_GEMV and (jax.default_backend() == "gpu" or linear.REDUCTION_GEMV_ANY_BACKEND)
 
 
 def compile_options() -> dict[str, object]:

@@ -70,6 +70,11 @@ REDUCTION_GEMV = os.environ.get("HYBRID_JAX_REDUCTION_GEMV", "1") != "0"
 REDUCTION_GEMV_ANY_BACKEND = False  # tests: the one-row reduction on any backend
 
 
+def reduction_gemv() -> bool:
+    """Whether one-row products of transposed kernels are reductions here (module doc)."""
+    return REDUCTION_GEMV and (REDUCTION_GEMV_ANY_BACKEND or jax.default_backend() == "gpu")
+
+
 def matmul(x: jax.Array, kernel: jax.Array, transposed: bool = False) -> jax.Array:
     """x [..., i] @ kernel [i, o] (or kernel [o, i] contracted on its last axis when
     `transposed`) in the kernel's dtype, f32 accumulation: the skinny GEMM or the one-row
@@ -77,7 +82,7 @@ def matmul(x: jax.Array, kernel: jax.Array, transposed: bool = False) -> jax.Arr
     rows = math.prod(x.shape[:-1])
     if transposed:
         x = x.astype(kernel.dtype)
-        if rows == 1 and REDUCTION_GEMV and (REDUCTION_GEMV_ANY_BACKEND or jax.default_backend() == "gpu"):
+        if rows == 1 and reduction_gemv():
             y = jnp.sum(x.astype(jnp.float32)[..., None, :] * kernel.astype(jnp.float32), axis=-1)
             return y.astype(kernel.dtype)
         return jax.lax.dot_general(x, kernel, (((x.ndim - 1,), (1,)), ((), ())))

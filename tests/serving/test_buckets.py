@@ -43,7 +43,7 @@ def test_one_sequence_in_an_eight_row_decode_bucket_equals_a_one_row_bucket(monk
 
     def serve(floor: int, single_row: bool = False, steps: int = 1) -> tuple[list[int], list[Bucket]]:
         monkeypatch.setattr(runner_mod, "decode_row_floor", lambda: floor)
-        monkeypatch.setattr(runner_mod, "single_row_gemv", lambda: single_row)
+        monkeypatch.setattr(runner_mod, "reduction_gemv", lambda: single_row)
         cfg = EngineConfig(max_num_seqs=max_seqs, max_num_batched_tokens=16, max_prefill_chunk=16,
                            max_model_len=64, num_pages=16, num_scheduler_steps=steps)
         engine = LLMEngine(lm, cfg, show_progress=False)
