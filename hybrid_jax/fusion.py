@@ -23,6 +23,10 @@ four (58 -> 81% of the copy-bandwidth floor at 8 rows, 57 -> 77% at 64).
   shared by the layers (`Mamba2Mixer.stack_row`): the decode kernels read their row in
   place instead of XLA copying each layer's slices before the custom calls.
 
+- the layers' RMS norms (input and MLP norms together, and the Mamba2 gated norms) with
+  their weights stacked into one array per kind (`RMSNorm.stack_row`), which the decode
+  step's norm kernels read in place (pallas_kernels/decode_glue.py).
+
 - every plain Linear of the layers (the fused ones and the rest, e.g. down_proj) with
   its kernel transposed, [out, in] (`Linear.transposed`): as fast for cuBLAS at 8-128
   rows, and at one row XLA's reduction over each kernel row streams the weights at
@@ -148,7 +152,26 @@ def fuse_projections(model: CausalLM) -> CausalLM:
             mlp.gate_proj = mlp.up_proj = None
         _transpose_rest(block)
     _stack_mamba_params(fused)
+    _stack_norms([n for b in fused.layers for n in (b.temporal_norm, b.mlp_norm) if n is not None])
+    _stack_norms([b.mamba.norm for b in fused.layers if b.mamba is not None and b.mamba.norm is not None])
     return fused
+
+
+def _stack_norms(norms: list) -> None:
+    """One weight array [len(norms), d] shared by these norms (`stack_row`), when they are
+    alike (shape, dtype, eps, offset). The decode step's norm kernels
+    (pallas_kernels/decode_glue.py) read their row in place, one copy of the stack per step
+    instead of one per norm and layer (a custom call's operand is a buffer of its own)."""
+    if len(norms) < 2 or any(n.stack_row is not None for n in norms):
+        return
+    keys = {(n.weight.shape, jnp.dtype(n.weight.dtype), n.eps, getattr(n, "offset", None),
+             getattr(n, "group_devices", 1)) for n in norms}
+    if len(keys) != 1 or len({type(n) for n in norms}) != 1:
+        return
+    stack = nnx.Param(jnp.stack([n.weight[...] for n in norms]))
+    for i, n in enumerate(norms):
+        n.weight = stack
+        n.stack_row = i
 
 
 MAMBA_STACKED = ("A_log", "D", "dt_bias", "conv_weight", "conv_bias")

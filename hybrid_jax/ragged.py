@@ -28,6 +28,7 @@ token's effect never reaches a slot.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import jax
@@ -50,6 +51,7 @@ from hybrid_jax.layers.shared_block import DepthAttention, SharedBlock
 from hybrid_jax.layers.short_conv import ShortConv
 from hybrid_jax.model import Block, CausalLM, _scale
 from pallas_kernels import (
+    add_rms_norm,
     conv1d_decode,
     conv1d_ragged,
     decode_fused_fits,
@@ -57,6 +59,7 @@ from pallas_kernels import (
     linear_scan_ragged,
     mamba2_step,
     mamba2_step_fits,
+    mixer_merge,
     paged_attention_decode,
     paged_attention_decode_fused,
     paged_attention_prefill,
@@ -70,7 +73,7 @@ from pallas_kernels import (
 def _attention(layer: Attention | DepthAttention, x: jax.Array | None, batch: RaggedBatch, kv: KVCache,
                group: int, decode: bool, q_len: int = 0,
                fused: tuple[jax.Array, tuple[int, int, int]] | None = None,
-               project_out: bool = True) -> tuple[jax.Array, KVCache]:
+               project_out: bool = True, merge: bool = True) -> tuple[jax.Array, KVCache]:
     """Paged attention over the ragged tokens. q_len > 0 (verification): every sequence has
     q_len tokens, attended by the decode kernel's multi-query form (one program per
     sequence and KV head) instead of the prefill kernel.
@@ -79,7 +82,8 @@ def _attention(layer: Attention | DepthAttention, x: jax.Array | None, batch: Ra
     (x unused). A decode step reads q/k/v there in place through
     `paged_attention_decode_fused` where `_fused_decode` allows; other steps slice them.
     project_out False returns the heads merged [t, h * e] before o_proj (the layer's
-    fused_out takes it).
+    fused_out takes it). merge False (a fused decode, `_merged_decode`): the decode
+    kernel's output as `DecodeParts`, its splits not yet merged.
     """
     raw = None
     if fused is not None:
@@ -94,8 +98,9 @@ def _attention(layer: Attention | DepthAttention, x: jax.Array | None, batch: Ra
         cos, sin = rope_cos_sin(batch.positions, cfg.rope_dim, *cfg.rope_params(layer.window))
         o, k_pages, v_pages = paged_attention_decode_fused(
             proj, cos, sin, kv.k, kv.v, batch.slot_mappings[group], batch.lengths, table,
-            heads=cfg.num_heads, cols=cols, key_multiplier=cfg.key_multiplier, **common)
-        return _attention_out(layer, o, project_out), KVCache(k_pages, v_pages)
+            heads=cfg.num_heads, cols=cols, key_multiplier=cfg.key_multiplier, merge=merge,
+            **common)
+        return (o if not merge else _attention_out(layer, o, project_out)), KVCache(k_pages, v_pages)
     q, k, v = layer.project(x, batch.positions, raw) if raw is not None else layer.project(x, batch.positions)
     e = q.shape[-1]
     pad = kv.k.shape[-1] - e  # pages may be wider than the head (see cache.kv_head_dim)
@@ -233,13 +238,17 @@ def _mamba_step(layer: Mamba2Mixer, zxbcdt: jax.Array, c0: int, dtype, batch: Ra
 
 def _mamba(layer: Mamba2Mixer, x: jax.Array | None, batch: RaggedBatch, st: Mamba2State,
            decode: bool, q: int = 0, proj: jax.Array | None = None, col: int = 0,
-           project_out: bool = True) -> tuple[jax.Array, Mamba2State]:
+           project_out: bool = True, raw: bool = False) -> tuple[jax.Array, Mamba2State]:
     """proj: a fused layer's projection, this layer's in_proj output in its columns
-    [col, col + in_proj_width) (x unused). project_out False returns out_proj's input."""
+    [col, col + in_proj_width) (x unused). project_out False returns out_proj's input;
+    raw True (a decode step, `_merged_decode`) the SSM output y [b, h, p] before the gated
+    norm (z stays in proj)."""
     cfg = layer.cfg
     dtype = (x if proj is None else proj).dtype
     zxbcdt, c0 = _mamba_in(layer, x, proj, col)
     finish = layer.output if project_out else layer.gated
+    if raw:
+        finish = lambda y, z, dtype: y  # noqa: E731
     if (q or (decode and FUSED_MAMBA_DECODE)) and mamba2_step_fits(cfg.head_dim, cfg.state_size):
         return _mamba_step(layer, zxbcdt, c0, dtype, batch, st, q, finish)
     if decode and not q:
@@ -332,12 +341,19 @@ def block_ragged(block: Block, h: jax.Array, batch: RaggedBatch, cache: LayerCac
     q > 0: verification (every sequence has q tokens); the recurrent fields of the
     returned cache are candidates [q, b, ...] (see `forward_verify`), not slot arrays.
     """
-    cfg = block.cfg
     if block.temporal_norm is None:  # MLP-kind layer: no temporal mixer, no cache
         return block.mix(h, None), cache
-    u = block.norm_input(h, shared)
+    out, cache = _temporal(block, block.norm_input(h, shared), batch, cache, group, decode, q)
+    return block.mix(h, out), cache
+
+
+def _temporal(block: Block, u: jax.Array, batch: RaggedBatch, cache: LayerCache,
+              group: int | None, decode: bool, q: int = 0) -> tuple[jax.Array, LayerCache]:
+    """A layer's temporal mixers over its normed input u -> (their summed output, cache)."""
+    cfg = block.cfg
     out = jnp.zeros_like(u)
     kv, mamba, rglru, short_conv = cache
+    merged = _merged_decode(block, kv, decode, q)
     # Fused projections (hybrid_jax/fusion.py): one GEMM for the mixers' input projections
     # (their input multipliers are equal), read in place by column; one for o_proj + out_proj.
     proj, col, branches = None, 0, []  # branches: (output, or out-projection input; multiplier)
@@ -352,13 +368,19 @@ def block_ragged(block: Block, h: jax.Array, batch: RaggedBatch, cache: LayerCac
             qw, kw = acfg.num_heads * acfg.head_dim, acfg.num_kv_heads * acfg.head_dim
             fused, col = (proj, (0, qw, qw + kw)), qw + 2 * kw
         x = None if fused is not None else _scale(u, cfg.attention_in_multiplier)
-        a, kv = _attention(block.attention, x, batch, kv, group, decode, q, fused, project_out)
+        a, kv = _attention(block.attention, x, batch, kv, group, decode, q, fused, project_out,
+                           merge=not merged)
         branches.append((a, cfg.attention_out_multiplier))
     if block.mamba is not None:
         x = None if proj is not None else _scale(u, cfg.ssm_in_multiplier)
-        m, mamba = _mamba(block.mamba, x, batch, mamba, decode, q, proj, col, project_out)
+        m, mamba = _mamba(block.mamba, x, batch, mamba, decode, q, proj, col, project_out, raw=merged)
         branches.append((m, cfg.ssm_out_multiplier))
-    if project_out:
+    if merged:  # one launch from the kernels' outputs to fused_out's input (decode_glue.py)
+        norm = block.mamba.norm
+        out = out + block.fused_out(mixer_merge(
+            branches[0][0], branches[1][0], proj, norm.weight[...], z_col=col, n_groups=norm.n_groups,
+            eps=norm.eps, norm_before_gate=norm.norm_before_gate, row=norm.stack_row))
+    elif project_out:
         for y, multiplier in branches:
             out = out + y * multiplier
     elif decode or q:  # multipliers 1: both out-projections as one GEMM over the stacked rows
@@ -378,12 +400,74 @@ def block_ragged(block: Block, h: jax.Array, batch: RaggedBatch, cache: LayerCac
     if block.conv is not None:
         c, short_conv = _short_conv(block.conv, u, batch, short_conv, decode, q)
         out = out + c
-    return block.mix(h, out), LayerCache(kv, mamba, rglru, short_conv)
+    return out, LayerCache(kv, mamba, rglru, short_conv)
+
+
+# Decode steps of fused models run the glue between their GEMMs as one launch where XLA
+# took several kernels (pallas_kernels/decode_glue.py): `_merged_decode`, `_glued_residual`.
+# HYBRID_JAX_DECODE_GLUE=0 turns both off (A/B measurements; the executable store keys on it).
+DECODE_GLUE = os.environ.get("HYBRID_JAX_DECODE_GLUE", "1") != "0"
+
+
+def _merged_decode(block: Block, kv: KVCache | None, decode: bool, q: int) -> bool:
+    """Whether a decode step of this parallel hybrid layer (attention and Mamba2 summed by
+    one fused out-projection) merges paged decode's splits, applies the gated norm and
+    concatenates the two branches in one `mixer_merge` launch."""
+    if not (DECODE_GLUE and decode and not q and block.fused_in is not None
+            and block.fused_out is not None):
+        return False
+    mixer, norm = block.mamba, block.mamba.norm
+    return (_fused_decode(block.attention, kv) and norm is not None and norm.stack_row is not None
+            and norm.group_devices == 1 and mixer.cfg.in_proj_multipliers is None
+            and not (FUSED_MAMBA_DECODE and mamba2_step_fits(mixer.cfg.head_dim, mixer.cfg.state_size)))
+
+
+def _glued_residual(model: CausalLM, decode: bool) -> bool:
+    """Whether a decode step adds each branch to the residual stream in the launch that
+    normalises the sum for the next sub-block (`add_rms_norm`): plain pre-norm residuals
+    (no sandwich norms, multiplier or f32 stream, no shared blocks) whose norms the fused
+    copy stacked (hybrid_jax/fusion.py)."""
+    cfg = model.cfg
+    norms = [n for b in model.layers for n in (b.temporal_norm, b.mlp_norm) if n is not None]
+    return (DECODE_GLUE and decode and not cfg.sandwich_norm and not cfg.residual_in_fp32
+            and cfg.residual_multiplier == 1.0 and model.shared_blocks is None
+            and all(b.depth is None for b in model.layers)
+            and all(n.stack_row is not None and n.weight.dtype == model.dtype for n in norms))
+
+
+def _add_norm(h: jax.Array, delta: jax.Array | None, norm) -> tuple[jax.Array, jax.Array]:
+    """(h + delta, norm(h + delta)); delta None: (h, norm(h))."""
+    if delta is None:
+        return h, norm(h)
+    return add_rms_norm(h, delta, norm.weight[...], eps=norm.eps, offset=norm.offset,
+                        row=norm.stack_row)
+
+
+def _forward_decode_glued(model: CausalLM, batch: RaggedBatch, caches: tuple[LayerCache, ...]
+                          ) -> tuple[jax.Array, tuple[LayerCache, ...]]:
+    """`forward_ragged`'s decode step with each residual add done by the next norm's launch:
+    a sub-block's output waits (`pending`) until the norm that reads the sum (`Block.mix`
+    and `Block.norm_input` in one)."""
+    h = model.embed_tokens(batch.tokens)
+    pending, new = None, []
+    for block, cache, group in zip(model.layers, caches, layer_groups(model.cfg), strict=True):
+        if block.temporal_norm is not None:
+            h, u = _add_norm(h, pending, block.temporal_norm)
+            pending, cache = _temporal(block, u, batch, cache, group, True)
+        if block.mlp is not None:
+            h, u = _add_norm(h, pending, block.mlp_norm)
+            pending = block.mlp(u)
+        new.append(cache)
+    if pending is not None:
+        h = h + pending.astype(h.dtype)
+    return model.logits(jnp.take(h, batch.last_token, axis=0)), tuple(new)
 
 
 def forward_ragged(model: CausalLM, batch: RaggedBatch, caches: tuple[LayerCache, ...], *,
                    decode: bool) -> tuple[jax.Array, tuple[LayerCache, ...]]:
     """Ragged forward -> (logits [b, v] f32 at each sequence's last token, new caches)."""
+    if _glued_residual(model, decode):
+        return _forward_decode_glued(model, batch, caches)
     h = e = model.embed_tokens(batch.tokens)
     new = []
     for block, cache, group in zip(model.layers, caches, layer_groups(model.cfg), strict=True):

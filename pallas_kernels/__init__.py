@@ -12,6 +12,13 @@ from pallas_kernels.conv1d import (
     conv1d_ragged,
     conv1d_ragged_reference,
 )
+from pallas_kernels.decode_glue import (
+    DecodeParts,
+    add_rms_norm,
+    add_rms_norm_reference,
+    mixer_merge,
+    mixer_merge_reference,
+)
 from pallas_kernels.linear_scan import (
     linear_scan_decode,
     linear_scan_decode_reference,
@@ -40,8 +47,11 @@ from pallas_kernels.ssd import ssd_ragged, ssd_ragged_reference
 from pallas_kernels.ssm_decode import ssm_decode, ssm_decode_packed, ssm_decode_reference
 
 __all__ = [
+    "DecodeParts",
     "IMPLS",
     "Impl",
+    "add_rms_norm",
+    "add_rms_norm_reference",
     "conv1d_decode",
     "conv1d_decode_reference",
     "conv1d_ragged",
@@ -54,6 +64,8 @@ __all__ = [
     "mamba2_step",
     "mamba2_step_fits",
     "mamba2_step_reference",
+    "mixer_merge",
+    "mixer_merge_reference",
     "paged_attention_decode",
     "paged_attention_decode_fused",
     "paged_attention_decode_reference",

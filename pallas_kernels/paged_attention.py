@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.backend import Impl, resolve_impl
+from pallas_kernels.decode_glue import DecodeParts
 from pallas_kernels.paged_attention_ref import (
     paged_attention_decode_reference,
     paged_attention_prefill_reference,
@@ -173,7 +174,8 @@ def paged_attention_decode_fused(
     softcap: float | None = None,
     scale: float | None = None,
     impl: Impl | None = None,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
+    merge: bool = True,
+) -> tuple[jax.Array | DecodeParts, jax.Array, jax.Array]:
     """A decode step's attention from the fused q/k/v projection, RoPE and K/V write included.
 
     proj [b, W]: each sequence's projection row, q's `heads` heads starting at column
@@ -189,6 +191,10 @@ def paged_attention_decode_fused(
     that. The kernel does all of it in one launch (`decode_fused_pallas`), where XLA
     took three more kernels per layer and step (q's RoPE with its padding, the K and V
     scatters) before the decode kernel.
+
+    merge False returns the attention as `DecodeParts` instead of o: the kernel's split
+    partial states unmerged (`decode_glue.mixer_merge` merges them in the launch that
+    follows); the reference impl gives them merged.
     """
     b, e = proj.shape[0], k_pages.shape[3]
     nk, r = k_pages.shape[0], cos.shape[-1]
@@ -212,12 +218,18 @@ def paged_attention_decode_fused(
         q, k = rope_reference(q, cos, sin), rope_reference(k, cos, sin)
         k_pages, v_pages = write_kv(k_pages, v_pages, k, v, slot_mapping, impl=impl)
         o = paged_attention_decode(q, k_pages, v_pages, lengths, page_table, impl=impl, **common)
+        if not merge:
+            return DecodeParts(o.reshape(b, nk, heads // nk, e), None, None, heads // nk,
+                               k_pages.dtype), k_pages, v_pages
         return o, k_pages, v_pages
     cfg, splits = _decode_tuning(k_pages, page_table, b, 1, window, softcap, scale)
     o, k_pages, v_pages = decode_fused_pallas(
         proj, cos, sin, k_pages, v_pages, slot_mapping, lengths, page_table, cfg=cfg,
         splits=splits, heads=heads, cols=tuple(cols), key_multiplier=float(key_multiplier),
-        num_warps=4, num_stages=1, interpret=impl == "interpret")
+        num_warps=4, num_stages=1, interpret=impl == "interpret", merge=merge)
+    if not merge:
+        parts = (*o, None, None) if len(o) == 1 else o
+        return DecodeParts(*parts, heads // nk, k_pages.dtype), k_pages, v_pages
     return o.astype(proj.dtype), k_pages, v_pages
 
 

@@ -233,13 +233,15 @@ def _decode_fused_kernel(lens_ref, pt_ref, slot_ref, cos_ref, sin_ref, proj_ref,
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "splits", "heads", "cols", "key_multiplier",
-                                             "num_warps", "num_stages", "interpret"))
+                                             "num_warps", "num_stages", "interpret", "merge"))
 def decode_fused_pallas(proj, cos, sin, k_pages, v_pages, slot_mapping, lengths, page_table, *,
-                        cfg, splits, heads, cols, key_multiplier, num_warps, num_stages, interpret):
+                        cfg, splits, heads, cols, key_multiplier, num_warps, num_stages, interpret,
+                        merge=True):
     """A decode step's attention in one launch from the fused projection proj [b, W]: q's and
     k's RoPE, the token's K/V write and one-query paged attention (`paged_attention_decode_
     fused`). Returns (o [b, heads, e] in the pools' dtype, k_pages, v_pages), the pools
-    updated in place (aliased)."""
+    updated in place (aliased). merge False: ((o,) [b, kv heads, rows, e] with one split, else
+    (o, m, l), each split's partial state (`split_outputs`), k_pages, v_pages)."""
     nk, n_pages, s, e = k_pages.shape
     b, width = proj.shape
     g = heads // nk
@@ -269,6 +271,8 @@ def decode_fused_pallas(proj, cos, sin, k_pages, v_pages, slot_mapping, lengths,
         name="paged_decode_fused",
     )(lengths, pt_flat, slot_mapping, flat[1], flat[2], flat[0], k_pages, v_pages)
     *att, k_pages, v_pages = out
+    if not merge:
+        return tuple(att), k_pages, v_pages
     if splits > 1:
         o = _merge_splits(*lax.optimization_barrier(tuple(att))).astype(k_pages.dtype)
     else:

@@ -15,6 +15,12 @@ def _rms_normalize(x: jax.Array, eps: float) -> jax.Array:
     return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
 
 
+def _row(weight: nnx.Param, row: int | None) -> jax.Array:
+    """A norm's weight: its own array, or its row of a stack shared by several norms (the
+    serving engine's fused copy, hybrid_jax/fusion.py: decode kernels read the stack in place)."""
+    return weight[...] if row is None else weight[row]
+
+
 class RMSNorm(nnx.Module):
     """x [..., d] -> [..., d] in x's dtype.
 
@@ -26,10 +32,14 @@ class RMSNorm(nnx.Module):
         self.weight = nnx.Param(jnp.zeros((dim,), dtype) if offset else jnp.ones((dim,), dtype))
         self.eps = eps
         self.offset = offset
+        self.stack_row: int | None = None  # weight is a stack [L, dim] of norms' weights
+
+    def value(self) -> jax.Array:
+        return _row(self.weight, self.stack_row)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x_hat = _rms_normalize(x, self.eps)
-        w = self.weight[...]
+        w = self.value()
         if self.offset:
             return (x_hat * (1.0 + w.astype(jnp.float32))).astype(x.dtype)
         return w * x_hat.astype(x.dtype)
@@ -53,6 +63,10 @@ class GatedRMSNorm(nnx.Module):
         # statistic sums their partial sums of squares.
         self.axis: str | None = None
         self.group_devices = 1
+        self.stack_row: int | None = None  # weight is a stack [L, dim] of norms' weights
+
+    def value(self) -> jax.Array:
+        return _row(self.weight, self.stack_row)
 
     def __call__(self, y: jax.Array, z: jax.Array) -> jax.Array:
         y = y.astype(jnp.float32)
@@ -64,7 +78,7 @@ class GatedRMSNorm(nnx.Module):
             grouped = self._split_group_normalize(y)
         else:
             grouped = _rms_normalize(y.reshape(*lead, self.n_groups, d // self.n_groups), self.eps)
-        out = self.weight[...].astype(jnp.float32) * grouped.reshape(*lead, d)
+        out = self.value().astype(jnp.float32) * grouped.reshape(*lead, d)
         if self.norm_before_gate:
             out = out * gate
         return out

@@ -1,0 +1,249 @@
+"""The small steps between a decode layer's GEMMs, one launch each.
+
+    add_rms_norm(h, delta, w)   -> (h + delta, rms_norm(h + delta) * w)
+    mixer_merge(attn, y, proj, w) -> [attention heads | gated_rms_norm(y, z) * w]
+
+In a decode step each of these was two to five XLA kernels of 1-3 us: the residual add
+with its sum of squares, the norm's application; the merge of paged decode's split
+partial results (two), the gated norm's sum and application, the concatenation before
+the fused out-projection. On the H100 a decode step of a 24-layer hybrid ran ~9 such
+kernels per layer at batch 1 (docs/benchmarks.md). Each op here is one Pallas launch of
+one program per (row) or per (row, head / norm group): latency, not bandwidth, is what
+they cost, so they are written for few, short programs.
+
+The norm weights are read at row `row` of a stack [L, d] of every layer's weights in
+place (hybrid_jax/fusion.py stacks them): a per-layer slice of the step's packed
+parameters would be copied before each custom call.
+
+Statistics in f32; roundings as the model's modules (hybrid_jax/layers/norms.py): the
+references below are those modules' arithmetic, written out.
+
+This module knows nothing of models or scheduling.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels.backend import Impl, resolve_impl
+from pallas_kernels.launch import is_pow2, launch
+
+f32 = jnp.float32
+
+
+class DecodeParts(NamedTuple):
+    """Paged decode's attention before its splits are merged (`paged_attention_decode_fused`
+    with merge=False). m None: o is already merged, [b, kv heads, rows, e] in `dtype`.
+    Else o [S, b, kv heads, rows, e] f32 and m, l [S, b, kv heads, rows] f32 (m in log2
+    units), each split's partial softmax state. `group` query heads per KV head occupy
+    the first rows; `dtype` is the K/V pools' dtype (the merged output is rounded to it)."""
+
+    o: jax.Array
+    m: jax.Array | None
+    l: jax.Array | None  # noqa: E741
+    group: int
+    dtype: jnp.dtype
+
+    @property
+    def heads(self) -> int:
+        return self.o.shape[-3] * self.group
+
+
+def merge_parts_reference(parts: DecodeParts) -> jax.Array:
+    """DecodeParts -> o [b, heads, e] in parts.dtype."""
+    o = parts.o
+    if parts.m is not None:
+        m_all = jnp.max(parts.m, axis=0)
+        w = jnp.exp2(parts.m - m_all[None])
+        l_all = jnp.sum(parts.l * w, axis=0)
+        o = jnp.sum(parts.o * w[..., None], axis=0) / jnp.where(l_all == 0.0, 1.0, l_all)[..., None]
+    b, nk, _, e = o.shape
+    return o.astype(parts.dtype)[:, :, :parts.group].reshape(b, nk * parts.group, e)
+
+
+def _stack_row(w: jax.Array, row: int | None) -> jax.Array:
+    return w if row is None else w[row]
+
+
+def add_rms_norm_reference(h, delta, weight, *, eps: float, offset: bool, row: int | None = None):
+    """(h + delta in h's dtype, RMSNorm of it in h's dtype): `Block._add` without post-norm,
+    multiplier or f32 residual, then `RMSNorm` (offset: Gemma's (1 + w))."""
+    h = h + delta.astype(h.dtype)
+    x = h.astype(f32)
+    x_hat = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+    w = _stack_row(weight, row)
+    if offset:
+        return h, (x_hat * (1.0 + w.astype(f32))).astype(h.dtype)
+    return h, w * x_hat.astype(h.dtype)
+
+
+def gated_norm_reference(y, z, weight, *, n_groups: int, eps: float, norm_before_gate: bool,
+                         row: int | None = None):
+    """`GatedRMSNorm`: y, z [b, d] -> [b, d] f32."""
+    y = y.astype(f32)
+    gate = jax.nn.silu(z.astype(f32))
+    if not norm_before_gate:
+        y = y * gate
+    b, d = y.shape
+    g = y.reshape(b, n_groups, d // n_groups)
+    g = g * jax.lax.rsqrt(jnp.mean(g * g, axis=-1, keepdims=True) + eps)
+    out = _stack_row(weight, row).astype(f32) * g.reshape(b, d)
+    return out * gate if norm_before_gate else out
+
+
+def mixer_merge_reference(parts: DecodeParts, y, proj, weight, *, z_col: int, n_groups: int,
+                          eps: float, norm_before_gate: bool, row: int | None = None):
+    """[attention heads merged | gated norm of the SSM output] in proj's dtype."""
+    b, d = y.shape[0], y.shape[1] * y.shape[2]
+    a = merge_parts_reference(parts).reshape(b, -1).astype(proj.dtype)
+    m = gated_norm_reference(y.reshape(b, d), proj[:, z_col:z_col + d], weight, n_groups=n_groups,
+                             eps=eps, norm_before_gate=norm_before_gate, row=row)
+    return jnp.concatenate([a, m.astype(proj.dtype)], axis=-1)
+
+
+# ----------------------------------------------------------------------------- kernels
+
+
+def _rms(x, eps, n):
+    return x * jax.lax.rsqrt(jnp.sum(x * x) / n + eps)
+
+
+def _add_norm_kernel(h_ref, d_ref, w_ref, h_out, n_out, *, row: int, eps: float, offset: bool):
+    i = pl.program_id(0)
+    h = h_ref[i, :]
+    h = h + d_ref[i, :].astype(h.dtype)
+    h_out[i, :] = h
+    x_hat = _rms(h.astype(f32), eps, h.shape[0])
+    w = w_ref[row, :].astype(f32)
+    if offset:
+        n_out[i, :] = (x_hat * (1.0 + w)).astype(n_out.dtype)
+    else:
+        n_out[i, :] = (w * x_hat.astype(n_out.dtype).astype(f32)).astype(n_out.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("row", "eps", "offset", "impl"))
+def _add_rms_norm(h, delta, weight, *, row, eps, offset, impl):
+    kernel = functools.partial(_add_norm_kernel, row=row, eps=eps, offset=offset)
+    shape = jax.ShapeDtypeStruct(h.shape, h.dtype)
+    return launch(kernel, impl=impl, grid=(h.shape[0],), out_shape=[shape, shape],
+                  name="add_rms_norm")(h, delta, weight)
+
+
+def add_rms_norm(h: jax.Array, delta: jax.Array, weight: jax.Array, *, eps: float,
+                 offset: bool = False, row: int | None = None, impl: Impl | None = None):
+    """h, delta [b, d] -> (h + delta, RMSNorm(h + delta)), both in h's dtype, in one launch.
+
+    weight [d], or a stack [L, d] read at `row`. offset: Gemma's (1 + w) * x_hat in f32,
+    else w * cast(x_hat) (hybrid_jax/layers/norms.RMSNorm)."""
+    if h.ndim != 2 or delta.shape != h.shape:
+        raise ValueError(f"h {h.shape} and delta {delta.shape} must be the same [b, d]")
+    stack = weight if row is not None else weight[None]
+    if stack.ndim != 2 or stack.shape[1] != h.shape[1] or not 0 <= (row or 0) < stack.shape[0]:
+        raise ValueError(f"weight {weight.shape} with {row=} does not give a [{h.shape[1]}] row")
+    impl = resolve_impl(impl)
+    if impl == "reference" or not is_pow2(h.shape[1]) or h.shape[0] == 0:
+        return add_rms_norm_reference(h, delta, weight, eps=eps, offset=offset, row=row)
+    return _add_rms_norm(h, delta, stack, row=row or 0, eps=float(eps), offset=bool(offset),
+                         impl=impl)
+
+
+class _MergeShape(NamedTuple):
+    splits: int  # 0: the attention is already merged
+    group: int
+    e: int
+    heads: int
+    d: int  # SSM channels
+    n_groups: int
+    z_col: int
+    eps: float
+    norm_before_gate: bool
+    row: int
+    pool_dtype: str
+
+
+def _mixer_merge_kernel(*refs, s: _MergeShape):
+    if s.splits:
+        o_ref, m_ref, l_ref, y_ref, p_ref, w_ref, out_ref = refs
+    else:
+        o_ref, y_ref, p_ref, w_ref, out_ref = refs
+    i, j = pl.program_id(0), pl.program_id(1)
+    pool = jnp.dtype(s.pool_dtype)
+
+    @pl.when(j < s.heads)
+    def _attention():
+        kv, r = j // s.group, j % s.group
+        if s.splits:
+            ms = [m_ref[x, i, kv, r] for x in range(s.splits)]
+            m_all = functools.reduce(jnp.maximum, ms)
+            l_all = jnp.zeros((), f32)
+            o = jnp.zeros((s.e,), f32)
+            for x in range(s.splits):
+                w = jnp.exp2(ms[x] - m_all)
+                l_all = l_all + l_ref[x, i, kv, r] * w
+                o = o + o_ref[x, i, kv, r, :] * w
+            o = (o / jnp.where(l_all == 0.0, 1.0, l_all)).astype(pool)
+        else:
+            o = o_ref[i, kv, r, :]
+        out_ref[i, pl.ds(j * s.e, s.e)] = o.astype(out_ref.dtype)
+
+    @pl.when(j >= s.heads)
+    def _gated_norm():
+        cg = s.d // s.n_groups
+        c0 = (j - s.heads) * cg
+        y = y_ref[i, pl.ds(c0, cg)].astype(f32)
+        z = p_ref[i, pl.ds(s.z_col + c0, cg)].astype(f32)
+        gate = z * jax.nn.sigmoid(z)
+        if not s.norm_before_gate:
+            y = y * gate
+        out = w_ref[s.row, pl.ds(c0, cg)].astype(f32) * _rms(y, s.eps, cg)
+        if s.norm_before_gate:
+            out = out * gate
+        out_ref[i, pl.ds(s.heads * s.e + c0, cg)] = out.astype(out_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("shape", "impl"))
+def _mixer_merge(att, y, proj, weight, *, shape, impl):
+    b = y.shape[0]
+    out = jax.ShapeDtypeStruct((b, shape.heads * shape.e + shape.d), proj.dtype)
+    kernel = functools.partial(_mixer_merge_kernel, s=shape)
+    (o,) = launch(kernel, impl=impl, grid=(b, shape.heads + shape.n_groups), out_shape=[out],
+                  name="mixer_merge")(*att, y.reshape(b, shape.d), proj, weight)
+    return o
+
+
+def mixer_merge(parts: DecodeParts, y: jax.Array, proj: jax.Array, weight: jax.Array, *,
+                z_col: int, n_groups: int, eps: float, norm_before_gate: bool = False,
+                row: int | None = None, impl: Impl | None = None) -> jax.Array:
+    """A parallel hybrid layer's decode outputs -> the fused out-projection's input, one launch.
+
+    parts: the layer's paged decode attention (DecodeParts); y [b, h, p]: its Mamba2 SSM
+    output; proj [b, W]: its fused input projection, the gate z in columns [z_col, z_col +
+    h * p); weight [h * p] (or a stack [L, h * p] read at `row`): the gated norm's.
+    Returns [b, heads * e + h * p] in proj's dtype: the attention heads merged (rounded
+    to parts.dtype first, as the unfused path) and `GatedRMSNorm(y, z)` over `n_groups`
+    groups. Programs: one per (row, attention head) and per (row, norm group).
+    """
+    b, nk, rows, e = parts.o.shape[-4:]
+    d = y.shape[1] * y.shape[2]
+    if y.ndim != 3 or y.shape[0] != b or proj.ndim != 2 or proj.shape[0] != b:
+        raise ValueError(f"y {y.shape} must be [{b}, h, p] and proj {proj.shape} [{b}, W]")
+    if not 0 <= z_col <= proj.shape[1] - d or d % n_groups or parts.group > rows:
+        raise ValueError(f"{z_col=} + {d} channels outside proj {proj.shape}, or {n_groups=} "
+                         f"does not divide them, or group {parts.group} > rows {rows}")
+    stack = weight if row is not None else weight[None]
+    if stack.ndim != 2 or stack.shape[1] != d or not 0 <= (row or 0) < stack.shape[0]:
+        raise ValueError(f"weight {weight.shape} with {row=} does not give a [{d}] row")
+    impl = resolve_impl(impl)
+    common = dict(z_col=z_col, n_groups=n_groups, eps=eps, norm_before_gate=norm_before_gate)
+    if impl == "reference" or not (is_pow2(e) and is_pow2(d // n_groups)) or b == 0:
+        return mixer_merge_reference(parts, y, proj, weight, row=row, **common)
+    shape = _MergeShape(0 if parts.m is None else parts.o.shape[0], parts.group, e, parts.heads,
+                        d, n_groups, z_col, float(eps), bool(norm_before_gate), row or 0,
+                        jnp.dtype(parts.dtype).name)
+    att = (parts.o,) if parts.m is None else (parts.o, parts.m, parts.l)
+    return _mixer_merge(att, y, proj, stack, shape=shape, impl=impl)
