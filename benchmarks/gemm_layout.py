@@ -15,6 +15,8 @@ against that time.
 `--gemv`: the same products as XLA's dot, as a multiply + reduction over [k, n]
 weights (colsum), over [n, k] weights (rowsum: what a one-row decode step runs,
 hybrid_jax/layers/linear.py), and as one rowsum per input row (rowsum_rows).
+`--split-k S..`: the [n, k] products with their depth split in S parts, one batched GEMM
+of f32 partial products (summed by their consumer), against the plain TN product.
 `--mlp`: 24 (`--chain`) gated MLPs in sequence, each GEMM's kernel time and launch
 shape, to compare with the same kernels inside the decode step (step_anatomy.py's
 gemm_kernel_details); `--chain 72` triples the memory the chain streams.
@@ -22,6 +24,7 @@ gemm_kernel_details); `--chain 72` triples the memory the chain streams.
     PYTHONPATH=. python benchmarks/gemm_layout.py [--rows 1 8 64] [--reps 10] [--out r.jsonl]
     PYTHONPATH=. python benchmarks/gemm_layout.py --mlp [--state-mb 68] [--rows 8 64] [--chain 24 72]
     PYTHONPATH=. python benchmarks/gemm_layout.py --gemv [--rows 1 2 4 8] [--forms dot rowsum]
+    PYTHONPATH=. python benchmarks/gemm_layout.py --split-k 2 4 8 [--rows 8 64]
 """
 
 from __future__ import annotations
@@ -167,6 +170,30 @@ def mlp_chain(m: int, reps: int, barrier: bool = False, state_mb: int = 0,
     return {name: [us / c, c / reps] for name, (us, c) in out.items()}
 
 
+def _split_chain(splits: int):
+    """The [n, k] products with their depth split in `splits` parts: one batched GEMM over
+    the parts, f32 partial products [splits, m, n] (their sum left to the consumer, e.g.
+    the residual add's kernel). More output tiles for the GPU's SMs when n is small."""
+    def f(x, ws):
+        m, k = x.shape
+        xs = x.reshape(m, splits, k // splits)
+        dims = (((2,), (2,)), ((1,), (1,)))
+        return [jax.lax.dot_general(xs, w.reshape(w.shape[0], splits, k // splits), dims,
+                                    preferred_element_type=jnp.float32) for w in ws]
+    return f
+
+
+def time_split(m: int, k: int, n: int, splits: int, reps: int) -> tuple[float, float, list[str]]:
+    """`time_chain` for `_split_chain` (every kernel of the chain counted)."""
+    key = jax.random.PRNGKey(0)
+    ws = [jax.random.normal(jax.random.fold_in(key, i), (n, k), jnp.bfloat16) for i in range(CHAIN)]
+    x = jax.random.normal(key, (m, k), jnp.bfloat16)
+    fn = jax.jit(_split_chain(splits)).lower(x, ws).compile(compile_options())
+    events = _traced_kernels(fn, (x, ws), reps)
+    names = sorted({ev.name for ev in events})
+    return sum(ev.duration_ns for ev in events) * 1e-9 / (reps * CHAIN), len(events) / reps, names
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 64])
@@ -181,7 +208,27 @@ def main() -> None:
                    help="XLA's dot against multiply + reduction fusions (colsum, rowsum)")
     p.add_argument("--forms", nargs="+", default=["dot", "colsum", "rowsum", "rowsum_rows"],
                    help="with --gemv: the forms timed")
+    p.add_argument("--split-k", type=int, nargs="+", default=None,
+                   help="[n, k] products with the depth split in these many parts (batched GEMM, "
+                        "f32 partials) against the plain TN product")
     a = p.parse_args()
+    if a.split_k:
+        bw = copy_bandwidth()
+        for m in a.rows:
+            for name, (k, n) in SHAPES.items():
+                r = {"m": m, "shape": name, "k": k, "n": n, "copy_TBps": bw / 1e12}
+                t, r["nk_kernels"], r["nk_names"] = time_chain(m, k, n, True, a.reps)
+                r["nk_us"], r["nk_pct_copy"] = t * 1e6, 100 * (2 * k * n / bw) / t
+                for s in a.split_k:
+                    if k % s:
+                        continue
+                    t, r[f"split{s}_kernels"], r[f"split{s}_names"] = time_split(m, k, n, s, a.reps)
+                    r[f"split{s}_us"], r[f"split{s}_pct_copy"] = t * 1e6, 100 * (2 * k * n / bw) / t
+                print(json.dumps(r), flush=True)
+                print(f"m={m} {name}: nk {r['nk_us']:.2f} us ({r['nk_pct_copy']:.0f}%) " + " ".join(
+                    f"split{s} {r[f'split{s}_us']:.2f} us ({r[f'split{s}_pct_copy']:.0f}%, "
+                    f"{r[f'split{s}_kernels']:.0f} kernels)" for s in a.split_k if not k % s), flush=True)
+        return
     if a.gemv:
         bw = copy_bandwidth()
         for m in a.rows:
