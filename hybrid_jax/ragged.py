@@ -348,8 +348,11 @@ def block_ragged(block: Block, h: jax.Array, batch: RaggedBatch, cache: LayerCac
 
 
 def _temporal(block: Block, u: jax.Array, batch: RaggedBatch, cache: LayerCache,
-              group: int | None, decode: bool, q: int = 0) -> tuple[jax.Array, LayerCache]:
-    """A layer's temporal mixers over its normed input u -> (their summed output, cache)."""
+              group: int | None, decode: bool, q: int = 0,
+              parts: bool = False) -> tuple[jax.Array, LayerCache]:
+    """A layer's temporal mixers over its normed input u -> (their summed output, cache).
+    parts: the output may be depth parts [S, t, d] f32 of the fused out-projection
+    (`Linear.partials`; `_forward_decode_glued` sums them in the next norm's launch)."""
     cfg = block.cfg
     out = jnp.zeros_like(u)
     kv, mamba, rglru, short_conv = cache
@@ -377,9 +380,13 @@ def _temporal(block: Block, u: jax.Array, batch: RaggedBatch, cache: LayerCache,
         branches.append((m, cfg.ssm_out_multiplier))
     if merged:  # one launch from the kernels' outputs to fused_out's input (decode_glue.py)
         norm = block.mamba.norm
-        out = out + block.fused_out(mixer_merge(
-            branches[0][0], branches[1][0], proj, norm.weight[...], z_col=col, n_groups=norm.n_groups,
-            eps=norm.eps, norm_before_gate=norm.norm_before_gate, row=norm.stack_row))
+        x = mixer_merge(branches[0][0], branches[1][0], proj, norm.weight[...], z_col=col,
+                        n_groups=norm.n_groups, eps=norm.eps, norm_before_gate=norm.norm_before_gate,
+                        row=norm.stack_row)
+        split = block.fused_out.split_k_parts(x.shape[0])
+        if parts and split > 1 and block.recurrent is None and block.conv is None:
+            return block.fused_out.partials(x, split), LayerCache(kv, mamba, rglru, short_conv)
+        out = out + block.fused_out(x)
     elif project_out:
         for y, multiplier in branches:
             out = out + y * multiplier
@@ -443,23 +450,34 @@ def _add_norm(h: jax.Array, delta: jax.Array | None, norm) -> tuple[jax.Array, j
                         row=norm.stack_row)
 
 
+def _mlp_out(mlp, u: jax.Array) -> jax.Array:
+    """The MLP's output, or its down-projection's depth parts [S, t, d] f32 where
+    `Linear.split_k_parts` splits it (summed by the next `add_rms_norm`)."""
+    down = mlp.down_proj
+    split = down.split_k_parts(u.shape[0])
+    if split == 1 or mlp.down_multiplier != 1.0:
+        return mlp(u)
+    return down.partials(mlp.hidden(u), split)
+
+
 def _forward_decode_glued(model: CausalLM, batch: RaggedBatch, caches: tuple[LayerCache, ...]
                           ) -> tuple[jax.Array, tuple[LayerCache, ...]]:
     """`forward_ragged`'s decode step with each residual add done by the next norm's launch:
     a sub-block's output waits (`pending`) until the norm that reads the sum (`Block.mix`
-    and `Block.norm_input` in one)."""
+    and `Block.norm_input` in one). The fused out-projection and the MLP's down-projection
+    may leave their output as depth parts (`Linear.partials`), which that launch sums."""
     h = model.embed_tokens(batch.tokens)
     pending, new = None, []
     for block, cache, group in zip(model.layers, caches, layer_groups(model.cfg), strict=True):
         if block.temporal_norm is not None:
             h, u = _add_norm(h, pending, block.temporal_norm)
-            pending, cache = _temporal(block, u, batch, cache, group, True)
+            pending, cache = _temporal(block, u, batch, cache, group, True, parts=True)
         if block.mlp is not None:
             h, u = _add_norm(h, pending, block.mlp_norm)
-            pending = block.mlp(u)
+            pending = _mlp_out(block.mlp, u)
         new.append(cache)
     if pending is not None:
-        h = h + pending.astype(h.dtype)
+        h = h + (jnp.sum(pending, axis=0) if pending.ndim == 3 else pending).astype(h.dtype)
     return model.logits(jnp.take(h, batch.last_token, axis=0)), tuple(new)
 
 

@@ -1,6 +1,6 @@
 """The small steps between a decode layer's GEMMs, one launch each.
 
-    add_rms_norm(h, delta, w)   -> (h + delta, rms_norm(h + delta) * w)
+    add_rms_norm(h, delta, w)   -> (h + delta, rms_norm(h + delta) * w)   (delta: or its parts)
     mixer_merge(attn, y, proj, w) -> [attention heads | gated_rms_norm(y, z) * w]
 
 In a decode step each of these was two to five XLA kernels of 1-3 us: the residual add
@@ -72,7 +72,10 @@ def _stack_row(w: jax.Array, row: int | None) -> jax.Array:
 
 def add_rms_norm_reference(h, delta, weight, *, eps: float, offset: bool, row: int | None = None):
     """(h + delta in h's dtype, RMSNorm of it in h's dtype): `Block._add` without post-norm,
-    multiplier or f32 residual, then `RMSNorm` (offset: Gemma's (1 + w))."""
+    multiplier or f32 residual, then `RMSNorm` (offset: Gemma's (1 + w)). delta [S, b, d]:
+    parts summed in f32 first (`Linear.partials`)."""
+    if delta.ndim == 3:
+        delta = jnp.sum(delta.astype(f32), axis=0)
     h = h + delta.astype(h.dtype)
     x = h.astype(f32)
     x_hat = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
@@ -113,10 +116,17 @@ def _rms(x, eps, n):
     return x * jax.lax.rsqrt(jnp.sum(x * x) / n + eps)
 
 
-def _add_norm_kernel(h_ref, d_ref, w_ref, h_out, n_out, *, row: int, eps: float, offset: bool):
+def _add_norm_kernel(h_ref, d_ref, w_ref, h_out, n_out, *, row: int, eps: float, offset: bool,
+                     parts: int):
     i = pl.program_id(0)
     h = h_ref[i, :]
-    h = h + d_ref[i, :].astype(h.dtype)
+    if parts:
+        delta = d_ref[0, i, :].astype(f32)
+        for s in range(1, parts):
+            delta = delta + d_ref[s, i, :].astype(f32)
+    else:
+        delta = d_ref[i, :]
+    h = h + delta.astype(h.dtype)
     h_out[i, :] = h
     x_hat = _rms(h.astype(f32), eps, h.shape[0])
     w = w_ref[row, :].astype(f32)
@@ -128,7 +138,8 @@ def _add_norm_kernel(h_ref, d_ref, w_ref, h_out, n_out, *, row: int, eps: float,
 
 @functools.partial(jax.jit, static_argnames=("row", "eps", "offset", "impl"))
 def _add_rms_norm(h, delta, weight, *, row, eps, offset, impl):
-    kernel = functools.partial(_add_norm_kernel, row=row, eps=eps, offset=offset)
+    kernel = functools.partial(_add_norm_kernel, row=row, eps=eps, offset=offset,
+                               parts=delta.shape[0] if delta.ndim == 3 else 0)
     shape = jax.ShapeDtypeStruct(h.shape, h.dtype)
     return launch(kernel, impl=impl, grid=(h.shape[0],), out_shape=[shape, shape],
                   name="add_rms_norm")(h, delta, weight)
@@ -138,10 +149,11 @@ def add_rms_norm(h: jax.Array, delta: jax.Array, weight: jax.Array, *, eps: floa
                  offset: bool = False, row: int | None = None, impl: Impl | None = None):
     """h, delta [b, d] -> (h + delta, RMSNorm(h + delta)), both in h's dtype, in one launch.
 
-    weight [d], or a stack [L, d] read at `row`. offset: Gemma's (1 + w) * x_hat in f32,
-    else w * cast(x_hat) (hybrid_jax/layers/norms.RMSNorm)."""
-    if h.ndim != 2 or delta.shape != h.shape:
-        raise ValueError(f"h {h.shape} and delta {delta.shape} must be the same [b, d]")
+    delta may be parts [S, b, d] of a product (`Linear.partials`): summed in f32, then
+    rounded to h's dtype and added. weight [d], or a stack [L, d] read at `row`. offset:
+    Gemma's (1 + w) * x_hat in f32, else w * cast(x_hat) (hybrid_jax/layers/norms.RMSNorm)."""
+    if h.ndim != 2 or delta.shape[-2:] != h.shape or delta.ndim not in (2, 3):
+        raise ValueError(f"delta {delta.shape} must be [b, d] or [S, b, d] with h {h.shape} [b, d]")
     stack = weight if row is not None else weight[None]
     if stack.ndim != 2 or stack.shape[1] != h.shape[1] or not 0 <= (row or 0) < stack.shape[0]:
         raise ValueError(f"weight {weight.shape} with {row=} does not give a [{h.shape[1]}] row")

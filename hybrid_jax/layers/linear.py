@@ -70,6 +70,12 @@ REDUCTION_GEMV = os.environ.get("HYBRID_JAX_REDUCTION_GEMV", "1") != "0"
 REDUCTION_GEMV_ANY_BACKEND = False  # tests: the one-row reduction on any backend
 
 
+# Decode products whose consumer sums depth parts (`Linear.partials`); env
+# HYBRID_JAX_SPLIT_K=0 turns it off. SPLIT_K_ANY_BACKEND: tests run it on the CPU.
+SPLIT_K = os.environ.get("HYBRID_JAX_SPLIT_K", "1") != "0"
+SPLIT_K_ANY_BACKEND = False
+
+
 def reduction_gemv() -> bool:
     """Whether one-row products of transposed kernels are reductions here (module doc)."""
     return REDUCTION_GEMV and (REDUCTION_GEMV_ANY_BACKEND or jax.default_backend() == "gpu")
@@ -119,6 +125,32 @@ class Linear(nnx.Module):
         if self.transposed:
             return matmul(x, kernel[:, start:start + w], transposed=True)
         return matmul(x, kernel[start:start + w])
+
+    def partials(self, x: jax.Array, parts: int) -> jax.Array:
+        """x [b, i] -> [parts, b, o] f32: the product with its depth split into `parts`
+        equal parts, one batched GEMM; their sum is x @ kernel (no bias, no reduction).
+        For decode products with a narrow output, whose consumer sums the parts
+        (pallas_kernels/decode_glue.add_rms_norm): cuBLAS then runs `parts` times the
+        tiles (`split_k_parts`)."""
+        kernel = self.kernel[...]
+        if not self.transposed or x.ndim != 2 or x.shape[1] % parts:
+            raise ValueError(f"partials need a transposed kernel and x [b, i] with i divisible by "
+                             f"{parts=}, got {x.shape}")
+        (b, i), o = x.shape, kernel.shape[0]
+        return jax.lax.dot_general(
+            x.astype(kernel.dtype).reshape(b, parts, i // parts), kernel.reshape(o, parts, i // parts),
+            (((2,), (2,)), ((1,), (1,))), preferred_element_type=jnp.float32)
+
+    def split_k_parts(self, rows: int) -> int:
+        """How many depth parts `partials` should use for `rows` rows: 2 for a transposed,
+        bias-free plain kernel with at most 2048 outputs at 2-64 rows on a GPU, else 1
+        (benchmarks/gemm_layout.py --split-k, H100: the out- and down-projections of
+        native-1b-parallel 58-67% -> 64-74% of copy bandwidth; wider outputs lose)."""
+        kernel = self.kernel[...]
+        ok = (SPLIT_K and (SPLIT_K_ANY_BACKEND or jax.default_backend() == "gpu") and self.transposed
+              and self.bias is None and self.reduce_axis is None and self.gather_axis is None
+              and 2 <= rows <= 64 and kernel.shape[0] <= 2048 and kernel.shape[1] % 2 == 0)
+        return 2 if ok else 1
 
     def __call__(self, x: jax.Array) -> jax.Array:
         y = matmul(x, self.kernel[...], self.transposed)

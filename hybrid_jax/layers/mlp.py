@@ -43,14 +43,17 @@ class GatedMLP(nnx.Module):
             return gate, up
         return (None if self.gate_proj is None else self.gate_proj(x)), self.up_proj(x)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def hidden(self, x: jax.Array) -> jax.Array:
+        """down_proj's input: act(gate(x) * gate_multiplier) * up(x), or act(up(x))."""
         gate, up = self._gate_up(x)
         if gate is None:
-            y = self.down_proj(self.act(up))
-        else:
-            if self.gate_multiplier != 1.0:
-                gate = gate * self.gate_multiplier
-            y = self.down_proj(self.act(gate) * up)
+            return self.act(up)
+        if self.gate_multiplier != 1.0:
+            gate = gate * self.gate_multiplier
+        return self.act(gate) * up
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        y = self.down_proj(self.hidden(x))
         if self.down_multiplier != 1.0:
             y = y * self.down_multiplier
         return y

@@ -42,6 +42,21 @@ def test_add_rms_norm_matches_float64(dtype, offset, b):
     np.testing.assert_allclose(_np(normed), scale * _rms64(_np(h_new), 1e-5), rtol=3 * tol, atol=3 * tol)
 
 
+@pytest.mark.parametrize("parts", [2, 3])
+def test_add_rms_norm_sums_parts_in_f32(parts):
+    """delta given as parts [S, b, d] f32 (a split-depth product): their f32 sum, rounded
+    to h's dtype once, is added."""
+    rng = np.random.default_rng(parts)
+    b, d = 3, 128
+    h = jnp.asarray(rng.normal(size=(b, d)), jnp.bfloat16)
+    delta = jnp.asarray(rng.normal(size=(parts, b, d)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(d,)), jnp.bfloat16)
+    h_new, normed = add_rms_norm(h, delta, w, eps=1e-5, impl=KERNEL_IMPL)
+    total = jnp.asarray(_np(delta).sum(0), jnp.bfloat16)  # one rounding of the f64 sum
+    np.testing.assert_allclose(_np(h_new), _np(h + total), rtol=1e-2, atol=1e-2)
+    np.testing.assert_allclose(_np(normed), _np(w) * _rms64(_np(h_new), 1e-5), rtol=3e-2, atol=3e-2)
+
+
 @pytest.mark.parametrize("offset", [False, True])
 def test_add_rms_norm_equals_the_model_modules(offset):
     """Bit for bit in f32 against h + delta and RMSNorm (one weight, no stack)."""
@@ -58,7 +73,7 @@ def test_add_rms_norm_equals_the_model_modules(offset):
 
 def test_add_rms_norm_refuses_bad_shapes():
     h = jnp.zeros((2, 8))
-    with pytest.raises(ValueError, match="same"):
+    with pytest.raises(ValueError, match=r"\[S, b, d\]"):
         add_rms_norm(h, jnp.zeros((2, 4)), jnp.ones(8), eps=1e-5, impl=KERNEL_IMPL)
     with pytest.raises(ValueError, match="row"):
         add_rms_norm(h, h, jnp.ones((2, 8)), eps=1e-5, row=2, impl=KERNEL_IMPL)

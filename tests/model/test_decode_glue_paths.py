@@ -20,6 +20,7 @@ import pallas_kernels.paged_attention as pa
 from hybrid_jax import ragged
 from hybrid_jax.config import AttentionConfig, LayerSpec, Mamba2Config, MLPConfig, ModelConfig
 from hybrid_jax.fusion import fuse_projections
+from hybrid_jax.layers import linear
 from hybrid_jax.model import CausalLM
 from pallas_kernels import add_rms_norm, mixer_merge, paged_attention_decode_fused
 from tests.model.test_ragged_forward import MAX_LEN, Harness
@@ -42,14 +43,26 @@ def _randomize_norms(model: CausalLM, seed: int) -> None:
             var.value = jnp.asarray(1 + 0.3 * rng.standard_normal(var.value.shape), var.value.dtype)
 
 
-@pytest.mark.parametrize("cfg", [_config(), _config(norm_offset=True, attention_out_multiplier=0.5)],
-                         ids=["parallel", "offset-norms-no-fused-out"])
-def test_glued_decode_equals_xla_glue(monkeypatch, cfg):
+@pytest.mark.parametrize("cfg,split_k", [
+    (_config(), False), (_config(), True),
+    (_config(norm_offset=True, attention_out_multiplier=0.5), True),
+], ids=["parallel", "parallel-split-k", "offset-norms-no-fused-out-split-k"])
+def test_glued_decode_equals_xla_glue(monkeypatch, cfg, split_k):
+    """split_k: the fused out-projections and down-projections leave depth parts
+    (`Linear.partials`, two here) that `add_rms_norm` sums (as on a GPU at 2-64 rows)."""
+    monkeypatch.setattr(linear, "SPLIT_K_ANY_BACKEND", split_k)
     model = CausalLM(cfg, rngs=nnx.Rngs(4))
     _randomize_norms(model, 1)
     fused = fuse_projections(model)
     prompts = [np.random.default_rng(n).integers(0, 64, n).tolist() for n in (3, 9, 14)]
-    calls = {"add_rms_norm": 0, "mixer_merge": 0}
+    calls = {"add_rms_norm": 0, "mixer_merge": 0, "partials": 0}
+    partials = linear.Linear.partials
+
+    def count_partials(self, x, parts):
+        calls["partials"] += 1
+        return partials(self, x, parts)
+
+    monkeypatch.setattr(linear.Linear, "partials", count_partials)
 
     def counted(fn, name):
         def run(*a, **kw):
@@ -60,7 +73,7 @@ def test_glued_decode_equals_xla_glue(monkeypatch, cfg):
     monkeypatch.setattr(pa, "default_splits", lambda *_: 3)
 
     def serve(glue: bool):
-        h = Harness(fused, len(prompts))
+        h = Harness(fused, len(prompts), fresh=True)
         h.run(dict(enumerate(prompts)), decode=False)
         out, last = [], [p[-1] for p in prompts]
         with monkeypatch.context() as m:
@@ -79,6 +92,8 @@ def test_glued_decode_equals_xla_glue(monkeypatch, cfg):
     # input norm has nothing pending), one mixer_merge per parallel layer with fused_out.
     assert calls["add_rms_norm"] == 8
     assert calls["mixer_merge"] == (2 if cfg.attention_out_multiplier == 1.0 else 0)
+    # Parts: every MLP's down-projection (5) and each merged layer's fused out-projection.
+    assert calls["partials"] == (5 + calls["mixer_merge"] if split_k else 0)
     seen = dict(calls)
     want, want_caches = serve(False)
     assert calls == seen, "the run with DECODE_GLUE off took a glued path"

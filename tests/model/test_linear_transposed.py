@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from hybrid_jax.fusion import fuse_projections
+from hybrid_jax.fusion import fuse_projections, linear_from
 from hybrid_jax.layers import linear
 from hybrid_jax.layers.linear import Linear
 from hybrid_jax.model import CausalLM
@@ -87,3 +87,31 @@ def test_fused_decode_of_one_sequence_with_the_reduction(reduction, name):
     for part, decode in ((prompt[:11], False), (prompt[11:], True), (prompt[:1], True)):
         np.testing.assert_allclose(got.run({0: part}, decode=decode)[0],
                                    want.run({0: part}, decode=decode)[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("parts", [2, 4])
+def test_partials_sum_to_the_product(parts):
+    """`Linear.partials`: depth parts [S, b, o] f32 whose sum is x @ W (float64 numpy)."""
+    rng = np.random.default_rng(parts)
+    lin = linear_from(jnp.asarray(rng.normal(size=(24, 32)), jnp.float32), None)  # [out, in]
+    x = jnp.asarray(rng.normal(size=(5, 32)), jnp.float32)
+    p = lin.partials(x, parts)
+    assert p.shape == (parts, 5, 24) and p.dtype == jnp.float32
+    want = np.asarray(x, np.float64) @ np.asarray(lin.kernel[...], np.float64).T
+    np.testing.assert_allclose(np.asarray(p, np.float64).sum(0), want, rtol=1e-5, atol=1e-5)
+    k = 32 // parts
+    x64, w64 = np.asarray(x, np.float64), np.asarray(lin.kernel[...], np.float64)
+    np.testing.assert_allclose(np.asarray(p[1], np.float64), x64[:, k:2 * k] @ w64[:, k:2 * k].T,
+                               rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="divisible"):
+        lin.partials(x, 3)
+
+
+def test_split_k_parts_where_it_applies(monkeypatch):
+    lin = linear_from(jnp.zeros((2048, 4096), jnp.bfloat16), None)
+    monkeypatch.setattr(linear, "SPLIT_K_ANY_BACKEND", True)
+    assert [lin.split_k_parts(r) for r in (1, 2, 64, 65)] == [1, 2, 2, 1]
+    assert linear_from(jnp.zeros((4096, 2048), jnp.bfloat16), None).split_k_parts(8) == 1  # wide
+    assert linear_from(jnp.zeros((8, 16), jnp.bfloat16), jnp.zeros(8)).split_k_parts(8) == 1  # bias
+    monkeypatch.setattr(linear, "SPLIT_K", False)
+    assert lin.split_k_parts(8) == 1

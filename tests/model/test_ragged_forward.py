@@ -44,7 +44,11 @@ def all_kinds_config() -> ModelConfig:
 class Harness:
     """Hand-built batches: slot i + 1 and a private page set for sequence i."""
 
-    def __init__(self, model: CausalLM, n: int, seed: int = 0):
+    def __init__(self, model: CausalLM, n: int, seed: int = 0, fresh: bool = False):
+        """fresh: a step function of this harness's own, traced anew. jax.jit shares its
+        traces between jits of the same function, so a second harness of the same model
+        reuses the first's trace, and module switches patched in between (read at trace
+        time) would not take effect."""
         cfg = model.cfg
         self.model, self.cfg = model, cfg
         per_seq = MAX_LEN // PAGE
@@ -53,7 +57,8 @@ class Harness:
         self.caches = init_caches(cfg, num_pages=(n * per_seq + 1,) * len(cfg.windows),
                                   page_size=PAGE, num_slots=n + 1, dtype=jnp.float32)
         self.cached = [0] * n
-        self.step = jax.jit(forward_ragged, static_argnames="decode")
+        step = (lambda m, b, c, decode: forward_ragged(m, b, c, decode=decode)) if fresh else forward_ragged
+        self.step = jax.jit(step, static_argnames="decode")
 
     def run(self, chunks: dict[int, list[int]], decode: bool) -> dict[int, np.ndarray]:
         """Process chunks {seq: tokens}; returns logits at each sequence's last token.

@@ -156,7 +156,7 @@ def test_fused_decode_attention_equals_unfused(monkeypatch, attention):
         return paged_attention_decode_fused(*a, **kw, impl="interpret")
 
     def serve(fused: bool):
-        h = Harness(model, len(prompts))
+        h = Harness(model, len(prompts), fresh=True)
         h.run(dict(enumerate(prompts)), decode=False)
         out, last = [], [p[-1] for p in prompts]
         with monkeypatch.context() as m:
