@@ -215,13 +215,13 @@ def _ragged_pallas(x, weight, bias, cu, conv_states, slot_ids, has_initial, *, a
     return y, flat.reshape(conv_states.shape)
 
 
-def _conv_decode_kernel(slot_ref, x_ref, w_ref, *refs, k, cb, col0, activation, has_bias, row):
+def _conv_decode_kernel(row_ref, slot_ref, x_ref, w_ref, *refs, k, cb, col0, activation, has_bias):
     # The weight [L, c, k] and bias [L, c] (L = 1 for one layer's) come in their stored
     # dtype and layout: converting or slicing them in XLA would be more kernels per layer.
     bias_ref, st_ref, y_ref, st_out = refs if has_bias else (None, *refs)
     s, ci = pl.program_id(0), pl.program_id(1)
     cols = pl.ds(ci * cb, cb)
-    slot = slot_ref[s]
+    slot, row = slot_ref[s], row_ref[0]
     window = [st_ref[slot * (k - 1) + i, cols].astype(jnp.float32) for i in range(k - 1)]
     window.append(x_ref[s, pl.ds(col0 + ci * cb, cb)].astype(jnp.float32))
     acc = bias_ref[row, cols].astype(jnp.float32) if has_bias else jnp.zeros((cb,), jnp.float32)
@@ -232,18 +232,25 @@ def _conv_decode_kernel(slot_ref, x_ref, w_ref, *refs, k, cb, col0, activation, 
         st_out[slot * (k - 1) + i, cols] = window[i + 1].astype(st_out.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("activation", "impl", "col0", "row"))
 def _decode_pallas(x, weight, bias, conv_states, slot_ids, *, activation, impl, col0=0, row=None):
-    b = x.shape[0]
     if row is None:  # one layer's [c, k] / [c]: a stack of one (reshapes: no copies)
         weight, bias, row = weight[None], None if bias is None else bias[None], 0
+    # The row is an operand, not a static: every layer's call is one function, lowered
+    # once per executable (cold start-up; decode_glue._row_arg).
+    return _decode_rows(jnp.full((1,), row, jnp.int32), x, weight, bias, conv_states, slot_ids,
+                        activation=activation, impl=impl, col0=col0)
+
+
+@functools.partial(jax.jit, static_argnames=("activation", "impl", "col0"))
+def _decode_rows(row, x, weight, bias, conv_states, slot_ids, *, activation, impl, col0):
+    b = x.shape[0]
     _, c, k = weight.shape
     cb = channel_block(math.gcd(c, col0) if col0 else c)  # blocks aligned to col0 too
     flat = conv_states.reshape(-1, c)
-    args = (slot_ids, x, weight) + ((bias,) if bias is not None else ()) + (flat,)
+    args = (row, slot_ids, x, weight) + ((bias,) if bias is not None else ()) + (flat,)
     y, flat = launch(
         functools.partial(_conv_decode_kernel, k=k, cb=cb, col0=col0, activation=activation,
-                          has_bias=bias is not None, row=row),
+                          has_bias=bias is not None),
         impl=impl, grid=(b, c // cb),
         out_shape=[jax.ShapeDtypeStruct((b, c), x.dtype),
                    jax.ShapeDtypeStruct(flat.shape, flat.dtype)],

@@ -13,7 +13,9 @@ they cost, so they are written for few, short programs.
 
 The norm weights are read at row `row` of a stack [L, d] of every layer's weights in
 place (hybrid_jax/fusion.py stacks them): a per-layer slice of the step's packed
-parameters would be copied before each custom call.
+parameters would be copied before each custom call. The row is an operand (a constant of
+the step), not a static, so that every layer calls the same function: one lowering per
+executable instead of one per layer (cold start-up).
 
 Statistics in f32; roundings as the model's modules (hybrid_jax/layers/norms.py): the
 references below are those modules' arithmetic, written out.
@@ -116,9 +118,9 @@ def _rms(x, eps, n):
     return x * jax.lax.rsqrt(jnp.sum(x * x) / n + eps)
 
 
-def _add_norm_kernel(h_ref, d_ref, w_ref, h_out, n_out, *, row: int, eps: float, offset: bool,
+def _add_norm_kernel(row_ref, h_ref, d_ref, w_ref, h_out, n_out, *, eps: float, offset: bool,
                      parts: int):
-    i = pl.program_id(0)
+    i, row = pl.program_id(0), row_ref[0]
     h = h_ref[i, :]
     if parts:
         delta = d_ref[0, i, :].astype(f32)
@@ -136,13 +138,20 @@ def _add_norm_kernel(h_ref, d_ref, w_ref, h_out, n_out, *, row: int, eps: float,
         n_out[i, :] = (w * x_hat.astype(n_out.dtype).astype(f32)).astype(n_out.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("row", "eps", "offset", "impl"))
-def _add_rms_norm(h, delta, weight, *, row, eps, offset, impl):
-    kernel = functools.partial(_add_norm_kernel, row=row, eps=eps, offset=offset,
+@functools.partial(jax.jit, static_argnames=("eps", "offset", "impl"))
+def _add_rms_norm(row, h, delta, weight, *, eps, offset, impl):
+    kernel = functools.partial(_add_norm_kernel, eps=eps, offset=offset,
                                parts=delta.shape[0] if delta.ndim == 3 else 0)
     shape = jax.ShapeDtypeStruct(h.shape, h.dtype)
     return launch(kernel, impl=impl, grid=(h.shape[0],), out_shape=[shape, shape],
-                  name="add_rms_norm")(h, delta, weight)
+                  name="add_rms_norm")(row, h, delta, weight)
+
+
+def _row_arg(row: int | None) -> jax.Array:
+    """The stack row as an operand, not a static: every layer's call is then the same
+    function, traced and lowered once per executable (a static row lowered the kernel
+    once per layer: +27 s of cold start-up for native-1b-parallel's decode buckets)."""
+    return jnp.full((1,), row or 0, jnp.int32)
 
 
 def add_rms_norm(h: jax.Array, delta: jax.Array, weight: jax.Array, *, eps: float,
@@ -160,8 +169,7 @@ def add_rms_norm(h: jax.Array, delta: jax.Array, weight: jax.Array, *, eps: floa
     impl = resolve_impl(impl)
     if impl == "reference" or not is_pow2(h.shape[1]) or h.shape[0] == 0:
         return add_rms_norm_reference(h, delta, weight, eps=eps, offset=offset, row=row)
-    return _add_rms_norm(h, delta, stack, row=row or 0, eps=float(eps), offset=bool(offset),
-                         impl=impl)
+    return _add_rms_norm(_row_arg(row), h, delta, stack, eps=float(eps), offset=bool(offset), impl=impl)
 
 
 class _MergeShape(NamedTuple):
@@ -174,11 +182,10 @@ class _MergeShape(NamedTuple):
     z_col: int
     eps: float
     norm_before_gate: bool
-    row: int
     pool_dtype: str
 
 
-def _mixer_merge_kernel(*refs, s: _MergeShape):
+def _mixer_merge_kernel(row_ref, *refs, s: _MergeShape):
     if s.splits:
         o_ref, m_ref, l_ref, y_ref, p_ref, w_ref, out_ref = refs
     else:
@@ -212,19 +219,19 @@ def _mixer_merge_kernel(*refs, s: _MergeShape):
         gate = z * jax.nn.sigmoid(z)
         if not s.norm_before_gate:
             y = y * gate
-        out = w_ref[s.row, pl.ds(c0, cg)].astype(f32) * _rms(y, s.eps, cg)
+        out = w_ref[row_ref[0], pl.ds(c0, cg)].astype(f32) * _rms(y, s.eps, cg)
         if s.norm_before_gate:
             out = out * gate
         out_ref[i, pl.ds(s.heads * s.e + c0, cg)] = out.astype(out_ref.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("shape", "impl"))
-def _mixer_merge(att, y, proj, weight, *, shape, impl):
+def _mixer_merge(row, att, y, proj, weight, *, shape, impl):
     b = y.shape[0]
     out = jax.ShapeDtypeStruct((b, shape.heads * shape.e + shape.d), proj.dtype)
     kernel = functools.partial(_mixer_merge_kernel, s=shape)
     (o,) = launch(kernel, impl=impl, grid=(b, shape.heads + shape.n_groups), out_shape=[out],
-                  name="mixer_merge")(*att, y.reshape(b, shape.d), proj, weight)
+                  name="mixer_merge")(row, *att, y.reshape(b, shape.d), proj, weight)
     return o
 
 
@@ -255,7 +262,7 @@ def mixer_merge(parts: DecodeParts, y: jax.Array, proj: jax.Array, weight: jax.A
     if impl == "reference" or not (is_pow2(e) and is_pow2(d // n_groups)) or b == 0:
         return mixer_merge_reference(parts, y, proj, weight, row=row, **common)
     shape = _MergeShape(0 if parts.m is None else parts.o.shape[0], parts.group, e, parts.heads,
-                        d, n_groups, z_col, float(eps), bool(norm_before_gate), row or 0,
+                        d, n_groups, z_col, float(eps), bool(norm_before_gate),
                         jnp.dtype(parts.dtype).name)
     att = (parts.o,) if parts.m is None else (parts.o, parts.m, parts.l)
-    return _mixer_merge(att, y, proj, stack, shape=shape, impl=impl)
+    return _mixer_merge(_row_arg(row), att, y, proj, stack, shape=shape, impl=impl)

@@ -47,7 +47,6 @@ class Packed(NamedTuple):
     n: int  # state dim
     dt_col0: int  # the raw dt's first column in the in_proj row
     dt_limit: tuple[float, float]
-    row: int = 0  # A_log, D, dt_bias are stacks [L, h]: this layer's row
 
 
 def ssm_decode(
@@ -120,7 +119,7 @@ def _decode_body(*refs, hpg: int, bp: int, hb: int, loops: int, order: str,
     elif packed is None:
         slot_ref, dt_ref, a_ref, d_ref, x_ref, b_ref, c_ref, st_ref, y_ref, st_out = refs
     else:
-        slot_ref, dt_ref, a_ref, d_ref, bias_ref, x_ref, st_ref, y_ref, st_out = refs
+        row_ref, slot_ref, dt_ref, a_ref, d_ref, bias_ref, x_ref, st_ref, y_ref, st_out = refs
     if order == "shp":
         s, hp, pb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     else:
@@ -139,14 +138,14 @@ def _decode_body(*refs, hpg: int, bp: int, hb: int, loops: int, order: str,
     else:
         width, gn, n = packed.width, packed.gn, packed.n
         lo, hi = packed.dt_limit
-        r = packed.row
+        r = row_ref[0]
         v = dt_ref[s, pl.ds(packed.dt_col0 + h0, hb)].astype(f32) + bias_ref[r, heads].astype(f32)
         dt = jnp.maximum(v, 0.0) + jnp.log(1.0 + jnp.exp(-jnp.abs(v)))  # softplus
         dt = jnp.minimum(jnp.maximum(dt, lo), hi)
         decay = jnp.exp(-dt * jnp.exp(a_ref[r, heads].astype(f32)))[:, None, None]
         bv = x_ref[s, pl.ds(width + g * n, n)].astype(f32)[None, None, :]
         cv = x_ref[s, pl.ds(width + gn + g * n, n)].astype(f32)[None, None, :]
-    dv = (d_ref[heads] if packed is None else d_ref[packed.row, heads].astype(f32))[:, None]
+    dv = (d_ref[heads] if packed is None else d_ref[r, heads].astype(f32))[:, None]
 
     def step(i, carry):
         rows = pl.ds((pb * loops + i) * bp, bp)
@@ -255,13 +254,16 @@ def ssm_decode_packed(
     tuning["block_p"] = channel_block(p, tuning["block_p"])
     if row is None:  # one layer's [h] vectors: a stack of one (reshapes: no copies)
         A_log, D, dt_bias, row = A_log[None], D[None], dt_bias[None], 0
-    packed = Packed(p, h * p, gn, n, dt_col0, tuple(map(float, dt_limit)), row)
-    return _decode_packed_pallas(xbc, zxbcdt, A_log, D, dt_bias, states, slot_ids.astype(jnp.int32),
-                                 impl=impl, packed=packed, **tuning)
+    packed = Packed(p, h * p, gn, n, dt_col0, tuple(map(float, dt_limit)))
+    # The row is an operand, not part of the static key: every layer's call is one
+    # function, lowered once per executable (cold start-up; decode_glue._row_arg).
+    return _decode_packed_pallas(jnp.full((1,), row, jnp.int32), xbc, zxbcdt, A_log, D, dt_bias,
+                                 states, slot_ids.astype(jnp.int32), impl=impl, packed=packed,
+                                 **tuning)
 
 
 @functools.partial(jax.jit, static_argnames=("impl", "packed", "block_p", "num_warps", "order", "evict"))
-def _decode_packed_pallas(xbc, zxbcdt, A_log, D, dt_bias, states, slot_ids, *, impl, packed,
+def _decode_packed_pallas(row, xbc, zxbcdt, A_log, D, dt_bias, states, slot_ids, *, impl, packed,
                           block_p, num_warps, order="shp", evict=None):
     b = xbc.shape[0]
     h, p, n = states.shape[1], states.shape[2], states.shape[3]
@@ -274,6 +276,6 @@ def _decode_packed_pallas(xbc, zxbcdt, A_log, D, dt_bias, states, slot_ids, *, i
         kernel, impl=impl, grid=grid,
         out_shape=[jax.ShapeDtypeStruct((b, h, p), xbc.dtype),
                    jax.ShapeDtypeStruct(states.shape, states.dtype)],
-        aliases={6: 1}, num_warps=num_warps, name="ssm_decode",
+        aliases={7: 1}, num_warps=num_warps, name="ssm_decode",
     )
-    return call(slot_ids, zxbcdt, A_log, D, dt_bias, xbc, states)
+    return call(row, slot_ids, zxbcdt, A_log, D, dt_bias, xbc, states)
