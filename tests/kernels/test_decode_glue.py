@@ -122,6 +122,17 @@ def test_mixer_merge_matches_float64(splits, n_groups, norm_before_gate):
     np.testing.assert_allclose(_np(out[:, nk * g * e:]), normed, rtol=1e-5, atol=1e-5)
 
 
+def test_mixer_merge_three_heads_per_kv_head():
+    """3 query heads per KV head (not a power of two: the reference path) give the same."""
+    rng = np.random.default_rng(11)
+    b, nk, rows, g, e, h, p = 2, 2, 16, 3, 32, 2, 16
+    parts, attn = _parts(rng, 2, b, nk, rows, g, e, jnp.float32)
+    y = jnp.asarray(rng.normal(size=(b, h, p)), jnp.float32)
+    proj = jnp.asarray(rng.normal(size=(b, h * p)), jnp.float32)
+    out = mixer_merge(parts, y, proj, jnp.ones(h * p), z_col=0, n_groups=1, eps=1e-5, impl=KERNEL_IMPL)
+    np.testing.assert_allclose(_np(out[:, :nk * g * e]), attn.reshape(b, -1), rtol=1e-5, atol=1e-5)
+
+
 def test_mixer_merge_bf16_rounds_the_attention_to_the_pools_dtype():
     """The merged heads are rounded to the pools' dtype, then to proj's (the unfused path's
     casts); the gated norm to proj's dtype. bf16 against float64 within bf16 rounding."""
