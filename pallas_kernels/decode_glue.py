@@ -193,30 +193,27 @@ def _mixer_merge_kernel(row_ref, *refs, s: _MergeShape):
     i, j = pl.program_id(0), pl.program_id(1)
     pool = jnp.dtype(s.pool_dtype)
 
-    nk = s.heads // s.group
-
-    @pl.when(j < nk)
-    def _attention():  # KV head j's `group` query heads, [group, e]
-        rows = pl.ds(0, s.group)
+    @pl.when(j < s.heads)
+    def _attention():
+        kv, r = j // s.group, j % s.group
         if s.splits:
-            ms = [m_ref[x, i, j, rows] for x in range(s.splits)]
+            ms = [m_ref[x, i, kv, r] for x in range(s.splits)]
             m_all = functools.reduce(jnp.maximum, ms)
-            l_all = jnp.zeros((s.group,), f32)
-            o = jnp.zeros((s.group, s.e), f32)
+            l_all = jnp.zeros((), f32)
+            o = jnp.zeros((s.e,), f32)
             for x in range(s.splits):
                 w = jnp.exp2(ms[x] - m_all)
-                l_all = l_all + l_ref[x, i, j, rows] * w
-                o = o + o_ref[x, i, j, rows, :] * w[:, None]
-            o = (o / jnp.where(l_all == 0.0, 1.0, l_all)[:, None]).astype(pool)
+                l_all = l_all + l_ref[x, i, kv, r] * w
+                o = o + o_ref[x, i, kv, r, :] * w
+            o = (o / jnp.where(l_all == 0.0, 1.0, l_all)).astype(pool)
         else:
-            o = o_ref[i, j, rows, :]
-        width = s.group * s.e
-        out_ref[i, pl.ds(j * width, width)] = o.astype(out_ref.dtype).reshape(width)
+            o = o_ref[i, kv, r, :]
+        out_ref[i, pl.ds(j * s.e, s.e)] = o.astype(out_ref.dtype)
 
-    @pl.when(j >= nk)
+    @pl.when(j >= s.heads)
     def _gated_norm():
         cg = s.d // s.n_groups
-        c0 = (j - nk) * cg
+        c0 = (j - s.heads) * cg
         y = y_ref[i, pl.ds(c0, cg)].astype(f32)
         z = p_ref[i, pl.ds(s.z_col + c0, cg)].astype(f32)
         gate = z * jax.nn.sigmoid(z)
@@ -233,8 +230,7 @@ def _mixer_merge(row, att, y, proj, weight, *, shape, impl):
     b = y.shape[0]
     out = jax.ShapeDtypeStruct((b, shape.heads * shape.e + shape.d), proj.dtype)
     kernel = functools.partial(_mixer_merge_kernel, s=shape)
-    grid = (b, shape.heads // shape.group + shape.n_groups)
-    (o,) = launch(kernel, impl=impl, grid=grid, out_shape=[out],
+    (o,) = launch(kernel, impl=impl, grid=(b, shape.heads + shape.n_groups), out_shape=[out],
                   name="mixer_merge")(row, *att, y.reshape(b, shape.d), proj, weight)
     return o
 
@@ -249,9 +245,7 @@ def mixer_merge(parts: DecodeParts, y: jax.Array, proj: jax.Array, weight: jax.A
     h * p); weight [h * p] (or a stack [L, h * p] read at `row`): the gated norm's.
     Returns [b, heads * e + h * p] in proj's dtype: the attention heads merged (rounded
     to parts.dtype first, as the unfused path) and `GatedRMSNorm(y, z)` over `n_groups`
-    groups. Programs: one per (row, KV head: its query heads as one block) and per (row,
-    norm group). The kernel takes power-of-2 head dims, query heads per KV head and
-    channels per norm group (else the reference).
+    groups. Programs: one per (row, attention head) and per (row, norm group).
     """
     b, nk, rows, e = parts.o.shape[-4:]
     d = y.shape[1] * y.shape[2]
@@ -265,7 +259,7 @@ def mixer_merge(parts: DecodeParts, y: jax.Array, proj: jax.Array, weight: jax.A
         raise ValueError(f"weight {weight.shape} with {row=} does not give a [{d}] row")
     impl = resolve_impl(impl)
     common = dict(z_col=z_col, n_groups=n_groups, eps=eps, norm_before_gate=norm_before_gate)
-    if impl == "reference" or not (is_pow2(e) and is_pow2(parts.group) and is_pow2(d // n_groups)) or b == 0:
+    if impl == "reference" or not (is_pow2(e) and is_pow2(d // n_groups)) or b == 0:
         return mixer_merge_reference(parts, y, proj, weight, row=row, **common)
     shape = _MergeShape(0 if parts.m is None else parts.o.shape[0], parts.group, e, parts.heads,
                         d, n_groups, z_col, float(eps), bool(norm_before_gate),

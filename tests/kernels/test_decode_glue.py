@@ -123,7 +123,7 @@ def test_mixer_merge_matches_float64(splits, n_groups, norm_before_gate):
 
 
 def test_mixer_merge_three_heads_per_kv_head():
-    """3 query heads per KV head (not a power of two: the reference path) give the same."""
+    """3 query heads per KV head (one program per head: any count)."""
     rng = np.random.default_rng(11)
     b, nk, rows, g, e, h, p = 2, 2, 16, 3, 32, 2, 16
     parts, attn = _parts(rng, 2, b, nk, rows, g, e, jnp.float32)
