@@ -373,7 +373,14 @@ def main() -> None:
     p.add_argument("--trace-engine", action="store_true",
                    help="also trace 10 LLMEngine.step() calls: idle GPU time within and between steps")
     p.add_argument("--top", type=int, default=150, help="kernels kept in the JSON, by time (0: all)")
+    p.add_argument("--split-min-tiles", type=int, default=None,
+                   help="paged decode's MIN_TILES_PER_SPLIT for this run (A/B of the split heuristic)")
     a = p.parse_args()
+    if a.split_min_tiles is not None:
+        import pallas_kernels.paged_decode as paged_decode
+        paged_decode.MIN_TILES_PER_SPLIT = a.split_min_tiles
+        # The executable store keys on HYBRID_JAX_* variables, not on module constants.
+        os.environ["HYBRID_JAX_BENCH_SPLIT_MIN_TILES"] = str(a.split_min_tiles)
     res = run(a)
     cols = ["batch_run", "context", "state_dtype", "loop", "engine_ms", "engine_mean_ms", "compiled_ms",
             "enqueue_ms",

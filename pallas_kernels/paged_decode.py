@@ -44,10 +44,13 @@ from pallas_kernels.paged_tiles import (
 
 MIN_ROWS = 16  # Triton dots need M >= 16
 NUM_SMS = 132  # H100 SXM: the launch heuristics' idea of a full GPU
-# Splits of the tile loop (few programs: small batches): at least 2 tiles each, at most 32.
-# In the engine's step on the H100 (native-1b-parallel, context 2012) this beat 4 / 16:
-# paged_decode 0.313 -> 0.280 ms per step at batch 1, 0.501 -> 0.457 ms at batch 8.
-MIN_TILES_PER_SPLIT = 2
+# Splits of the tile loop (few programs: small batches): at least 1 tile each, at most 32.
+# In the engine's step on the H100 (native-1b-parallel, context 2012) at most 32 splits
+# beat 4 / 16 (paged_decode 0.313 -> 0.280 ms per step at batch 1, 0.501 -> 0.457 ms at
+# batch 8); since the splits are merged inside decode_glue.mixer_merge, 1 tile per split
+# against 2: paged_decode 0.185 -> 0.143 ms per step at batch 1 (mixer_merge 0.061 ->
+# 0.068 ms; compiled step 1.677 -> 1.646 ms), batch 8 unchanged (docs/benchmarks.md).
+MIN_TILES_PER_SPLIT = 1
 MAX_SPLITS = 32
 
 
