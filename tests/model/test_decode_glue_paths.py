@@ -23,7 +23,7 @@ from hybrid_jax.fusion import fuse_projections
 from hybrid_jax.layers import linear
 from hybrid_jax.model import CausalLM
 from pallas_kernels import add_rms_norm, mixer_merge, paged_attention_decode_fused
-from tests.model.test_ragged_forward import MAX_LEN, Harness
+from tests.model.test_ragged_forward import MAX_LEN, Harness, decode_after
 
 
 def _config(**kw) -> ModelConfig:
@@ -75,17 +75,14 @@ def test_glued_decode_equals_xla_glue(monkeypatch, cfg, split_k):
     def serve(glue: bool):
         h = Harness(fused, len(prompts), fresh=True)
         h.run(dict(enumerate(prompts)), decode=False)
-        out, last = [], [p[-1] for p in prompts]
         with monkeypatch.context() as m:
             m.setattr(ragged, "DECODE_GLUE", glue)
             m.setattr(ragged, "add_rms_norm", counted(add_rms_norm, "add_rms_norm"))
             m.setattr(ragged, "mixer_merge", counted(mixer_merge, "mixer_merge"))
             m.setattr(ragged, "paged_attention_decode_fused",
                       lambda *a, **kw: paged_attention_decode_fused(*a, **kw, impl="interpret"))
-            for step in range(MAX_LEN - 14 - 1):  # past the window of 6 and past pages
-                logits = h.run({i: [(last[i] + step) % 64] for i in range(len(prompts))}, decode=True)
-                out.append(np.stack([logits[i] for i in range(len(prompts))]))
-        return np.stack(out), h.caches
+            logits = decode_after(h, prompts, MAX_LEN - 14 - 1)  # past the window of 6 and pages
+        return logits, h.caches
 
     got, got_caches = serve(True)
     # One trace of the decode step: 4 norms after an add per 5 layers (the first layer's

@@ -99,6 +99,17 @@ class Harness:
         return {s: np.asarray(logits[s]) for s in chunks}
 
 
+def decode_after(h: Harness, prompts: list[list[int]], steps: int) -> np.ndarray:
+    """`steps` decode steps of every sequence after its prompt (already prefilled in `h`):
+    token (last prompt token + step) % 64 each step (no sampling: any logits bug shows).
+    Returns the logits [steps, sequences, vocabulary]."""
+    out, last = [], [p[-1] for p in prompts]
+    for step in range(steps):
+        logits = h.run({i: [(last[i] + step) % 64] for i in range(len(prompts))}, decode=True)
+        out.append(np.stack([logits[i] for i in range(len(prompts))]))
+    return np.stack(out)
+
+
 def serve_greedy(model, prompts, new, chunk, decode_mode) -> list[list[int]]:
     h = Harness(model, len(prompts))
     out: list[list[int]] = [[] for _ in prompts]

@@ -37,7 +37,7 @@ from pallas_kernels import (
     mamba2_step,
     paged_attention_decode_fused,
 )
-from tests.model.test_ragged_forward import MAX_LEN, Harness
+from tests.model.test_ragged_forward import MAX_LEN, Harness, decode_after
 
 DIM, SLOTS = 32, 6
 CFG = Mamba2Config(4, 16, 16, n_groups=2, dt_limit=(0.0, 3.0),
@@ -158,16 +158,12 @@ def test_fused_decode_attention_equals_unfused(monkeypatch, attention):
     def serve(fused: bool):
         h = Harness(model, len(prompts), fresh=True)
         h.run(dict(enumerate(prompts)), decode=False)
-        out, last = [], [p[-1] for p in prompts]
         with monkeypatch.context() as m:
             m.setattr(ragged, "paged_attention_decode_fused", kernel)
             if not fused:
                 m.setattr(ragged, "_fused_decode", lambda *_: False)
-            for step in range(MAX_LEN - 14 - 1):  # past the window of 6 and past pages
-                logits = h.run({i: [(last[i] + step) % 64] for i in range(len(prompts))},
-                               decode=True)
-                out.append(np.stack([logits[i] for i in range(len(prompts))]))
-        return np.stack(out), h.caches
+            logits = decode_after(h, prompts, MAX_LEN - 14 - 1)  # past the window of 6 and pages
+        return logits, h.caches
 
     got, got_caches = serve(True)
     assert calls, "the fused decode was not taken"
