@@ -8,7 +8,8 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 python -c "import jax; print(jax.__version__, jax.devices())"
 python -c "from pallas_kernels import default_impl; print('kernels:', default_impl())"
-for f in tests/model/test_ragged_forward.py tests/serving/test_engine.py tests/serving/test_penalties.py \
+for f in tests/model/test_ragged_forward.py tests/model/test_decode_glue_paths.py \
+         tests/serving/test_engine.py tests/serving/test_penalties.py \
          tests/serving/test_engine_parity.py tests/serving/test_speculative.py; do
   timeout 420 python -m pytest -q -x -p no:cacheprovider "$f" 2>&1 | tee "$OUT/$(basename "$f" .py).log" | tail -15
 done
