@@ -159,13 +159,14 @@ def fuse_projections(model: CausalLM) -> CausalLM:
 
 def _stack_norms(norms: list) -> None:
     """One weight array [len(norms), d] shared by these norms (`stack_row`), when they are
-    alike (shape, dtype, eps, offset). The decode step's norm kernels
+    alike (shape, dtype, eps and the other settings). The decode step's norm kernels
     (pallas_kernels/decode_glue.py) read their row in place, one copy of the stack per step
     instead of one per norm and layer (a custom call's operand is a buffer of its own)."""
     if len(norms) < 2 or any(n.stack_row is not None for n in norms):
         return
     keys = {(n.weight.shape, jnp.dtype(n.weight.dtype), n.eps, getattr(n, "offset", None),
-             getattr(n, "group_devices", 1)) for n in norms}
+             getattr(n, "group_devices", 1), getattr(n, "n_groups", None),
+             getattr(n, "norm_before_gate", None)) for n in norms}
     if len(keys) != 1 or len({type(n) for n in norms}) != 1:
         return
     stack = nnx.Param(jnp.stack([n.weight[...] for n in norms]))

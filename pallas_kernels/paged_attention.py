@@ -194,7 +194,7 @@ def paged_attention_decode_fused(
 
     merge False returns the attention as `DecodeParts` instead of o: the kernel's split
     partial states unmerged (`decode_glue.mixer_merge` merges them in the launch that
-    follows); the reference impl gives them merged.
+    follows); the reference impl gives them merged, as merge True returns them.
     """
     b, e = proj.shape[0], k_pages.shape[3]
     nk, r = k_pages.shape[0], cos.shape[-1]
@@ -220,7 +220,7 @@ def paged_attention_decode_fused(
         o = paged_attention_decode(q, k_pages, v_pages, lengths, page_table, impl=impl, **common)
         if not merge:
             return DecodeParts(o.reshape(b, nk, heads // nk, e), None, None, heads // nk,
-                               k_pages.dtype), k_pages, v_pages
+                               o.dtype), k_pages, v_pages
         return o, k_pages, v_pages
     cfg, splits = _decode_tuning(k_pages, page_table, b, 1, window, softcap, scale)
     o, k_pages, v_pages = decode_fused_pallas(
