@@ -248,9 +248,9 @@ def mixer_merge(parts: DecodeParts, y: jax.Array, proj: jax.Array, weight: jax.A
     groups. Programs: one per (row, attention head) and per (row, norm group).
     """
     b, nk, rows, e = parts.o.shape[-4:]
-    d = y.shape[1] * y.shape[2]
     if y.ndim != 3 or y.shape[0] != b or proj.ndim != 2 or proj.shape[0] != b:
         raise ValueError(f"y {y.shape} must be [{b}, h, p] and proj {proj.shape} [{b}, W]")
+    d = y.shape[1] * y.shape[2]
     if not 0 <= z_col <= proj.shape[1] - d or d % n_groups or parts.group > rows:
         raise ValueError(f"{z_col=} + {d} channels outside proj {proj.shape}, or {n_groups=} "
                          f"does not divide them, or group {parts.group} > rows {rows}")

@@ -159,6 +159,7 @@ def test_mixer_merge_refuses_bad_shapes():
     with pytest.raises(ValueError, match="row"):
         mixer_merge(parts, y, proj, jnp.ones((2, 8)), z_col=0, n_groups=1, eps=1e-5, row=3,
                     impl=KERNEL_IMPL)
-    with pytest.raises(ValueError, match=r"\[1, h, p\]"):
-        mixer_merge(parts, jnp.zeros((2, 2, 4)), proj, jnp.ones(8), z_col=0, n_groups=1, eps=1e-5,
-                    impl=KERNEL_IMPL)
+    for bad_y in (jnp.zeros((2, 2, 4)), jnp.zeros((1, 8))):
+        with pytest.raises(ValueError, match=r"\[1, h, p\]"):
+            mixer_merge(parts, bad_y, proj, jnp.ones(8), z_col=0, n_groups=1, eps=1e-5,
+                        impl=KERNEL_IMPL)
