@@ -72,26 +72,33 @@ def _flat_chain(transposed: bool, shape: tuple[int, int]):
     return f
 
 
-def time_chain(m: int, k: int, n: int, transposed: bool, reps: int,
-               flat: bool = False) -> tuple[float, float, list[str]]:
-    """Mean GPU kernel time of one product, kernels per chain and their names (a
-    jax.profiler trace of `reps` chains). `flat`: the weights are slices of one buffer."""
+def _time_products(f, m: int, k: int, shape: tuple[int, int], reps: int,
+                   flat: bool = False) -> tuple[float, float, list[str]]:
+    """Mean GPU kernel time of one product of the chain `f(x, ws)` (x [m, k], CHAIN bf16
+    weights of `shape`; `flat`: the weights as one buffer), kernels per chain and their
+    names, from a jax.profiler trace of `reps` chains. Every kernel of a chain counts (XLA
+    may emit m = 1 products as a few reduction fusions)."""
     key = jax.random.PRNGKey(0)
-    shape = (n, k) if transposed else (k, n)
     ws = [jax.random.normal(jax.random.fold_in(key, i), shape, jnp.bfloat16) for i in range(CHAIN)]
     x = jax.random.normal(key, (m, k), jnp.bfloat16)
     if flat:
         ws = jnp.concatenate([w.reshape(-1) for w in ws])
-        fn = jax.jit(_flat_chain(transposed, shape)).lower(x, ws).compile(compile_options())
-    else:
-        fn = jax.jit(_chain(transposed)).lower(x, ws).compile(compile_options())
+    fn = jax.jit(f).lower(x, ws).compile(compile_options())
     events = _traced_kernels(fn, (x, ws), reps)
     if not events:
         raise SystemExit("no GPU kernel traced: run on a GPU")
-    # XLA may emit a chain's m = 1 products as a few reduction fusions: the time still
-    # counts every kernel of the chain.
     names = sorted({ev.name for ev in events})
     return sum(ev.duration_ns for ev in events) * 1e-9 / (reps * CHAIN), len(events) / reps, names
+
+
+def time_chain(m: int, k: int, n: int, transposed: bool, reps: int,
+               flat: bool = False) -> tuple[float, float, list[str]]:
+    """`_time_products` of XLA's dot over [k, n] (or `transposed` [n, k]) weights; `flat`:
+    the weights are slices of one buffer."""
+    shape = (n, k) if transposed else (k, n)
+    f = _flat_chain(transposed, shape) if flat else _chain(transposed)
+    return _time_products(f, m, k, shape, reps, flat)
+
 
 def _gemv_chain(form: str):
     """x [m, k] times 24 distinct weights as XLA's dot (cuBLAS) or as a multiply and a
@@ -115,16 +122,11 @@ def _gemv_chain(form: str):
 
 
 def time_gemv(m: int, k: int, n: int, form: str, reps: int) -> tuple[float, float, list[str]]:
-    """`time_chain` for the forms of `_gemv_chain`."""
-    key = jax.random.PRNGKey(0)
+    """`_time_products` for the forms of `_gemv_chain`."""
     shape = (n, k) if form.startswith("rowsum") else (k, n)
-    ws = [jax.random.normal(jax.random.fold_in(key, i), shape, jnp.bfloat16) for i in range(CHAIN)]
-    x = jax.random.normal(key, (m, k), jnp.bfloat16)
-    fn = jax.jit(_gemv_chain(form)).lower(x, ws).compile(compile_options())
-    events = _traced_kernels(fn, (x, ws), reps)
-    names = sorted({ev.name for ev in events})
-    print(f"    {form} m={m}: {len(events) / reps:.0f} kernels per chain: {names[:4]}")
-    return sum(ev.duration_ns for ev in events) * 1e-9 / (reps * CHAIN), len(events) / reps, names
+    t, per, names = _time_products(_gemv_chain(form), m, k, shape, reps)
+    print(f"    {form} m={m}: {per:.0f} kernels per chain: {names[:4]}")
+    return t, per, names
 
 
 def mlp_chain(m: int, reps: int, barrier: bool = False, state_mb: int = 0,
@@ -184,14 +186,8 @@ def _split_chain(splits: int):
 
 
 def time_split(m: int, k: int, n: int, splits: int, reps: int) -> tuple[float, float, list[str]]:
-    """`time_chain` for `_split_chain` (every kernel of the chain counted)."""
-    key = jax.random.PRNGKey(0)
-    ws = [jax.random.normal(jax.random.fold_in(key, i), (n, k), jnp.bfloat16) for i in range(CHAIN)]
-    x = jax.random.normal(key, (m, k), jnp.bfloat16)
-    fn = jax.jit(_split_chain(splits)).lower(x, ws).compile(compile_options())
-    events = _traced_kernels(fn, (x, ws), reps)
-    names = sorted({ev.name for ev in events})
-    return sum(ev.duration_ns for ev in events) * 1e-9 / (reps * CHAIN), len(events) / reps, names
+    """`_time_products` for `_split_chain`."""
+    return _time_products(_split_chain(splits), m, k, (n, k), reps)
 
 
 def main() -> None:

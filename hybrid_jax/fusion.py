@@ -151,56 +151,45 @@ def fuse_projections(model: CausalLM) -> CausalLM:
             mlp.gate_up_proj = nnx.data(_concat([mlp.gate_proj, mlp.up_proj], axis=1))
             mlp.gate_proj = mlp.up_proj = None
         _transpose_rest(block)
-    _stack_mamba_params(fused)
-    _stack_norms([n for b in fused.layers for n in (b.temporal_norm, b.mlp_norm) if n is not None])
-    _stack_norms([b.mamba.norm for b in fused.layers if b.mamba is not None and b.mamba.norm is not None])
+    # Small per-layer parameters that decode kernels take as one stack, read at each
+    # layer's row in place (`stack_row`): a per-layer slice of the step's packed
+    # parameters is copied before every custom call (a buffer of its own).
+    mixers = [b.mamba for b in fused.layers if b.mamba is not None]
+    _stack(mixers, MAMBA_STACKED)  # conv1d_decode, ssm_decode_packed
+    # decode_glue.add_rms_norm (input and MLP norms in one stack) and mixer_merge
+    _stack([n for b in fused.layers for n in (b.temporal_norm, b.mlp_norm) if n is not None], ("weight",),
+           lambda n: (n.eps, n.offset))
+    _stack([m.norm for m in mixers if m.norm is not None], ("weight",),
+           lambda n: (n.eps, n.n_groups, n.norm_before_gate, n.group_devices))
     return fused
-
-
-def _stack_norms(norms: list) -> None:
-    """One weight array [len(norms), d] shared by these norms (`stack_row`), when they are
-    alike (shape, dtype, eps and the other settings). The decode step's norm kernels
-    (pallas_kernels/decode_glue.py) read their row in place, one copy of the stack per step
-    instead of one per norm and layer (a custom call's operand is a buffer of its own)."""
-    if len(norms) < 2 or any(n.stack_row is not None for n in norms):
-        return
-    keys = {(n.weight.shape, jnp.dtype(n.weight.dtype), n.eps, getattr(n, "offset", None),
-             getattr(n, "group_devices", 1), getattr(n, "n_groups", None),
-             getattr(n, "norm_before_gate", None)) for n in norms}
-    if len(keys) != 1 or len({type(n) for n in norms}) != 1:
-        return
-    stack = nnx.Param(jnp.stack([n.weight[...] for n in norms]))
-    for i, n in enumerate(norms):
-        n.weight = stack
-        n.stack_row = i
 
 
 MAMBA_STACKED = ("A_log", "D", "dt_bias", "conv_weight", "conv_bias")
 
 
-def _stack_mamba_params(model: CausalLM) -> None:
-    """One array per Mamba2 parameter for all layers (MAMBA_STACKED), shared by them.
-
-    The decode kernels read their layer's row in place; each layer's own small arrays
-    would be sliced out of the step's packed parameters and copied before every custom
-    call (five small kernels per layer and step, 120 for native-1b-parallel).
-    """
-    mixers = [b.mamba for b in model.layers if b.mamba is not None]
-    if len(mixers) < 2:
+def _stack(modules: list, names: tuple[str, ...], settings=lambda m: ()) -> None:
+    """Each of the parameters `names` of these modules as one array [len(modules), ...]
+    shared by them, each module reading its row (`module.stack_row`); a parameter absent
+    (None) in all of them is skipped. Modules that differ (a parameter's presence, shape,
+    dtype, or `settings(module)`) keep their own arrays: checked before anything is set.
+    Native-1b-parallel's Mamba2 parameters alone were five copies per layer and step (120)."""
+    if len(modules) < 2 or any(m.stack_row is not None for m in modules):
         return
-    for name in MAMBA_STACKED:
-        values = [getattr(m, name) for m in mixers]
+    if len({(type(m), settings(m)) for m in modules}) != 1:
+        return
+    present = []
+    for name in names:
+        values = [getattr(m, name) for m in modules]
         if all(v is None for v in values):
             continue
         if any(v is None for v in values) or len({(v.shape, jnp.dtype(v.dtype)) for v in values}) != 1:
-            return  # layers that differ keep their own arrays (checked before anything is set)
-    for name in MAMBA_STACKED:
-        if getattr(mixers[0], name) is None:
-            continue
-        stack = nnx.Param(jnp.stack([getattr(m, name)[...] for m in mixers]))
-        for m in mixers:
+            return
+        present.append(name)
+    for name in present:
+        stack = nnx.Param(jnp.stack([getattr(m, name)[...] for m in modules]))
+        for m in modules:
             setattr(m, name, stack)
-    for i, m in enumerate(mixers):
+    for i, m in enumerate(modules):
         m.stack_row = i
 
 

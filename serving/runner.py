@@ -329,10 +329,6 @@ class ModelRunner:
 
         self.startup = compile_jobs(todo, opts=opts, store=store, done=finish, workers=workers)
 
-    def _put(self, buf: np.ndarray) -> jax.Array:
-        """A step's packed host inputs to the device (serving/host_pack.host_put)."""
-        return self._host_put(buf)
-
     def pick(self, arrays: StepArrays) -> Bucket:
         b, t = len(arrays.slot_ids), len(arrays.token_ids)
         decode = arrays.num_decodes == b
@@ -358,7 +354,7 @@ class ModelRunner:
             raise ValueError("checkpoint copies in a step without them (decode or caching off)")
         tree = self._host_tree(bucket, batch, samp, feed, self._ops(arrays) if ckpt else None)
         # One transfer for every host input of the step (serving/host_pack.py).
-        buf = self._put(self.host_layouts[bucket].pack(tree))
+        buf = self._host_put(self.host_layouts[bucket].pack(tree))
         args = (self.params, self.caches, self.stats, buf, self.last_tokens)
         exe, outs = self.compiled[bucket], self.results.take(bs, self.last_tokens)
         if ckpt:
@@ -389,7 +385,7 @@ class ModelRunner:
         bs = bucket.seqs
         samp = SamplingArrays(*(_pad_rows(np.asarray(x), bs) for x in sampling))
         tree = (self._pad(arrays, bucket), _pad_rows(num_drafts.astype(np.int32), bs), samp)
-        buf = self._put(self.verify_layouts[bucket].pack(tree))
+        buf = self._host_put(self.verify_layouts[bucket].pack(tree))
         outs = self.results.take_sync("verify", bucket)
         self.caches, out, accepted = self.verifiers[(bucket, filters)](self.params, self.caches, buf, outs)
         self.results.keep_sync("verify", bucket, (out, accepted))
@@ -407,7 +403,7 @@ class ModelRunner:
         b = len(arrays.slot_ids)
         bucket = _q_bucket(self.multi_buckets, self.multi_q, arrays, "multi-step call")
         samp = SamplingArrays(*(_pad_rows(np.asarray(x), bucket.seqs) for x in sampling))
-        buf = self._put(self.multi_layouts[bucket].pack((samp, self._pad(arrays, bucket))))
+        buf = self._host_put(self.multi_layouts[bucket].pack((samp, self._pad(arrays, bucket))))
         exe = self.multisteps[(bucket, filters)]
         outs = self.results.take_sync("multi", bucket)
         self.caches, self.stats, out, lps = exe(self.params, self.caches, self.stats, buf, outs)
