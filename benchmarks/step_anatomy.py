@@ -125,7 +125,15 @@ def idle_gaps(spans: list[tuple[float, float, str]], n: int) -> dict[str, object
         by_next[_kind(name)].append(gap)
     rows = sorted(((k, sum(v) / 1e6 / n, len(v) / n, sum(v) / len(v) / 1e3) for k, v in by_next.items()),
                   key=lambda r: -r[1])
+    # The union of the kernels' spans: below the sum of their durations when kernels of
+    # the step run concurrently (several streams, or concurrent branches of its graph).
+    busy, reach = 0.0, float("-inf")
+    for start, end, _ in spans:
+        if end > reach:
+            busy += end - max(start, reach)
+            reach = end
     return {"idle_ms_per_step": small / 1e6 / n, "between_calls_ms": big / 1e6 / n,
+            "busy_ms_per_step": busy / 1e6 / n,
             "idle_before": [[k, round(ms, 4), cnt, round(us, 2)] for k, ms, cnt, us in rows[:40]],
             "long_gaps_before": {k: [round(sum(v) / 1e6 / n, 3), len(v)] for k, v in long_before.items()}}
 
@@ -397,6 +405,8 @@ def main() -> None:
     for name, ms, cnt, us in g["idle_before"][:15]:
         print(f"  {ms:8.3f} ms  x{cnt:<6.1f} {us:6.2f} us  {name}")
     print(f"gaps over 50 us: {g['between_calls_ms']:.3f} ms/step, before: {g['long_gaps_before']}")
+    print(f"GPU busy (union of kernel spans): {g['busy_ms_per_step']:.3f} ms/step "
+          f"(kernel time {res['kernel_ms']:.3f}: concurrency hides the difference)")
     if a.out:
         with open(a.out, "a") as f:
             f.write(json.dumps(res) + "\n")

@@ -52,6 +52,7 @@ from hybrid_jax.layers.short_conv import ShortConv
 from hybrid_jax.model import Block, CausalLM, _scale
 from pallas_kernels import (
     add_rms_norm,
+    attention_ssm_decode,
     conv1d_decode,
     conv1d_ragged,
     decode_fused_fits,
@@ -95,11 +96,8 @@ def _attention(layer: Attention | DepthAttention, x: jax.Array | None, batch: Ra
     table = batch.page_tables[group]
     if fused is not None and decode and not q_len and _fused_decode(layer, kv):
         # One kernel: q's and k's RoPE, the K/V page write and the attention.
-        cos, sin = rope_cos_sin(batch.positions, cfg.rope_dim, *cfg.rope_params(layer.window))
-        o, k_pages, v_pages = paged_attention_decode_fused(
-            proj, cos, sin, kv.k, kv.v, batch.slot_mappings[group], batch.lengths, table,
-            heads=cfg.num_heads, cols=cols, key_multiplier=cfg.key_multiplier, merge=merge,
-            **common)
+        args = _fused_decode_args(layer, fused, batch, kv, group)
+        o, k_pages, v_pages = paged_attention_decode_fused(**args, merge=merge)
         return (o if not merge else _attention_out(layer, o, project_out)), KVCache(k_pages, v_pages)
     q, k, v = layer.project(x, batch.positions, raw) if raw is not None else layer.project(x, batch.positions)
     e = q.shape[-1]
@@ -115,6 +113,18 @@ def _attention(layer: Attention | DepthAttention, x: jax.Array | None, batch: Ra
         o = paged_attention_prefill(q, k_pages, v_pages, batch.cu_seqlens,
                                                     batch.lengths, table, **common)
     return _attention_out(layer, o[..., :e].astype(dtype), project_out), KVCache(k_pages, v_pages)
+
+
+def _fused_decode_args(layer: Attention, fused: tuple[jax.Array, tuple[int, int, int]], batch: RaggedBatch,
+                       kv: KVCache, group: int) -> dict:
+    """`paged_attention_decode_fused`'s arguments for a decode step of this layer."""
+    cfg, (proj, cols) = layer.cfg, fused
+    cos, sin = rope_cos_sin(batch.positions, cfg.rope_dim, *cfg.rope_params(layer.window))
+    return dict(proj=proj, cos=cos, sin=sin, k_pages=kv.k, v_pages=kv.v,
+                slot_mapping=batch.slot_mappings[group], lengths=batch.lengths,
+                page_table=batch.page_tables[group], heads=cfg.num_heads, cols=cols,
+                key_multiplier=cfg.key_multiplier, window=layer.window, softcap=cfg.softcap,
+                scale=cfg.query_scale)
 
 
 def _fused_decode(layer: Attention | DepthAttention, kv: KVCache) -> bool:
@@ -236,6 +246,21 @@ def _mamba_step(layer: Mamba2Mixer, zxbcdt: jax.Array, c0: int, dtype, batch: Ra
     return finish(y.reshape(b * n, cfg.num_heads, cfg.head_dim), z, dtype), Mamba2State(conv, ssm)
 
 
+def _mamba_decode_args(layer: Mamba2Mixer, zxbcdt: jax.Array, c0: int, batch: RaggedBatch,
+                       st: Mamba2State) -> tuple[dict, jax.Array]:
+    """A decode step's conv (run here) -> (`ssm_decode_packed`'s arguments, the new conv
+    states). The kernels read the in_proj output in place (no slices, no dt/A glue) and, in
+    a fused model, their parameters at this layer's row of the stacks (no copies)."""
+    cfg = layer.cfg
+    (w, row), (bias, _) = layer.stacked("conv_weight"), layer.stacked("conv_bias")
+    xbc, conv = conv1d_decode(zxbcdt, w, bias, st.conv, batch.slot_ids, activation="silu",
+                              col0=c0 + cfg.d_inner, row=row)
+    return dict(xbc=xbc, zxbcdt=zxbcdt, A_log=layer.stacked("A_log")[0], D=layer.stacked("D")[0],
+                dt_bias=layer.stacked("dt_bias")[0], states=st.ssm, slot_ids=batch.slot_ids,
+                num_heads=cfg.num_heads, head_dim=cfg.head_dim, n_groups=cfg.n_groups,
+                dt_col0=c0 + cfg.d_inner + cfg.conv_dim, dt_limit=cfg.dt_limit, row=row), conv
+
+
 def _mamba(layer: Mamba2Mixer, x: jax.Array | None, batch: RaggedBatch, st: Mamba2State,
            decode: bool, q: int = 0, proj: jax.Array | None = None, col: int = 0,
            project_out: bool = True, raw: bool = False) -> tuple[jax.Array, Mamba2State]:
@@ -252,16 +277,8 @@ def _mamba(layer: Mamba2Mixer, x: jax.Array | None, batch: RaggedBatch, st: Mamb
     if (q or (decode and FUSED_MAMBA_DECODE)) and mamba2_step_fits(cfg.head_dim, cfg.state_size):
         return _mamba_step(layer, zxbcdt, c0, dtype, batch, st, q, finish)
     if decode and not q:
-        # The kernels read the in_proj output in place (no slices, no dt/A glue) and, in a
-        # fused model, their parameters at this layer's row of the stacks (no copies).
-        (w, row), (bias, _) = layer.stacked("conv_weight"), layer.stacked("conv_bias")
-        xbc, conv = conv1d_decode(zxbcdt, w, bias, st.conv, batch.slot_ids, activation="silu",
-                                  col0=c0 + cfg.d_inner, row=row)
-        y, ssm = ssm_decode_packed(
-            xbc, zxbcdt, layer.stacked("A_log")[0], layer.stacked("D")[0], layer.stacked("dt_bias")[0],
-            st.ssm, batch.slot_ids, num_heads=cfg.num_heads, head_dim=cfg.head_dim,
-            n_groups=cfg.n_groups, dt_col0=c0 + cfg.d_inner + cfg.conv_dim, dt_limit=cfg.dt_limit,
-            row=row)
+        args, conv = _mamba_decode_args(layer, zxbcdt, c0, batch, st)
+        y, ssm = ssm_decode_packed(**args)
         return finish(y, zxbcdt[..., c0:c0 + cfg.d_inner], dtype), Mamba2State(conv, ssm)
     w, bias = layer.param("conv_weight"), layer.conv_bias_value()
     z, xbc, dt = _split_in(layer, zxbcdt, c0)
@@ -370,14 +387,23 @@ def _temporal(block: Block, u: jax.Array, batch: RaggedBatch, cache: LayerCache,
             acfg = block.attention.cfg
             qw, kw = acfg.num_heads * acfg.head_dim, acfg.num_kv_heads * acfg.head_dim
             fused, col = (proj, (0, qw, qw + kw)), qw + 2 * kw
-        x = None if fused is not None else _scale(u, cfg.attention_in_multiplier)
-        a, kv = _attention(block.attention, x, batch, kv, group, decode, q, fused, project_out,
-                           merge=not merged)
-        branches.append((a, cfg.attention_out_multiplier))
-    if block.mamba is not None:
-        x = None if proj is not None else _scale(u, cfg.ssm_in_multiplier)
-        m, mamba = _mamba(block.mamba, x, batch, mamba, decode, q, proj, col, project_out, raw=merged)
-        branches.append((m, cfg.ssm_out_multiplier))
+    if merged and u.shape[0] <= PARALLEL_DECODE_ROWS:
+        # Paged decode and the Mamba2 state update in one launch (pallas_kernels/parallel_decode.py).
+        ssm_args, conv = _mamba_decode_args(block.mamba, proj, col, batch, mamba)
+        (a, k_pages, v_pages), (m, ssm) = attention_ssm_decode(
+            _fused_decode_args(block.attention, fused, batch, kv, group), ssm_args)
+        kv, mamba = KVCache(k_pages, v_pages), Mamba2State(conv, ssm)
+        branches += [(a, cfg.attention_out_multiplier), (m, cfg.ssm_out_multiplier)]
+    else:
+        if block.attention is not None:
+            x = None if fused is not None else _scale(u, cfg.attention_in_multiplier)
+            a, kv = _attention(block.attention, x, batch, kv, group, decode, q, fused, project_out,
+                               merge=not merged)
+            branches.append((a, cfg.attention_out_multiplier))
+        if block.mamba is not None:
+            x = None if proj is not None else _scale(u, cfg.ssm_in_multiplier)
+            m, mamba = _mamba(block.mamba, x, batch, mamba, decode, q, proj, col, project_out, raw=merged)
+            branches.append((m, cfg.ssm_out_multiplier))
     if merged:  # one launch from the kernels' outputs to fused_out's input (decode_glue.py)
         norm = block.mamba.norm
         x = mixer_merge(branches[0][0], branches[1][0], proj, norm.weight[...], z_col=col,
@@ -414,6 +440,9 @@ def _temporal(block: Block, u: jax.Array, batch: RaggedBatch, cache: LayerCache,
 # took several kernels (pallas_kernels/decode_glue.py): `_merged_decode`, `_glued_residual`.
 # HYBRID_JAX_DECODE_GLUE=0 turns both off (A/B measurements; the executable store keys on it).
 DECODE_GLUE = os.environ.get("HYBRID_JAX_DECODE_GLUE", "1") != "0"
+# Decode steps of at most this many rows launch a merged layer's paged decode and Mamba2
+# state update as one grid (`attention_ssm_decode`). HYBRID_JAX_PARALLEL_DECODE_ROWS=0: apart.
+PARALLEL_DECODE_ROWS = int(os.environ.get("HYBRID_JAX_PARALLEL_DECODE_ROWS", "64"))
 
 
 def _merged_decode(block: Block, kv: KVCache | None, decode: bool, q: int) -> bool:

@@ -37,6 +37,7 @@ from pallas_kernels.paged_attention_ref import (
     paged_attention_decode_reference,
     paged_attention_prefill_reference,
 )
+from pallas_kernels.parallel_decode import attention_ssm_decode
 from pallas_kernels.skinny_gemm import (
     skinny_config,
     skinny_fits,
@@ -52,6 +53,7 @@ __all__ = [
     "Impl",
     "add_rms_norm",
     "add_rms_norm_reference",
+    "attention_ssm_decode",
     "conv1d_decode",
     "conv1d_decode_reference",
     "conv1d_ragged",

@@ -22,12 +22,20 @@ import jax.numpy as jnp
 
 from pallas_kernels.backend import Impl, resolve_impl
 from pallas_kernels.decode_glue import DecodeParts
+from pallas_kernels.horizontal import Deferred
 from pallas_kernels.paged_attention_ref import (
     paged_attention_decode_reference,
     paged_attention_prefill_reference,
     rope_reference,
 )
-from pallas_kernels.paged_decode import NUM_SMS, decode_fused_pallas, decode_pallas, default_splits
+from pallas_kernels.paged_decode import (
+    NUM_SMS,
+    FusedStatic,
+    decode_fused_pallas,
+    decode_pallas,
+    default_splits,
+    fused_outputs,
+)
 from pallas_kernels.paged_prefill import prefill_pallas
 from pallas_kernels.paged_tiles import TileConfig
 
@@ -175,7 +183,8 @@ def paged_attention_decode_fused(
     scale: float | None = None,
     impl: Impl | None = None,
     merge: bool = True,
-) -> tuple[jax.Array | DecodeParts, jax.Array, jax.Array]:
+    defer: bool = False,
+) -> tuple[jax.Array | DecodeParts, jax.Array, jax.Array] | Deferred:
     """A decode step's attention from the fused q/k/v projection, RoPE and K/V write included.
 
     proj [b, W]: each sequence's projection row, q's `heads` heads starting at column
@@ -194,7 +203,9 @@ def paged_attention_decode_fused(
 
     merge False returns the attention as `DecodeParts` instead of o: the kernel's split
     partial states unmerged (`decode_glue.mixer_merge` merges them in the launch that
-    follows); the reference impl gives them merged, as merge True returns them.
+    follows); the reference impl gives them merged, as merge True returns them. defer (with
+    merge False): where the kernel would launch, return it as a `horizontal.Deferred`
+    instead (`parallel_decode` launches it beside the Mamba2 state update).
     """
     b, e = proj.shape[0], k_pages.shape[3]
     nk, r = k_pages.shape[0], cos.shape[-1]
@@ -223,13 +234,23 @@ def paged_attention_decode_fused(
                                o.dtype), k_pages, v_pages
         return o, k_pages, v_pages
     cfg, splits = _decode_tuning(k_pages, page_table, b, 1, window, softcap, scale)
+    static = FusedStatic(cfg, splits, heads, tuple(cols), float(key_multiplier))
+    operands = (proj, cos, sin, k_pages, v_pages, slot_mapping, lengths, page_table)
+
+    def parts(out):
+        o, k_pages, v_pages = out
+        o = DecodeParts(*((*o, None, None) if len(o) == 1 else o), heads // nk, k_pages.dtype)
+        return o, k_pages, v_pages
+
+    if defer:
+        if merge:
+            raise ValueError("defer needs merge=False")
+        return Deferred(static, operands, 4, lambda out: parts(fused_outputs(out, heads, False)))
     o, k_pages, v_pages = decode_fused_pallas(
-        proj, cos, sin, k_pages, v_pages, slot_mapping, lengths, page_table, cfg=cfg,
-        splits=splits, heads=heads, cols=tuple(cols), key_multiplier=float(key_multiplier),
-        num_warps=4, num_stages=1, interpret=impl == "interpret", merge=merge)
+        *operands, **static._asdict(), num_warps=4, num_stages=1, interpret=impl == "interpret",
+        merge=merge)
     if not merge:
-        parts = (*o, None, None) if len(o) == 1 else o
-        return DecodeParts(*parts, heads // nk, k_pages.dtype), k_pages, v_pages
+        return parts((o, k_pages, v_pages))
     return o.astype(proj.dtype), k_pages, v_pages
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +34,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.horizontal import Block, Part, launch_parts
 from pallas_kernels.paged_tiles import (
     TileConfig,
     attend_one,
@@ -186,9 +188,9 @@ def _roped(proj_ref, idx, idx_rot, sign, c, sn, multiplier):
 
 def _decode_fused_kernel(lens_ref, pt_ref, slot_ref, cos_ref, sin_ref, proj_ref, k_ref, v_ref,
                          *out_refs, cfg: TileConfig, splits: int, group: int, rows: int, width: int,
-                         rope_dim: int, cols: tuple[int, int, int], key_multiplier: float):
-    """One program of `decode_fused_pallas`: (sequence b, KV head j, split s)."""
-    b, j, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+                         rope_dim: int, cols: tuple[int, int, int], key_multiplier: float, pids):
+    """One program of `decode_fused_pallas`: pids (sequence b, KV head j, split s)."""
+    b, j, s = pids
     *att_refs, kp_out, vp_out = out_refs
     _, page_size, e = k_ref.shape
     length = lens_ref[b]
@@ -235,6 +237,57 @@ def _decode_fused_kernel(lens_ref, pt_ref, slot_ref, cos_ref, sin_ref, proj_ref,
     _store(carry, att_refs)
 
 
+class FusedStatic(NamedTuple):
+    """The static arguments of a fused decode launch (`decode_fused_part`)."""
+
+    cfg: TileConfig
+    splits: int
+    heads: int
+    cols: tuple[int, int, int]
+    key_multiplier: float
+
+
+def decode_fused_part(proj, cos, sin, k_pages, v_pages, slot_mapping, lengths, page_table, *,
+                      cfg, splits, heads, cols, key_multiplier) -> Part:
+    """The fused decode kernel as a `horizontal.Part` on grid (b, kv heads, splits). Its
+    outputs: the attention (`split_outputs`), then k_pages and v_pages (aliased)."""
+    nk, n_pages, s, e = k_pages.shape
+    b, width = proj.shape
+    g = heads // nk
+    rows = query_rows(1, g)
+    pool = Block((None, n_pages, s, e), lambda i, j, x: (j, 0, 0, 0))
+    out_shape, _ = split_outputs(splits, b, nk, rows, e, k_pages.dtype)
+    if splits == 1:
+        out_shape = (out_shape,)
+        att = (Block((None, None, rows, e), lambda i, j, x: (i, j, 0, 0)),)
+    else:
+        ml = Block((None, None, None, rows), lambda i, j, x: (x, i, j, 0))
+        att = (Block((None, None, None, rows, e), lambda i, j, x: (x, i, j, 0, 0)), ml, ml)
+    pools = (jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype),
+             jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype))
+    n_out = len(out_shape) + 2
+    body = functools.partial(_decode_fused_kernel, cfg=cfg, splits=splits, group=g, rows=rows,
+                             width=width, rope_dim=cos.shape[1], cols=cols,
+                             key_multiplier=key_multiplier)
+    operands = (lengths, page_table.reshape(-1), slot_mapping, cos.reshape(-1), sin.reshape(-1),
+                proj.reshape(-1), k_pages, v_pages)
+    return Part(body, (b, nk, splits), operands, (None,) * 6 + (pool, pool),
+                (*out_shape, *pools), (*att, pool, pool), {6: n_out - 2, 7: n_out - 1})
+
+
+def fused_outputs(out, heads: int, merge: bool):
+    """A fused decode launch's outputs -> `decode_fused_pallas`'s return value."""
+    *att, k_pages, v_pages = out
+    if not merge:
+        return tuple(att), k_pages, v_pages
+    if len(att) > 1:
+        o = _merge_splits(*lax.optimization_barrier(tuple(att))).astype(k_pages.dtype)
+    else:
+        (o,) = att
+    b, nk = o.shape[0], k_pages.shape[0]
+    return o[:, :, :heads // nk].reshape(b, heads, -1), k_pages, v_pages
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "splits", "heads", "cols", "key_multiplier",
                                              "num_warps", "num_stages", "interpret", "merge"))
 def decode_fused_pallas(proj, cos, sin, k_pages, v_pages, slot_mapping, lengths, page_table, *,
@@ -245,39 +298,9 @@ def decode_fused_pallas(proj, cos, sin, k_pages, v_pages, slot_mapping, lengths,
     fused`). Returns (o [b, heads, e] in the pools' dtype, k_pages, v_pages), the pools
     updated in place (aliased). merge False: ((o,) [b, kv heads, rows, e] with one split, else
     (o, m, l), each split's partial state (`split_outputs`), k_pages, v_pages)."""
-    nk, n_pages, s, e = k_pages.shape
-    b, width = proj.shape
-    g = heads // nk
-    rows = query_rows(1, g)
-    pool_spec = pl.BlockSpec((None, n_pages, s, e), lambda i, j, x: (j, 0, 0, 0))
-    out_shape, out_specs = split_outputs(splits, b, nk, rows, e, k_pages.dtype)
-    pools = (jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype),
-             jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype))
-    out_shape = (*(out_shape if splits > 1 else (out_shape,)), *pools)
-    out_specs = (*(out_specs if splits > 1 else (out_specs,)), pool_spec, pool_spec)
-    pt_flat = page_table.reshape(-1)
-    flat = (proj.reshape(-1), cos.reshape(-1), sin.reshape(-1))
-    n_out = len(out_shape)
-    out = pl.pallas_call(
-        functools.partial(_decode_fused_kernel, cfg=cfg, splits=splits, group=g, rows=rows,
-                          width=width, rope_dim=cos.shape[1], cols=cols,
-                          key_multiplier=key_multiplier),
-        grid=(b, nk, splits),
-        in_specs=[_whole(lengths.shape), _whole(pt_flat.shape), _whole(slot_mapping.shape),
-                  _whole(flat[1].shape), _whole(flat[2].shape), _whole(flat[0].shape),
-                  pool_spec, pool_spec],
-        out_specs=out_specs,
-        out_shape=out_shape,
-        input_output_aliases={6: n_out - 2, 7: n_out - 1},
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        interpret=interpret,
-        name="paged_decode_fused",
-    )(lengths, pt_flat, slot_mapping, flat[1], flat[2], flat[0], k_pages, v_pages)
-    *att, k_pages, v_pages = out
-    if not merge:
-        return tuple(att), k_pages, v_pages
-    if splits > 1:
-        o = _merge_splits(*lax.optimization_barrier(tuple(att))).astype(k_pages.dtype)
-    else:
-        (o,) = att
-    return o[:, :, :g].reshape(b, heads, e), k_pages, v_pages
+    part = decode_fused_part(proj, cos, sin, k_pages, v_pages, slot_mapping, lengths, page_table,
+                             cfg=cfg, splits=splits, heads=heads, cols=cols,
+                             key_multiplier=key_multiplier)
+    out = launch_parts((part,), impl="interpret" if interpret else "pallas", num_warps=num_warps,
+                       num_stages=num_stages, name="paged_decode_fused")
+    return fused_outputs(out, heads, merge)

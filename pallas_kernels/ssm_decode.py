@@ -25,6 +25,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.backend import Impl, resolve_impl
+from pallas_kernels.horizontal import Deferred, Part, launch_parts
 from pallas_kernels.launch import channel_block, is_pow2, launch
 from pallas_kernels.ssm_common import check_mamba_args, effective_dt, silu
 
@@ -104,7 +105,7 @@ def ssm_decode_reference(
 
 
 def _decode_body(*refs, hpg: int, bp: int, hb: int, loops: int, order: str,
-                 evict: str | None, gated: bool, packed: Packed | None = None):
+                 evict: str | None, gated: bool, packed: Packed | None = None, pids=None):
     """One program: heads [h0, h0 + hb) x rows [pb * loops * bp, + loops * bp) of one sequence.
 
     order "shp": grid (b, h / hb, p / rows), the sequence varies fastest across programs;
@@ -112,18 +113,18 @@ def _decode_body(*refs, hpg: int, bp: int, hb: int, loops: int, order: str,
     loops > 1 walks the rows in `loops` blocks of bp with a fori_loop (Triton may pipeline).
     `packed` (hb = 1): x, B and C are read from one activated xBC row [b, conv_dim], the raw
     dt from columns of the in_proj output, dt's softplus and A = -exp(A_log) are computed
-    here (see `ssm_decode_packed`).
+    here (see `ssm_decode_packed`). pids: the grid's program ids (`horizontal.Part`), else
+    `pl.program_id`.
     """
+    if pids is None:
+        pids = tuple(pl.program_id(a) for a in range(3))
     if gated:
         slot_ref, dt_ref, a_ref, d_ref, x_ref, b_ref, c_ref, st_ref, z_ref, y_ref, st_out = refs
     elif packed is None:
         slot_ref, dt_ref, a_ref, d_ref, x_ref, b_ref, c_ref, st_ref, y_ref, st_out = refs
     else:
         row_ref, slot_ref, dt_ref, a_ref, d_ref, bias_ref, x_ref, st_ref, y_ref, st_out = refs
-    if order == "shp":
-        s, hp, pb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    else:
-        pb, hp, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    s, hp, pb = pids if order == "shp" else pids[::-1]
     h0 = hp * hb
     heads = pl.ds(h0, hb)
     slot = slot_ref[s]
@@ -211,7 +212,7 @@ def _decode_pallas(x, dte, A, B, C, D, states, slot_ids, z, *, impl, block_p, nu
 def ssm_decode_packed(
     xbc, zxbcdt, A_log, D, dt_bias, states, slot_ids, *, num_heads: int, head_dim: int,
     n_groups: int, dt_col0: int, dt_limit=(0.0, float("inf")), impl: Impl | None = None,
-    row: int | None = None,
+    row: int | None = None, defer: bool = False,
 ):
     """`ssm_decode` reading its inputs where a Mamba2 layer has them, with no XLA glue.
 
@@ -223,6 +224,8 @@ def ssm_decode_packed(
     computed inside the kernel instead of by four to six small XLA kernels per layer.
     `row`: A_log, D and dt_bias are stacks [L, h] (every layer's, hybrid_jax/fusion.py),
     read at row `row` in place (slices would be copied before the custom call).
+    defer: where the kernel would launch, return it as a `horizontal.Deferred` instead
+    (`parallel_decode` launches it beside paged decode).
     """
     impl = resolve_impl(impl)
     if row is not None and any(a.ndim != 2 or not 0 <= row < a.shape[0] for a in (A_log, D, dt_bias)):
@@ -257,25 +260,41 @@ def ssm_decode_packed(
     packed = Packed(p, h * p, gn, n, dt_col0, tuple(map(float, dt_limit)))
     # The row is an operand, not part of the static key: every layer's call is one
     # function, lowered once per executable (cold start-up; decode_glue._row_arg).
-    return _decode_packed_pallas(jnp.full((1,), row, jnp.int32), xbc, zxbcdt, A_log, D, dt_bias,
-                                 states, slot_ids.astype(jnp.int32), impl=impl, packed=packed,
-                                 **tuning)
+    operands = (jnp.full((1,), row, jnp.int32), xbc, zxbcdt, A_log, D, dt_bias, states,
+                slot_ids.astype(jnp.int32))
+    if defer:
+        num_warps = tuning.pop("num_warps")
+        return Deferred(PackedStatic(packed, **tuning), operands, num_warps, tuple)
+    return _decode_packed_pallas(*operands, impl=impl, packed=packed, **tuning)
+
+
+class PackedStatic(NamedTuple):
+    """The static arguments of a packed decode launch (`decode_packed_part`)."""
+
+    packed: Packed
+    block_p: int
+    order: str = "shp"
+    evict: str | None = None
+
+
+def decode_packed_part(row, xbc, zxbcdt, A_log, D, dt_bias, states, slot_ids, *, packed, block_p,
+                       order="shp", evict=None) -> Part:
+    """The packed decode kernel as a `horizontal.Part`; outputs y [b, h, p], states (aliased)."""
+    b = xbc.shape[0]
+    h, p, n = states.shape[1], states.shape[2], states.shape[3]
+    body = functools.partial(_decode_body, hpg=h // (packed.gn // n), bp=block_p, hb=1, loops=1,
+                             order=order, evict=evict, gated=False, packed=packed)
+    nblk = p // block_p
+    operands = (row, slot_ids, zxbcdt, A_log, D, dt_bias, xbc, states)
+    out_shape = (jax.ShapeDtypeStruct((b, h, p), xbc.dtype),
+                 jax.ShapeDtypeStruct(states.shape, states.dtype))
+    grid = (b, h, nblk) if order == "shp" else (nblk, h, b)
+    return Part(body, grid, operands, (None,) * 8, out_shape, (None, None), {7: 1})
 
 
 @functools.partial(jax.jit, static_argnames=("impl", "packed", "block_p", "num_warps", "order", "evict"))
 def _decode_packed_pallas(row, xbc, zxbcdt, A_log, D, dt_bias, states, slot_ids, *, impl, packed,
                           block_p, num_warps, order="shp", evict=None):
-    b = xbc.shape[0]
-    h, p, n = states.shape[1], states.shape[2], states.shape[3]
-    hpg = h // (packed.gn // n)
-    kernel = functools.partial(_decode_body, hpg=hpg, bp=block_p, hb=1, loops=1, order=order,
-                               evict=evict, gated=False, packed=packed)
-    nblk = p // block_p
-    grid = (b, h, nblk) if order == "shp" else (nblk, h, b)
-    call = launch(
-        kernel, impl=impl, grid=grid,
-        out_shape=[jax.ShapeDtypeStruct((b, h, p), xbc.dtype),
-                   jax.ShapeDtypeStruct(states.shape, states.dtype)],
-        aliases={7: 1}, num_warps=num_warps, name="ssm_decode",
-    )
-    return call(row, slot_ids, zxbcdt, A_log, D, dt_bias, xbc, states)
+    part = decode_packed_part(row, xbc, zxbcdt, A_log, D, dt_bias, states, slot_ids, packed=packed,
+                              block_p=block_p, order=order, evict=evict)
+    return launch_parts((part,), impl=impl, num_warps=num_warps, num_stages=None, name="ssm_decode")

@@ -1,6 +1,7 @@
 """A fused model's decode step with its glue in single launches (pallas_kernels/decode_glue.py:
 `add_rms_norm` for every residual add and the norm after it, `mixer_merge` for a parallel
-hybrid layer's split merge, gated norm and concatenation) gives the logits and caches of
+hybrid layer's split merge, gated norm and concatenation; `attention_ssm_decode` for its
+paged decode and Mamba2 state update) gives the logits and caches of
 the same model with the glue as XLA ops (`ragged.DECODE_GLUE` off). The kernels run in
 interpret mode, paged decode with three splits, so the merge of split partial states is
 the kernel's. Also: which models take the glued path, and that the unfused model never
@@ -22,7 +23,7 @@ from hybrid_jax.config import AttentionConfig, LayerSpec, Mamba2Config, MLPConfi
 from hybrid_jax.fusion import fuse_projections
 from hybrid_jax.layers import linear
 from hybrid_jax.model import CausalLM
-from pallas_kernels import add_rms_norm, mixer_merge, paged_attention_decode_fused
+from pallas_kernels import add_rms_norm, attention_ssm_decode, mixer_merge, paged_attention_decode_fused
 from tests.model.test_ragged_forward import MAX_LEN, Harness, decode_after
 
 
@@ -43,20 +44,23 @@ def _randomize_norms(model: CausalLM, seed: int) -> None:
             var.value = jnp.asarray(1 + 0.3 * rng.standard_normal(var.value.shape), var.value.dtype)
 
 
-@pytest.mark.parametrize("cfg,split_k", [
-    (_config(), False), (_config(), True),
-    (_config(norm_offset=True, attention_out_multiplier=0.5), True),
-], ids=["parallel", "parallel-split-k", "offset-norms-no-fused-out-split-k"])
-def test_glued_decode_equals_xla_glue(monkeypatch, cfg, split_k):
+@pytest.mark.parametrize("cfg,split_k,one_launch", [
+    (_config(), False, False), (_config(), True, False), (_config(), True, True),
+    (_config(norm_offset=True, attention_out_multiplier=0.5), True, True),
+], ids=["parallel", "parallel-split-k", "parallel-split-k-one-launch", "offset-norms-no-fused-out-split-k"])
+def test_glued_decode_equals_xla_glue(monkeypatch, cfg, split_k, one_launch):
     """split_k: the fused out-projections and down-projections leave depth parts
-    (`Linear.partials`, two here) that `add_rms_norm` sums (as on a GPU at 2-64 rows)."""
+    (`Linear.partials`, two here) that `add_rms_norm` sums (as on a GPU at 2-64 rows).
+    one_launch: each merged layer's paged decode and Mamba2 state update run as one
+    interpret-mode launch (`attention_ssm_decode`); else paged decode alone is a kernel."""
     monkeypatch.setattr(linear, "SPLIT_K", split_k)  # off means off on a GPU too
     monkeypatch.setattr(linear, "SPLIT_K_ANY_BACKEND", split_k)
+    monkeypatch.setattr(ragged, "PARALLEL_DECODE_ROWS", 64 if one_launch else 0)
     model = CausalLM(cfg, rngs=nnx.Rngs(4))
     _randomize_norms(model, 1)
     fused = fuse_projections(model)
     prompts = [np.random.default_rng(n).integers(0, 64, n).tolist() for n in (3, 9, 14)]
-    calls = {"add_rms_norm": 0, "mixer_merge": 0, "partials": 0}
+    calls = {"add_rms_norm": 0, "mixer_merge": 0, "partials": 0, "attention_ssm_decode": 0}
     partials = linear.Linear.partials
 
     def count_partials(self, x, parts):
@@ -82,6 +86,12 @@ def test_glued_decode_equals_xla_glue(monkeypatch, cfg, split_k):
             m.setattr(ragged, "mixer_merge", counted(mixer_merge, "mixer_merge"))
             m.setattr(ragged, "paged_attention_decode_fused",
                       lambda *a, **kw: paged_attention_decode_fused(*a, **kw, impl="interpret"))
+
+            def one_launch(attention, ssm):
+                calls["attention_ssm_decode"] += 1
+                return attention_ssm_decode(attention | {"impl": "interpret"}, ssm | {"impl": "interpret"})
+
+            m.setattr(ragged, "attention_ssm_decode", one_launch)
             logits = decode_after(h, prompts, MAX_LEN - 14 - 1)  # past the window of 6 and pages
         return logits, h.caches
 
@@ -94,6 +104,7 @@ def test_glued_decode_equals_xla_glue(monkeypatch, cfg, split_k):
     assert traces >= 1 and calls["add_rms_norm"] == 8 * traces
     assert calls["mixer_merge"] == traces * (2 if cfg.attention_out_multiplier == 1.0 else 0)
     assert calls["partials"] == (5 * traces + calls["mixer_merge"] if split_k else 0)
+    assert calls["attention_ssm_decode"] == (calls["mixer_merge"] if one_launch else 0)
     seen = dict(calls)
     want, want_caches = serve(False)
     assert calls == seen, "the run with DECODE_GLUE off took a glued path"
