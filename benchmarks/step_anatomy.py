@@ -384,7 +384,13 @@ def main() -> None:
     p.add_argument("--top", type=int, default=150, help="kernels kept in the JSON, by time (0: all)")
     p.add_argument("--split-min-tiles", type=int, default=None,
                    help="paged decode's MIN_TILES_PER_SPLIT for this run (A/B of the split heuristic)")
+    p.add_argument("--decode-splits", type=int, default=None,
+                   help="paged decode's splits for this run, whatever the batch (A/B of the heuristic)")
     a = p.parse_args()
+    if a.decode_splits is not None:
+        import pallas_kernels.paged_attention as paged_attention
+        paged_attention.default_splits = lambda *_: a.decode_splits
+        os.environ["HYBRID_JAX_BENCH_DECODE_SPLITS"] = str(a.decode_splits)  # keys the store
     if a.split_min_tiles is not None:
         import pallas_kernels.paged_decode as paged_decode
         paged_decode.MIN_TILES_PER_SPLIT = a.split_min_tiles
