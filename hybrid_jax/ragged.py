@@ -442,7 +442,10 @@ def _temporal(block: Block, u: jax.Array, batch: RaggedBatch, cache: LayerCache,
 DECODE_GLUE = os.environ.get("HYBRID_JAX_DECODE_GLUE", "1") != "0"
 # Decode steps of at most this many rows launch a merged layer's paged decode and Mamba2
 # state update as one grid (`attention_ssm_decode`). HYBRID_JAX_PARALLEL_DECODE_ROWS=0: apart.
-PARALLEL_DECODE_ROWS = int(os.environ.get("HYBRID_JAX_PARALLEL_DECODE_ROWS", "64"))
+# H100, native-1b-parallel, the two kernels' time per step apart -> together: 0.226 -> 0.150
+# ms at B = 1, 0.585 -> 0.521 at 8, 2.04 -> 1.92 at 64, 5.05 -> 4.97 at 128; 6.78 -> 6.90 at
+# 256 (docs/benchmarks.md, eleventh pass).
+PARALLEL_DECODE_ROWS = int(os.environ.get("HYBRID_JAX_PARALLEL_DECODE_ROWS", "128"))
 
 
 def _merged_decode(block: Block, kv: KVCache | None, decode: bool, q: int) -> bool:

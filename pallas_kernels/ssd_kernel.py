@@ -79,7 +79,9 @@ def _ssd_jit(x, dt, A, B, C, D, dt_bias, cu, states, slot_ids, has_initial, z, *
     tab = chunk_table(cu, t, l)
     nc = tab.seq.shape[0]
     table = jnp.stack([tab.seq, tab.start, tab.end, tab.window])  # [4, c] int32
-    dte = effective_dt(dt, dt_bias, dt_limit).T  # [h, t]: rows contiguous per head
+    # [t, h] as the projection has it: a transposed copy here let XLA lay the whole
+    # in_proj output out column-major, and every other consumer then transposed it.
+    dte = effective_dt(dt, dt_bias, dt_limit)
     a32, d32 = A.astype(f32), D.astype(f32)
     dot_dtype = jnp.float32 if x.dtype == jnp.float32 else x.dtype
     geo = dict(l=l, bm=bm, hpg=h // g, b=b, dot_dtype=dot_dtype)
@@ -132,13 +134,13 @@ def _chunk_state_kernel(table_ref, dt_ref, a_ref, x_ref, b_ref, sc_ref, cum_ref,
     def _():
         win, a = table_ref[3, c], a_ref[hh]
         _, valid = _rows(table_ref, c, l, 0)
-        total = jnp.sum(jnp.where(valid, dt_ref[hh, pl.ds(win, l)], 0.0) * a)
+        total = jnp.sum(jnp.where(valid, dt_ref[pl.ds(win, l), hh], 0.0) * a)
 
         def body(kb, carry):  # bm rows at a time, so loads pipeline with the dots
             acc, run = carry
             _, vk = _rows(table_ref, c, bm, kb * bm)
             rows = pl.ds(win + kb * bm, bm)
-            dt = jnp.where(vk, dt_ref[hh, rows], 0.0)
+            dt = jnp.where(vk, dt_ref[rows, hh], 0.0)
             cum = run + jnp.cumsum(dt * a)
             cum_ref[hh, c, pl.ds(kb * bm, bm)] = cum
             x = jnp.where(vk[:, None], x_ref[rows, hh, :], 0).astype(dot_dtype)
@@ -217,7 +219,7 @@ def _chunk_rows(table_ref, dt_ref, cum_ref, x_ref, b_ref, c_ref, enter_ref, head
         causal = rows_m[:, None] >= rows_k[None, :]
         new = []
         for hh, cum_mh, acc in zip(heads, cum_m, accs, strict=True):
-            dt_k = jnp.where(valid_k, dt_ref[hh, rows], 0.0)
+            dt_k = jnp.where(valid_k, dt_ref[rows, hh], 0.0)
             cum_k = cum_ref[hh, c, pl.ds(kb * bm, bm)]
             x_k = jnp.where(valid_k[:, None], x_ref[rows, hh, :], 0).astype(dot_dtype)
             decay = jnp.exp(jnp.where(causal, cum_mh[:, None] - cum_k[None, :], -jnp.inf))
