@@ -18,6 +18,9 @@ with a window one shorter) through the same tile loop; the last split adds the c
 token from registers, and split 0 writes its k and v into their page slot, which no
 program reads (no ordering between programs is needed).
 
+`decode_fused_part` is that kernel as a `horizontal.Part`, which `parallel_decode` launches
+beside the Mamba2 state update in one grid.
+
 This module knows the page layout and the ring table, not the serving engine:
 argument checking lives in `paged_attention.py`.
 """
