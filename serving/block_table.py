@@ -32,6 +32,7 @@ scheduling policy or devices.
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 
 import numpy as np
@@ -187,9 +188,11 @@ class KVGroup:
         """Where tokens [n, n + c) are written: page * s + offset, flattened page axis."""
         s = self.page_size
         first, pages = ring.first, ring.pages
-        out = []
-        for pos in range(n, n + c):
-            i = pos // s - first
-            assert 0 <= i < len(pages), (pos, first, len(pages))
-            out.append(pages[i] * s + pos % s)
-        return out
+        lo, hi = n // s - first, (n + c - 1) // s - first
+        assert c <= 0 or 0 <= lo <= hi < len(pages), (n, c, first, len(pages))
+        if c < 64:  # decodes and short chunks: numpy's fixed cost would dominate
+            return [pages[pos // s - first] * s + pos % s for pos in range(n, n + c)]
+        # A long chunk (8192 tokens: ~4 ms in the loop above on the development CPU).
+        held = np.fromiter(itertools.islice(pages, lo, hi + 1), np.int64, count=hi - lo + 1)
+        pos = np.arange(n, n + c)
+        return (held[pos // s - n // s] * s + pos % s).tolist()

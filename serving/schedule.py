@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
@@ -178,7 +179,9 @@ def flatten(schedule: Schedule) -> StepArrays:
     cu_seqlens = np.zeros(len(entries) + 1, dtype=i32)
     np.cumsum(query_lens, out=cu_seqlens[1:])
     t = int(cu_seqlens[-1])
-    token_ids = np.fromiter((tok for e in entries for tok in e.token_ids), dtype=i32, count=t)
+    # chain.from_iterable walks the entries' tuples in C (a generator per token cost ~1 ms
+    # per 8192-token chunk on the development CPU).
+    token_ids = np.fromiter(chain.from_iterable(e.token_ids for e in entries), dtype=i32, count=t)
     # positions: start_i + (0 .. c_i - 1) for each sequence, without a Python loop per token.
     positions = np.arange(t, dtype=i32) - np.repeat(cu_seqlens[:-1] - starts, query_lens)
     num_groups = len(schedule.group_names)
@@ -189,7 +192,7 @@ def flatten(schedule: Schedule) -> StepArrays:
         for g in range(num_groups)
     )
     slot_mappings = tuple(
-        np.fromiter((x for e in entries for x in e.slot_mappings[g]), dtype=i32, count=t)
+        np.fromiter(chain.from_iterable(e.slot_mappings[g] for e in entries), dtype=i32, count=t)
         for g in range(num_groups)
     )
     return StepArrays(
