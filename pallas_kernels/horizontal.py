@@ -26,9 +26,9 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.backend import Impl
+from pallas_kernels.launch import impl_kwargs
 
 IndexFn = Callable[..., tuple]  # the part's program ids -> block indices
 
@@ -97,7 +97,6 @@ def _spec(block: Block | None, shape, ids: Callable) -> pl.BlockSpec:
 def launch_parts(parts: Sequence[Part], *, impl: Impl, num_warps: int, num_stages: int | None,
                  name: str) -> tuple[jax.Array, ...]:
     """Run the parts in one `pallas_call`; returns every part's outputs, in order."""
-    assert impl in ("pallas", "interpret"), impl
     if len(parts) == 1:
         (part,) = parts
         grid, id_maps, starts = part.grid, [lambda *g: g], [0]
@@ -136,9 +135,7 @@ def launch_parts(parts: Sequence[Part], *, impl: Impl, num_warps: int, num_stage
 
             a, b = a + ni, b + no
 
-    extra = ({"interpret": True} if impl == "interpret" else
-             {"compiler_params": plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)})
     return pl.pallas_call(
         kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=tuple(out_shape),
-        input_output_aliases=aliases, name=name, **extra,
+        input_output_aliases=aliases, name=name, **impl_kwargs(impl, num_warps, num_stages),
     )(*operands)

@@ -34,20 +34,22 @@ def launch(
     name: str | None = None,
 ) -> Callable[..., tuple[jax.Array, ...]]:
     """`pallas_call` over whole-array refs; `impl` is "pallas" or "interpret"."""
-    assert impl in ("pallas", "interpret"), impl
-    extra = (
-        {"interpret": True}
-        if impl == "interpret"
-        else {"compiler_params": plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)}
-    )
     return pl.pallas_call(
         kernel,
         grid=grid,
         out_shape=tuple(out_shape),
         input_output_aliases=aliases or {},
         name=name,
-        **extra,
+        **impl_kwargs(impl, num_warps, num_stages),
     )
+
+
+def impl_kwargs(impl: Impl, num_warps: int, num_stages: int | None) -> dict:
+    """`pallas_call`'s keywords for `impl` ("pallas": Triton warps and stages; "interpret")."""
+    assert impl in ("pallas", "interpret"), impl
+    if impl == "interpret":
+        return {"interpret": True}
+    return {"compiler_params": plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)}
 
 
 def dot(a: jax.Array, b: jax.Array, *, trans_a: bool = False, trans_b: bool = False) -> jax.Array:

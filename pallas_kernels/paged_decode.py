@@ -108,17 +108,25 @@ def _merge_splits(o, m, l):
     return o_all / jnp.where(l_all == 0.0, 1.0, l_all)[..., None]
 
 
-def split_outputs(splits: int, b: int, nk: int, rows: int, e: int, dtype):
-    """(out_shape, out_specs) of a decode launch on grid (b, nk, splits): the normalised
-    output [b, nk, rows, e] with one split, else each split's partial state o [S, b, nk,
-    rows, e], m and l [S, b, nk, rows] in f32 (`_merge_splits` combines them)."""
+def split_blocks(splits: int, b: int, nk: int, rows: int, e: int, dtype):
+    """(out_shapes, blocks) of a decode launch on grid (b, nk, splits), as tuples: the
+    normalised output [b, nk, rows, e] with one split, else each split's partial state o
+    [S, b, nk, rows, e], m and l [S, b, nk, rows] in f32 (`_merge_splits` combines them)."""
     if splits == 1:
-        return (jax.ShapeDtypeStruct((b, nk, rows, e), dtype),
-                pl.BlockSpec((None, None, rows, e), lambda i, j, x: (i, j, 0, 0)))
+        return ((jax.ShapeDtypeStruct((b, nk, rows, e), dtype),),
+                (Block((None, None, rows, e), lambda i, j, x: (i, j, 0, 0)),))
     ml = jax.ShapeDtypeStruct((splits, b, nk, rows), jnp.float32)
-    ml_spec = pl.BlockSpec((None, None, None, rows), lambda i, j, x: (x, i, j, 0))
+    ml_block = Block((None, None, None, rows), lambda i, j, x: (x, i, j, 0))
     return ((jax.ShapeDtypeStruct((splits, b, nk, rows, e), jnp.float32), ml, ml),
-            (pl.BlockSpec((None, None, None, rows, e), lambda i, j, x: (x, i, j, 0, 0)), ml_spec, ml_spec))
+            (Block((None, None, None, rows, e), lambda i, j, x: (x, i, j, 0, 0)), ml_block, ml_block))
+
+
+def split_outputs(splits: int, b: int, nk: int, rows: int, e: int, dtype):
+    """`split_blocks` as a `pallas_call` takes them: (out_shape, out_specs), a single
+    array and spec with one split."""
+    shapes, blocks = split_blocks(splits, b, nk, rows, e, dtype)
+    specs = tuple(pl.BlockSpec(k.shape, k.index) for k in blocks)
+    return (shapes, specs) if splits > 1 else (shapes[0], specs[0])
 
 
 def query_rows(queries: int, group: int) -> int:
@@ -253,19 +261,13 @@ class FusedStatic(NamedTuple):
 def decode_fused_part(proj, cos, sin, k_pages, v_pages, slot_mapping, lengths, page_table, *,
                       cfg, splits, heads, cols, key_multiplier) -> Part:
     """The fused decode kernel as a `horizontal.Part` on grid (b, kv heads, splits). Its
-    outputs: the attention (`split_outputs`), then k_pages and v_pages (aliased)."""
+    outputs: the attention (`split_blocks`), then k_pages and v_pages (aliased)."""
     nk, n_pages, s, e = k_pages.shape
     b, width = proj.shape
     g = heads // nk
     rows = query_rows(1, g)
     pool = Block((None, n_pages, s, e), lambda i, j, x: (j, 0, 0, 0))
-    out_shape, _ = split_outputs(splits, b, nk, rows, e, k_pages.dtype)
-    if splits == 1:
-        out_shape = (out_shape,)
-        att = (Block((None, None, rows, e), lambda i, j, x: (i, j, 0, 0)),)
-    else:
-        ml = Block((None, None, None, rows), lambda i, j, x: (x, i, j, 0))
-        att = (Block((None, None, None, rows, e), lambda i, j, x: (x, i, j, 0, 0)), ml, ml)
+    out_shape, att = split_blocks(splits, b, nk, rows, e, k_pages.dtype)
     pools = (jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype),
              jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype))
     n_out = len(out_shape) + 2
