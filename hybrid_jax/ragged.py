@@ -247,18 +247,24 @@ def _mamba_step(layer: Mamba2Mixer, zxbcdt: jax.Array, c0: int, dtype, batch: Ra
 
 
 def _mamba_decode_args(layer: Mamba2Mixer, zxbcdt: jax.Array, c0: int, batch: RaggedBatch,
-                       st: Mamba2State) -> tuple[dict, jax.Array]:
+                       st: Mamba2State, fold: bool = False) -> tuple[dict, jax.Array | None]:
     """A decode step's conv (run here) -> (`ssm_decode_packed`'s arguments, the new conv
     states). The kernels read the in_proj output in place (no slices, no dt/A glue) and, in
-    a fused model, their parameters at this layer's row of the stacks (no copies)."""
+    a fused model, their parameters at this layer's row of the stacks (no copies).
+    fold: the SSM kernel runs the conv itself (no conv launch; conv states None here: the
+    kernel returns them with B's and C's channels left for `mixer_merge` to roll)."""
     cfg = layer.cfg
     (w, row), (bias, _) = layer.stacked("conv_weight"), layer.stacked("conv_bias")
-    xbc, conv = conv1d_decode(zxbcdt, w, bias, st.conv, batch.slot_ids, activation="silu",
-                              col0=c0 + cfg.d_inner, row=row)
-    return dict(xbc=xbc, zxbcdt=zxbcdt, A_log=layer.stacked("A_log")[0], D=layer.stacked("D")[0],
+    args = dict(zxbcdt=zxbcdt, A_log=layer.stacked("A_log")[0], D=layer.stacked("D")[0],
                 dt_bias=layer.stacked("dt_bias")[0], states=st.ssm, slot_ids=batch.slot_ids,
                 num_heads=cfg.num_heads, head_dim=cfg.head_dim, n_groups=cfg.n_groups,
-                dt_col0=c0 + cfg.d_inner + cfg.conv_dim, dt_limit=cfg.dt_limit, row=row), conv
+                dt_col0=c0 + cfg.d_inner + cfg.conv_dim, dt_limit=cfg.dt_limit, row=row)
+    if fold:
+        return dict(xbc=None, conv_weight=w, conv_bias=bias, conv_states=st.conv,
+                    xbc_col0=c0 + cfg.d_inner, **args), None
+    xbc, conv = conv1d_decode(zxbcdt, w, bias, st.conv, batch.slot_ids, activation="silu",
+                              col0=c0 + cfg.d_inner, row=row)
+    return dict(xbc=xbc, **args), conv
 
 
 def _mamba(layer: Mamba2Mixer, x: jax.Array | None, batch: RaggedBatch, st: Mamba2State,
@@ -276,9 +282,10 @@ def _mamba(layer: Mamba2Mixer, x: jax.Array | None, batch: RaggedBatch, st: Mamb
         finish = lambda y, z, dtype: y  # noqa: E731
     if (q or (decode and FUSED_MAMBA_DECODE)) and mamba2_step_fits(cfg.head_dim, cfg.state_size):
         return _mamba_step(layer, zxbcdt, c0, dtype, batch, st, q, finish)
-    if decode and not q:
-        args, conv = _mamba_decode_args(layer, zxbcdt, c0, batch, st)
-        y, ssm = ssm_decode_packed(**args)
+    if decode and not q:  # raw: a merged layer's, whose mixer_merge rolls B's and C's conv states
+        args, conv = _mamba_decode_args(layer, zxbcdt, c0, batch, st, fold=raw and _fold_conv(zxbcdt))
+        y, ssm, *folded = ssm_decode_packed(**args)
+        conv = folded[0] if folded else conv
         return finish(y, zxbcdt[..., c0:c0 + cfg.d_inner], dtype), Mamba2State(conv, ssm)
     w, bias = layer.param("conv_weight"), layer.conv_bias_value()
     z, xbc, dt = _split_in(layer, zxbcdt, c0)
@@ -389,10 +396,10 @@ def _temporal(block: Block, u: jax.Array, batch: RaggedBatch, cache: LayerCache,
             fused, col = (proj, (0, qw, qw + kw)), qw + 2 * kw
     if merged and u.shape[0] <= PARALLEL_DECODE_ROWS:
         # Paged decode and the Mamba2 state update in one launch (pallas_kernels/parallel_decode.py).
-        ssm_args, conv = _mamba_decode_args(block.mamba, proj, col, batch, mamba)
-        (a, k_pages, v_pages), (m, ssm) = attention_ssm_decode(
+        ssm_args, conv = _mamba_decode_args(block.mamba, proj, col, batch, mamba, fold=_fold_conv(u))
+        (a, k_pages, v_pages), (m, ssm, *folded) = attention_ssm_decode(
             _fused_decode_args(block.attention, fused, batch, kv, group), ssm_args)
-        kv, mamba = KVCache(k_pages, v_pages), Mamba2State(conv, ssm)
+        kv, mamba = KVCache(k_pages, v_pages), Mamba2State(folded[0] if folded else conv, ssm)
         branches += [(a, cfg.attention_out_multiplier), (m, cfg.ssm_out_multiplier)]
     else:
         if block.attention is not None:
@@ -406,9 +413,15 @@ def _temporal(block: Block, u: jax.Array, batch: RaggedBatch, cache: LayerCache,
             branches.append((m, cfg.ssm_out_multiplier))
     if merged:  # one launch from the kernels' outputs to fused_out's input (decode_glue.py)
         norm = block.mamba.norm
-        x = mixer_merge(branches[0][0], branches[1][0], proj, norm.weight[...], z_col=col,
-                        n_groups=norm.n_groups, eps=norm.eps, norm_before_gate=norm.norm_before_gate,
-                        row=norm.stack_row)
+        common = dict(z_col=col, n_groups=norm.n_groups, eps=norm.eps,
+                      norm_before_gate=norm.norm_before_gate, row=norm.stack_row)
+        if _fold_conv(u):  # the conv ran in the SSM kernel, which left B's and C's conv states
+            x, conv = mixer_merge(branches[0][0], branches[1][0], proj, norm.weight[...], **common,
+                                  conv_states=mamba.conv, slot_ids=batch.slot_ids,
+                                  xbc_col=col + block.mamba.cfg.d_inner)
+            mamba = Mamba2State(conv, mamba.ssm)
+        else:
+            x = mixer_merge(branches[0][0], branches[1][0], proj, norm.weight[...], **common)
         split = block.fused_out.split_k_parts(x.shape[0])
         if parts and split > 1 and block.recurrent is None and block.conv is None:
             return block.fused_out.partials(x, split), LayerCache(kv, mamba, rglru, short_conv)
@@ -446,6 +459,18 @@ DECODE_GLUE = os.environ.get("HYBRID_JAX_DECODE_GLUE", "1") != "0"
 # ms at B = 1, 0.585 -> 0.521 at 8, 2.04 -> 1.92 at 64, 5.05 -> 4.97 at 128; 6.78 -> 6.90 at
 # 256 (docs/benchmarks.md, eleventh pass).
 PARALLEL_DECODE_ROWS = int(os.environ.get("HYBRID_JAX_PARALLEL_DECODE_ROWS", "128"))
+# Decode steps of at most this many rows run a merged layer's conv inside the Mamba2 state
+# update's programs (each rolls its x channels' conv state; mixer_merge rolls B's and C's):
+# one launch less per layer. H100, native-1b-parallel, kernel time per step apart ->
+# folded: 1.579 -> 1.539 ms at B = 1, 2.134 -> 2.118 at 8; at 64 3.79 -> 3.95 (every
+# program convolving B and C made the one launch 8 us per layer slower; docs/benchmarks.md,
+# twelfth pass). HYBRID_JAX_FOLD_CONV_ROWS=0: conv1d_decode apart.
+FOLD_CONV_ROWS = int(os.environ.get("HYBRID_JAX_FOLD_CONV_ROWS", "16"))
+
+
+def _fold_conv(rows: jax.Array) -> bool:
+    """Whether a merged layer's decode step over these rows folds its conv (FOLD_CONV_ROWS)."""
+    return rows.shape[0] <= FOLD_CONV_ROWS
 
 
 def _merged_decode(block: Block, kv: KVCache | None, decode: bool, q: int) -> bool:

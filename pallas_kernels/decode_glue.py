@@ -2,6 +2,7 @@
 
     add_rms_norm(h, delta, w)   -> (h + delta, rms_norm(h + delta) * w)   (delta: or its parts)
     mixer_merge(attn, y, proj, w) -> [attention heads | gated_rms_norm(y, z) * w]
+                                     (and B's and C's conv states rolled, optionally)
 
 In a decode step each of these was two to five XLA kernels of 1-3 us: the residual add
 with its sum of squares, the norm's application; the merge of paged decode's split
@@ -183,15 +184,33 @@ class _MergeShape(NamedTuple):
     eps: float
     norm_before_gate: bool
     pool_dtype: str
+    conv: int = 0  # taps k: roll the B and C channels' conv states (0: no conv states)
+    xbc_col: int = 0  # the raw xBC's first column in proj
+    gn: int = 0  # channels of B (and of C)
 
 
 def _mixer_merge_kernel(row_ref, *refs, s: _MergeShape):
+    cst_ref = cst_out = slot_ref = None
+    if s.conv:
+        *refs, slot_ref, cst_ref, out_ref, cst_out = refs
+        refs = (*refs, out_ref)
     if s.splits:
         o_ref, m_ref, l_ref, y_ref, p_ref, w_ref, out_ref = refs
     else:
         o_ref, y_ref, p_ref, w_ref, out_ref = refs
     i, j = pl.program_id(0), pl.program_id(1)
     pool = jnp.dtype(s.pool_dtype)
+
+    if s.conv:
+        @pl.when(j == s.heads + s.n_groups)
+        def _roll_bc():  # a program per row of its own: B's and C's conv states, after the SSM read them
+            base, k = slot_ref[i] * (s.conv - 1), s.conv
+            for c0 in (s.d, s.d + s.gn):
+                cols = pl.ds(c0, s.gn)
+                new = [cst_ref[base + r, cols] for r in range(1, k - 1)]  # all loads first
+                new.append(p_ref[i, pl.ds(s.xbc_col + c0, s.gn)].astype(cst_out.dtype))
+                for r, v in enumerate(new):
+                    cst_out[base + r, cols] = v
 
     @pl.when(j < s.heads)
     def _attention():
@@ -210,7 +229,7 @@ def _mixer_merge_kernel(row_ref, *refs, s: _MergeShape):
             o = o_ref[i, kv, r, :]
         out_ref[i, pl.ds(j * s.e, s.e)] = o.astype(out_ref.dtype)
 
-    @pl.when(j >= s.heads)
+    @pl.when((j >= s.heads) & (j < s.heads + s.n_groups))
     def _gated_norm():
         cg = s.d // s.n_groups
         c0 = (j - s.heads) * cg
@@ -226,18 +245,36 @@ def _mixer_merge_kernel(row_ref, *refs, s: _MergeShape):
 
 
 @functools.partial(jax.jit, static_argnames=("shape", "impl"))
-def _mixer_merge(row, att, y, proj, weight, *, shape, impl):
+def _mixer_merge(row, att, y, proj, weight, conv=(), *, shape, impl):
     b = y.shape[0]
-    out = jax.ShapeDtypeStruct((b, shape.heads * shape.e + shape.d), proj.dtype)
+    out = [jax.ShapeDtypeStruct((b, shape.heads * shape.e + shape.d), proj.dtype)]
+    args = (row, *att, y.reshape(b, shape.d), proj, weight)
+    aliases = {}
+    if conv:  # (slot_ids, conv states [slots, k - 1, c]) -> flat rows slot * (k - 1) + i
+        slot_ids, states = conv
+        flat = states.reshape(-1, states.shape[-1])
+        args += (slot_ids.astype(jnp.int32), flat)
+        out.append(jax.ShapeDtypeStruct(flat.shape, flat.dtype))
+        aliases = {len(args) - 1: 1}
     kernel = functools.partial(_mixer_merge_kernel, s=shape)
-    (o,) = launch(kernel, impl=impl, grid=(b, shape.heads + shape.n_groups), out_shape=[out],
-                  name="mixer_merge")(row, *att, y.reshape(b, shape.d), proj, weight)
-    return o
+    res = launch(kernel, impl=impl, grid=(b, shape.heads + shape.n_groups + bool(conv)), out_shape=out,
+                 aliases=aliases, name="mixer_merge")(*args)
+    return (res[0], res[1].reshape(conv[1].shape)) if conv else res[0]
+
+
+def roll_bc_reference(conv_states, slot_ids, proj, *, d: int, xbc_col: int):
+    """The slots' conv states with channels [d, c) (B and C) rolled by one, the new inputs
+    proj's columns [xbc_col + d, xbc_col + c); channels [0, d) unchanged."""
+    c = conv_states.shape[-1]
+    old = conv_states[slot_ids, 1:, d:]
+    new = jnp.concatenate([old, proj[:, None, xbc_col + d:xbc_col + c].astype(old.dtype)], axis=1)
+    return conv_states.at[slot_ids, :, d:].set(new)
 
 
 def mixer_merge(parts: DecodeParts, y: jax.Array, proj: jax.Array, weight: jax.Array, *,
                 z_col: int, n_groups: int, eps: float, norm_before_gate: bool = False,
-                row: int | None = None, impl: Impl | None = None) -> jax.Array:
+                row: int | None = None, impl: Impl | None = None, conv_states=None,
+                slot_ids=None, xbc_col: int | None = None):
     """A parallel hybrid layer's decode outputs -> the fused out-projection's input, one launch.
 
     parts: the layer's paged decode attention (DecodeParts); y [b, h, p]: its Mamba2 SSM
@@ -245,7 +282,13 @@ def mixer_merge(parts: DecodeParts, y: jax.Array, proj: jax.Array, weight: jax.A
     h * p); weight [h * p] (or a stack [L, h * p] read at `row`): the gated norm's.
     Returns [b, heads * e + h * p] in proj's dtype: the attention heads merged (rounded
     to parts.dtype first, as the unfused path) and `GatedRMSNorm(y, z)` over `n_groups`
-    groups. Programs: one per (row, attention head) and per (row, norm group).
+    groups. Programs: one per (row, attention head) and per (row, norm group), and one
+    per row for the conv states if any.
+
+    conv_states [slots, k - 1, c] (with slot_ids [b] and xbc_col, the raw xBC's first
+    column in proj): the conv folded into the SSM update (`ssm_decode_packed(conv_states=
+    ...)`) left the B and C channels [h * p, c) of the slots' conv states to roll here;
+    returns (out, conv_states with them rolled).
     """
     b, nk, rows, e = parts.o.shape[-4:]
     if y.ndim != 3 or y.shape[0] != b or proj.ndim != 2 or proj.shape[0] != b:
@@ -257,12 +300,27 @@ def mixer_merge(parts: DecodeParts, y: jax.Array, proj: jax.Array, weight: jax.A
     stack = weight if row is not None else weight[None]
     if stack.ndim != 2 or stack.shape[1] != d or not 0 <= (row or 0) < stack.shape[0]:
         raise ValueError(f"weight {weight.shape} with {row=} does not give a [{d}] row")
+    gn = 0
+    if conv_states is not None:
+        c = conv_states.shape[-1]
+        gn = (c - d) // 2
+        if (conv_states.ndim != 3 or conv_states.shape[1] < 1 or gn <= 0 or c != d + 2 * gn
+                or slot_ids is None or slot_ids.shape != (b,) or xbc_col is None
+                or not 0 <= xbc_col <= proj.shape[1] - c):
+            raise ValueError(f"conv_states {conv_states.shape} must be [slots, k - 1, {d} + 2 * g * n], "
+                             f"slot_ids [{b}], and {xbc_col=} + c columns inside proj {proj.shape}")
     impl = resolve_impl(impl)
     common = dict(z_col=z_col, n_groups=n_groups, eps=eps, norm_before_gate=norm_before_gate)
-    if impl == "reference" or not (is_pow2(e) and is_pow2(d // n_groups)) or b == 0:
-        return mixer_merge_reference(parts, y, proj, weight, row=row, **common)
+    if impl == "reference" or not (is_pow2(e) and is_pow2(d // n_groups)) or b == 0 or (
+            gn and not is_pow2(gn)):
+        out = mixer_merge_reference(parts, y, proj, weight, row=row, **common)
+        if conv_states is None:
+            return out
+        return out, roll_bc_reference(conv_states, slot_ids, proj, d=d, xbc_col=xbc_col)
+    k = 0 if conv_states is None else conv_states.shape[1] + 1
     shape = _MergeShape(0 if parts.m is None else parts.o.shape[0], parts.group, e, parts.heads,
                         d, n_groups, z_col, float(eps), bool(norm_before_gate),
-                        jnp.dtype(parts.dtype).name)
+                        jnp.dtype(parts.dtype).name, k, xbc_col or 0, gn)
     att = (parts.o,) if parts.m is None else (parts.o, parts.m, parts.l)
-    return _mixer_merge(_row_arg(row), att, y, proj, stack, shape=shape, impl=impl)
+    conv = () if conv_states is None else (slot_ids, conv_states)
+    return _mixer_merge(_row_arg(row), att, y, proj, stack, conv, shape=shape, impl=impl)

@@ -33,7 +33,8 @@ from pallas_kernels.ssm_decode import decode_packed_part, ssm_decode_packed
 def attention_ssm_decode(attention: dict[str, Any], ssm: dict[str, Any]) -> tuple[tuple, tuple]:
     """attention: `paged_attention_decode_fused`'s keyword arguments (merge False is
     implied), ssm: `ssm_decode_packed`'s, both with the same `impl` if any. Returns
-    ((DecodeParts, k_pages, v_pages), (y, states)), what the two calls return."""
+    ((DecodeParts, k_pages, v_pages), (y, states[, conv_states])), what the two calls
+    return."""
     if attention.get("impl") != ssm.get("impl"):
         raise ValueError(f"impl {attention.get('impl')!r} != {ssm.get('impl')!r}: one launch, one impl")
     a = paged_attention_decode_fused(**attention, merge=False, defer=True)
@@ -43,7 +44,7 @@ def attention_ssm_decode(attention: dict[str, Any], ssm: dict[str, Any]) -> tupl
         return paged_attention_decode_fused(**attention, merge=False), ssm_decode_packed(**ssm)
     out = _launch_both(a.operands, s.operands, attention=a.static, ssm=s.static, num_warps=a.num_warps,
                        interpret=resolve_impl(attention.get("impl")) == "interpret")
-    n = len(out) - 2  # the state update's two outputs come last
+    n = len(out) - s.static.outputs  # the state update's outputs come last
     return a.finish(out[:n]), s.finish(out[n:])
 
 

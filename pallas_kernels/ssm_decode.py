@@ -25,6 +25,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.backend import Impl, resolve_impl
+from pallas_kernels.conv1d import conv1d_decode
 from pallas_kernels.horizontal import Deferred, Part, launch_parts
 from pallas_kernels.launch import channel_block, is_pow2, launch
 from pallas_kernels.ssm_common import check_mamba_args, effective_dt, silu
@@ -48,6 +49,9 @@ class Packed(NamedTuple):
     n: int  # state dim
     dt_col0: int  # the raw dt's first column in the in_proj row
     dt_limit: tuple[float, float]
+    conv: int = 0  # taps k: x, B and C are the raw xBC row, convolved here (0: already)
+    xbc_col0: int = 0  # with conv: the raw xBC's first column in the in_proj row
+    conv_bias: bool = False
 
 
 def ssm_decode(
@@ -104,6 +108,19 @@ def ssm_decode_reference(
     return y.astype(x.dtype), states.at[slot_ids].set(s.astype(states.dtype))
 
 
+def _conv_channels(src_ref, w_ref, cb_ref, cst_ref, *, s, r, slot, ch0, nch: int, k: int, col0: int):
+    """The activated causal conv of sequence s's xBC channels [ch0, ch0 + nch), as
+    `conv1d.conv1d_decode` computes it (same order of f32 products, rounded to the row's
+    dtype) -> (values [nch] f32, the window: k - 1 state rows, then the new input)."""
+    cols = pl.ds(ch0, nch)
+    window = [cst_ref[slot * (k - 1) + i, cols].astype(jnp.float32) for i in range(k - 1)]
+    window.append(src_ref[s, pl.ds(col0 + ch0, nch)].astype(jnp.float32))
+    acc = cb_ref[r, cols].astype(jnp.float32) if cb_ref is not None else jnp.zeros((nch,), jnp.float32)
+    for j in range(k):
+        acc = acc + w_ref[r, cols, j].astype(jnp.float32) * window[j]
+    return silu(acc).astype(src_ref.dtype).astype(jnp.float32), window
+
+
 def _decode_body(*refs, hpg: int, bp: int, hb: int, loops: int, order: str,
                  evict: str | None, gated: bool, packed: Packed | None = None, pids=None):
     """One program: heads [h0, h0 + hb) x rows [pb * loops * bp, + loops * bp) of one sequence.
@@ -122,8 +139,12 @@ def _decode_body(*refs, hpg: int, bp: int, hb: int, loops: int, order: str,
         slot_ref, dt_ref, a_ref, d_ref, x_ref, b_ref, c_ref, st_ref, z_ref, y_ref, st_out = refs
     elif packed is None:
         slot_ref, dt_ref, a_ref, d_ref, x_ref, b_ref, c_ref, st_ref, y_ref, st_out = refs
-    else:
+    elif not packed.conv:
         row_ref, slot_ref, dt_ref, a_ref, d_ref, bias_ref, x_ref, st_ref, y_ref, st_out = refs
+    else:
+        row_ref, slot_ref, dt_ref, a_ref, d_ref, bias_ref, w_ref, *rest = refs
+        cb_ref = rest.pop(0) if packed.conv_bias else None
+        cst_ref, st_ref, y_ref, st_out, cst_out = rest
     s, hp, pb = pids if order == "shp" else pids[::-1]
     h0 = hp * hb
     heads = pl.ds(h0, hb)
@@ -144,8 +165,21 @@ def _decode_body(*refs, hpg: int, bp: int, hb: int, loops: int, order: str,
         dt = jnp.maximum(v, 0.0) + jnp.log(1.0 + jnp.exp(-jnp.abs(v)))  # softplus
         dt = jnp.minimum(jnp.maximum(dt, lo), hi)
         decay = jnp.exp(-dt * jnp.exp(a_ref[r, heads].astype(f32)))[:, None, None]
-        bv = x_ref[s, pl.ds(width + g * n, n)].astype(f32)[None, None, :]
-        cv = x_ref[s, pl.ds(width + gn + g * n, n)].astype(f32)[None, None, :]
+        if packed.conv:
+            def activated(ch0, nch):  # conv1d_decode's output for xBC channels [ch0, + nch)
+                return _conv_channels(dt_ref, w_ref, cb_ref, cst_ref, s=s, r=r, slot=slot, ch0=ch0,
+                                      nch=nch, k=packed.conv, col0=packed.xbc_col0)
+            bv = activated(width + g * n, n)[0][None, None, :]
+            cv = activated(width + gn + g * n, n)[0][None, None, :]
+            # This program's x channels are its own: it rolls their conv state in place.
+            # B's and C's are read by every head's programs; mixer_merge rolls them later.
+            xch = h0 * packed.head_dim + pb * loops * bp
+            x_conv, window = activated(xch, bp)
+            for i in range(packed.conv - 1):
+                cst_out[slot * (packed.conv - 1) + i, pl.ds(xch, bp)] = window[i + 1].astype(cst_out.dtype)
+        else:
+            bv = x_ref[s, pl.ds(width + g * n, n)].astype(f32)[None, None, :]
+            cv = x_ref[s, pl.ds(width + gn + g * n, n)].astype(f32)[None, None, :]
     dv = (d_ref[heads] if packed is None else d_ref[r, heads].astype(f32))[:, None]
 
     def step(i, carry):
@@ -157,6 +191,8 @@ def _decode_body(*refs, hpg: int, bp: int, hb: int, loops: int, order: str,
         state = state.astype(f32)  # [hb, bp, n]
         if packed is None:
             x = x_ref[s, heads, rows].astype(f32)  # [hb, bp]
+        elif packed.conv:  # loops == 1 (decode_packed_part)
+            x = x_conv[None, :]
         else:
             start = h0 * packed.head_dim + (pb * loops + i) * bp
             x = x_ref[s, pl.ds(start, bp)].astype(f32)[None, :]  # [1, bp]
@@ -212,7 +248,8 @@ def _decode_pallas(x, dte, A, B, C, D, states, slot_ids, z, *, impl, block_p, nu
 def ssm_decode_packed(
     xbc, zxbcdt, A_log, D, dt_bias, states, slot_ids, *, num_heads: int, head_dim: int,
     n_groups: int, dt_col0: int, dt_limit=(0.0, float("inf")), impl: Impl | None = None,
-    row: int | None = None, defer: bool = False,
+    row: int | None = None, defer: bool = False, conv_weight=None, conv_bias=None,
+    conv_states=None, xbc_col0: int | None = None,
 ):
     """`ssm_decode` reading its inputs where a Mamba2 layer has them, with no XLA glue.
 
@@ -226,46 +263,89 @@ def ssm_decode_packed(
     read at row `row` in place (slices would be copied before the custom call).
     defer: where the kernel would launch, return it as a `horizontal.Deferred` instead
     (`parallel_decode` launches it beside paged decode).
+
+    The conv folded in: with `conv_states` [num_slots, k - 1, c] (c = h * p + 2 * g * n),
+    xbc is None and the kernel convolves the raw xBC row, zxbcdt's columns [xbc_col0,
+    xbc_col0 + c), as `conv1d_decode(..., activation="silu")` with `conv_weight` [c, k]
+    and `conv_bias` [c] | None (stacks [L, c, k] / [L, c] read at `row`). Returns (y,
+    states, conv_states) in which only the x channels [0, h * p) of the slots' conv
+    states are rolled: B's and C's are read by every head's programs, so rolling them
+    here would race; `decode_glue.mixer_merge(conv_states=...)` rolls them after. One
+    launch less per layer.
     """
     impl = resolve_impl(impl)
     if row is not None and any(a.ndim != 2 or not 0 <= row < a.shape[0] for a in (A_log, D, dt_bias)):
         raise ValueError(f"{row=}: A_log {A_log.shape}, D {D.shape}, dt_bias {dt_bias.shape} "
                          "must be stacks [L > row, h]")
-    b = xbc.shape[0]
+    b = zxbcdt.shape[0]
     h, p = num_heads, head_dim
-    gn = (xbc.shape[1] - h * p) // 2
-    if xbc.ndim != 2 or gn <= 0 or xbc.shape[1] != h * p + 2 * gn or gn % n_groups:
-        raise ValueError(f"{xbc.shape=} must be [b, {h}*{p} + 2*g*n] with g={n_groups}")
+    fold = conv_states is not None
+    if fold:
+        if xbc is not None or conv_weight is None or xbc_col0 is None:
+            raise ValueError("conv_states (the conv folded in) takes xbc=None, conv_weight and xbc_col0")
+        c = conv_states.shape[-1]
+        w1 = conv_weight if row is None else jax.ShapeDtypeStruct(conv_weight.shape[1:], conv_weight.dtype)
+        if w1.ndim != 2 or w1.shape[0] != c or conv_states.shape[1] != w1.shape[1] - 1 or (
+                conv_bias is not None and conv_bias.shape != conv_weight.shape[:-1]):
+            raise ValueError(f"conv_weight {conv_weight.shape} (row {row}), conv_bias "
+                             f"{None if conv_bias is None else conv_bias.shape} and conv_states "
+                             f"{conv_states.shape} must be [c, k], [c] and [slots, k - 1, c]")
+        if zxbcdt.ndim != 2 or not 0 <= xbc_col0 <= zxbcdt.shape[1] - c:
+            raise ValueError(f"{xbc_col0=}: columns [{xbc_col0}, {xbc_col0 + c}) outside zxbcdt {zxbcdt.shape}")
+        xbc_view = jax.ShapeDtypeStruct((b, c), zxbcdt.dtype)
+    else:
+        xbc_view = xbc
+    gn = (xbc_view.shape[1] - h * p) // 2
+    if xbc_view.ndim != 2 or gn <= 0 or xbc_view.shape[1] != h * p + 2 * gn or gn % n_groups:
+        raise ValueError(f"xbc.shape={tuple(xbc_view.shape)} must be [b, {h}*{p} + 2*g*n] with g={n_groups}")
     n = gn // n_groups
     if zxbcdt.ndim != 2 or zxbcdt.shape[0] != b or zxbcdt.shape[1] < dt_col0 + h:
         raise ValueError(f"{zxbcdt.shape=} must be [{b}, >= {dt_col0 + h}] (dt columns from {dt_col0=})")
     # The split views' shapes, checked as `ssm_decode` checks its arguments.
-    view = lambda *shape: jax.ShapeDtypeStruct(shape, xbc.dtype)  # noqa: E731
+    view = lambda *shape: jax.ShapeDtypeStruct(shape, xbc_view.dtype)  # noqa: E731
     one = (lambda a: a) if row is None else (lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype))
     check_mamba_args(view(b, h, p), view(b, h), one(A_log), view(b, n_groups, n), view(b, n_groups, n),
                      one(D), one(dt_bias), states, slot_ids, None, dt_limit)
     if impl == "reference" or not (is_pow2(p) and is_pow2(n)):
+        if fold:  # conv1d_decode, then its new conv states for the x channels only
+            xbc, rolled = conv1d_decode(zxbcdt, conv_weight, conv_bias, conv_states, slot_ids,
+                                        activation="silu", impl=impl, col0=xbc_col0, row=row)
+            conv_states = jnp.concatenate([rolled[..., :h * p], conv_states[..., h * p:]], axis=-1)
         if row is not None:
             A_log, D, dt_bias = A_log[row], D[row], dt_bias[row]
         x = xbc[:, :h * p].reshape(b, h, p)
         B = xbc[:, h * p:h * p + gn].reshape(b, n_groups, n)
         C = xbc[:, h * p + gn:].reshape(b, n_groups, n)
         A = -jnp.exp(A_log.astype(jnp.float32))
-        return ssm_decode(x, zxbcdt[:, dt_col0:dt_col0 + h], A, B, C, D, dt_bias, states, slot_ids,
-                          dt_limit=dt_limit, impl=impl)
+        out = ssm_decode(x, zxbcdt[:, dt_col0:dt_col0 + h], A, B, C, D, dt_bias, states, slot_ids,
+                         dt_limit=dt_limit, impl=impl)
+        return (*out, conv_states) if fold else out
     tuning = dict(DECODE_TUNING[jnp.dtype(states.dtype).name])
     tuning["block_p"] = channel_block(p, tuning["block_p"])
     if row is None:  # one layer's [h] vectors: a stack of one (reshapes: no copies)
         A_log, D, dt_bias, row = A_log[None], D[None], dt_bias[None], 0
-    packed = Packed(p, h * p, gn, n, dt_col0, tuple(map(float, dt_limit)))
+        if fold:
+            conv_weight = conv_weight[None]
+            conv_bias = None if conv_bias is None else conv_bias[None]
+    k = conv_weight.shape[-1] if fold else 0
+    packed = Packed(p, h * p, gn, n, dt_col0, tuple(map(float, dt_limit)), k, xbc_col0 or 0,
+                    fold and conv_bias is not None)
     # The row is an operand, not part of the static key: every layer's call is one
     # function, lowered once per executable (cold start-up; decode_glue._row_arg).
     operands = (jnp.full((1,), row, jnp.int32), xbc, zxbcdt, A_log, D, dt_bias, states,
                 slot_ids.astype(jnp.int32))
+    if fold:
+        flat = conv_states.reshape(-1, conv_states.shape[-1])  # row = slot * (k - 1) + i
+        operands += (conv_weight, conv_bias, flat)
+    finish = _finish_fold(conv_states.shape) if fold else tuple
     if defer:
         num_warps = tuning.pop("num_warps")
-        return Deferred(PackedStatic(packed, **tuning), operands, num_warps, tuple)
-    return _decode_packed_pallas(*operands, impl=impl, packed=packed, **tuning)
+        return Deferred(PackedStatic(packed, **tuning), operands, num_warps, finish)
+    return finish(_decode_packed_pallas(*operands, impl=impl, packed=packed, **tuning))
+
+
+def _finish_fold(shape):
+    return lambda out: (out[0], out[1], out[2].reshape(shape))
 
 
 class PackedStatic(NamedTuple):
@@ -276,25 +356,41 @@ class PackedStatic(NamedTuple):
     order: str = "shp"
     evict: str | None = None
 
+    @property
+    def outputs(self) -> int:
+        return 3 if self.packed.conv else 2
 
-def decode_packed_part(row, xbc, zxbcdt, A_log, D, dt_bias, states, slot_ids, *, packed, block_p,
-                       order="shp", evict=None) -> Part:
-    """The packed decode kernel as a `horizontal.Part`; outputs y [b, h, p], states (aliased)."""
-    b = xbc.shape[0]
+
+def decode_packed_part(row, xbc, zxbcdt, A_log, D, dt_bias, states, slot_ids, conv_weight=None,
+                       conv_bias=None, conv_flat=None, *, packed, block_p, order="shp",
+                       evict=None) -> Part:
+    """The packed decode kernel as a `horizontal.Part`; outputs y [b, h, p], states (aliased)
+    and, with the conv folded in (packed.conv), the flat conv states (aliased)."""
+    b = zxbcdt.shape[0]
     h, p, n = states.shape[1], states.shape[2], states.shape[3]
     body = functools.partial(_decode_body, hpg=h // (packed.gn // n), bp=block_p, hb=1, loops=1,
                              order=order, evict=evict, gated=False, packed=packed)
     nblk = p // block_p
-    operands = (row, slot_ids, zxbcdt, A_log, D, dt_bias, xbc, states)
-    out_shape = (jax.ShapeDtypeStruct((b, h, p), xbc.dtype),
+    out_shape = (jax.ShapeDtypeStruct((b, h, p), zxbcdt.dtype),
                  jax.ShapeDtypeStruct(states.shape, states.dtype))
+    if packed.conv:
+        operands = (row, slot_ids, zxbcdt, A_log, D, dt_bias, conv_weight) + (
+            (conv_bias,) if packed.conv_bias else ()) + (conv_flat, states)
+        out_shape += (jax.ShapeDtypeStruct(conv_flat.shape, conv_flat.dtype),)
+        aliases = {len(operands) - 1: 1, len(operands) - 2: 2}
+    else:
+        operands = (row, slot_ids, zxbcdt, A_log, D, dt_bias, xbc, states)
+        aliases = {7: 1}
     grid = (b, h, nblk) if order == "shp" else (nblk, h, b)
-    return Part(body, grid, operands, (None,) * 8, out_shape, (None, None), {7: 1})
+    return Part(body, grid, operands, (None,) * len(operands), out_shape, (None,) * len(out_shape),
+                aliases)
 
 
 @functools.partial(jax.jit, static_argnames=("impl", "packed", "block_p", "num_warps", "order", "evict"))
-def _decode_packed_pallas(row, xbc, zxbcdt, A_log, D, dt_bias, states, slot_ids, *, impl, packed,
-                          block_p, num_warps, order="shp", evict=None):
-    part = decode_packed_part(row, xbc, zxbcdt, A_log, D, dt_bias, states, slot_ids, packed=packed,
-                              block_p=block_p, order=order, evict=evict)
+def _decode_packed_pallas(row, xbc, zxbcdt, A_log, D, dt_bias, states, slot_ids, conv_weight=None,
+                          conv_bias=None, conv_flat=None, *, impl, packed, block_p, num_warps,
+                          order="shp", evict=None):
+    part = decode_packed_part(row, xbc, zxbcdt, A_log, D, dt_bias, states, slot_ids, conv_weight,
+                              conv_bias, conv_flat, packed=packed, block_p=block_p, order=order,
+                              evict=evict)
     return launch_parts((part,), impl=impl, num_warps=num_warps, num_stages=None, name="ssm_decode")

@@ -23,7 +23,8 @@ from hybrid_jax.config import AttentionConfig, LayerSpec, Mamba2Config, MLPConfi
 from hybrid_jax.fusion import fuse_projections
 from hybrid_jax.layers import linear
 from hybrid_jax.model import CausalLM
-from pallas_kernels import add_rms_norm, attention_ssm_decode, mixer_merge, paged_attention_decode_fused
+from pallas_kernels import (add_rms_norm, attention_ssm_decode, conv1d_decode, mixer_merge,
+                            paged_attention_decode_fused, ssm_decode_packed)
 from tests.model.test_ragged_forward import MAX_LEN, Harness, decode_after
 
 
@@ -44,23 +45,29 @@ def _randomize_norms(model: CausalLM, seed: int) -> None:
             var.value = jnp.asarray(1 + 0.3 * rng.standard_normal(var.value.shape), var.value.dtype)
 
 
-@pytest.mark.parametrize("cfg,split_k,one_launch", [
-    (_config(), False, False), (_config(), True, False), (_config(), True, True),
-    (_config(norm_offset=True, attention_out_multiplier=0.5), True, True),
-], ids=["parallel", "parallel-split-k", "parallel-split-k-one-launch", "offset-norms-no-fused-out-split-k"])
-def test_glued_decode_equals_xla_glue(monkeypatch, cfg, split_k, one_launch):
+@pytest.mark.parametrize("cfg,split_k,one_launch,fold", [
+    (_config(), False, False, False), (_config(), True, False, True), (_config(), True, True, False),
+    (_config(), True, True, True),
+    (_config(norm_offset=True, attention_out_multiplier=0.5), True, True, True),
+], ids=["parallel", "parallel-split-k-conv-folded", "parallel-split-k-one-launch",
+        "parallel-split-k-one-launch-conv-folded", "offset-norms-no-fused-out-split-k"])
+def test_glued_decode_equals_xla_glue(monkeypatch, cfg, split_k, one_launch, fold):
     """split_k: the fused out-projections and down-projections leave depth parts
     (`Linear.partials`, two here) that `add_rms_norm` sums (as on a GPU at 2-64 rows).
     one_launch: each merged layer's paged decode and Mamba2 state update run as one
-    interpret-mode launch (`attention_ssm_decode`); else paged decode alone is a kernel."""
+    interpret-mode launch (`attention_ssm_decode`); else paged decode alone is a kernel.
+    fold: a merged layer's conv runs in the state update's programs (`ragged.FOLD_CONV_ROWS`),
+    mixer_merge rolling B's and C's conv states; else conv1d_decode runs apart."""
     monkeypatch.setattr(linear, "SPLIT_K", split_k)  # off means off on a GPU too
     monkeypatch.setattr(linear, "SPLIT_K_ANY_BACKEND", split_k)
     monkeypatch.setattr(ragged, "PARALLEL_DECODE_ROWS", 64 if one_launch else 0)
+    monkeypatch.setattr(ragged, "FOLD_CONV_ROWS", 64 if fold else 0)
     model = CausalLM(cfg, rngs=nnx.Rngs(4))
     _randomize_norms(model, 1)
     fused = fuse_projections(model)
     prompts = [np.random.default_rng(n).integers(0, 64, n).tolist() for n in (3, 9, 14)]
-    calls = {"add_rms_norm": 0, "mixer_merge": 0, "partials": 0, "attention_ssm_decode": 0}
+    calls = {"add_rms_norm": 0, "mixer_merge": 0, "partials": 0, "attention_ssm_decode": 0,
+             "conv1d_decode": 0}
     partials = linear.Linear.partials
 
     def count_partials(self, x, parts):
@@ -84,6 +91,9 @@ def test_glued_decode_equals_xla_glue(monkeypatch, cfg, split_k, one_launch):
             m.setattr(ragged, "DECODE_GLUE", glue)
             m.setattr(ragged, "add_rms_norm", counted(add_rms_norm, "add_rms_norm"))
             m.setattr(ragged, "mixer_merge", counted(mixer_merge, "mixer_merge"))
+            m.setattr(ragged, "conv1d_decode", counted(conv1d_decode, "conv1d_decode"))
+            m.setattr(ragged, "ssm_decode_packed",
+                      lambda *a, **kw: ssm_decode_packed(*a, **kw | {"impl": "interpret"}))
             m.setattr(ragged, "paged_attention_decode_fused",
                       lambda *a, **kw: paged_attention_decode_fused(*a, **kw, impl="interpret"))
 
@@ -105,9 +115,13 @@ def test_glued_decode_equals_xla_glue(monkeypatch, cfg, split_k, one_launch):
     assert calls["mixer_merge"] == traces * (2 if cfg.attention_out_multiplier == 1.0 else 0)
     assert calls["partials"] == (5 * traces + calls["mixer_merge"] if split_k else 0)
     assert calls["attention_ssm_decode"] == (calls["mixer_merge"] if one_launch else 0)
+    # Three Mamba2 layers per trace: the conv of each merged one folded (if on), the plain one's apart.
+    assert calls["conv1d_decode"] == 3 * traces - (calls["mixer_merge"] if fold else 0)
     seen = dict(calls)
     want, want_caches = serve(False)
-    assert calls == seen, "the run with DECODE_GLUE off took a glued path"
+    assert calls == seen | {"conv1d_decode": calls["conv1d_decode"]}, \
+        "the run with DECODE_GLUE off took a glued path"
+    assert calls["conv1d_decode"] == seen["conv1d_decode"] + 3 * traces
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
     for g, w in zip(jax.tree.leaves(got_caches), jax.tree.leaves(want_caches), strict=True):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
