@@ -291,7 +291,8 @@ def ssm_decode_packed(
                              f"{None if conv_bias is None else conv_bias.shape} and conv_states "
                              f"{conv_states.shape} must be [c, k], [c] and [slots, k - 1, c]")
         if zxbcdt.ndim != 2 or not 0 <= xbc_col0 <= zxbcdt.shape[1] - c:
-            raise ValueError(f"{xbc_col0=}: columns [{xbc_col0}, {xbc_col0 + c}) outside zxbcdt {zxbcdt.shape}")
+            raise ValueError(f"{xbc_col0=}: columns [{xbc_col0}, {xbc_col0 + c}) outside "
+                             f"zxbcdt {zxbcdt.shape}")
         xbc_view = jax.ShapeDtypeStruct((b, c), zxbcdt.dtype)
     else:
         xbc_view = xbc

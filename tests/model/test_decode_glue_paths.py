@@ -23,8 +23,14 @@ from hybrid_jax.config import AttentionConfig, LayerSpec, Mamba2Config, MLPConfi
 from hybrid_jax.fusion import fuse_projections
 from hybrid_jax.layers import linear
 from hybrid_jax.model import CausalLM
-from pallas_kernels import (add_rms_norm, attention_ssm_decode, conv1d_decode, mixer_merge,
-                            paged_attention_decode_fused, ssm_decode_packed)
+from pallas_kernels import (
+    add_rms_norm,
+    attention_ssm_decode,
+    conv1d_decode,
+    mixer_merge,
+    paged_attention_decode_fused,
+    ssm_decode_packed,
+)
 from tests.model.test_ragged_forward import MAX_LEN, Harness, decode_after
 
 
