@@ -462,10 +462,11 @@ PARALLEL_DECODE_ROWS = int(os.environ.get("HYBRID_JAX_PARALLEL_DECODE_ROWS", "12
 # Decode steps of at most this many rows run a merged layer's conv inside the Mamba2 state
 # update's programs (each rolls its x channels' conv state; mixer_merge rolls B's and C's):
 # one launch less per layer. H100, native-1b-parallel, kernel time per step apart ->
-# folded: 1.579 -> 1.539 ms at B = 1, 2.134 -> 2.118 at 8; at 64 3.79 -> 3.95 (every
-# program convolving B and C made the one launch 8 us per layer slower; docs/benchmarks.md,
-# twelfth pass). HYBRID_JAX_FOLD_CONV_ROWS=0: conv1d_decode apart.
-FOLD_CONV_ROWS = int(os.environ.get("HYBRID_JAX_FOLD_CONV_ROWS", "16"))
+# folded: 1.579 -> 1.538 ms at B = 1, 2.135 -> 2.111 at 8; slower from 16 rows (2.321 ->
+# 2.354 at 16, 3.006 -> 3.078 at 32, 3.79 -> 3.95 at 64: every program convolving B and C
+# costs more than the launch saved; docs/benchmarks.md, twelfth pass).
+# HYBRID_JAX_FOLD_CONV_ROWS=0: conv1d_decode apart.
+FOLD_CONV_ROWS = int(os.environ.get("HYBRID_JAX_FOLD_CONV_ROWS", "8"))
 
 
 def _fold_conv(rows: jax.Array) -> bool:
