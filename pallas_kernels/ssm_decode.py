@@ -165,30 +165,36 @@ def _decode_body(*refs, hpg: int, bp: int, hb: int, loops: int, order: str,
         dt = jnp.maximum(v, 0.0) + jnp.log(1.0 + jnp.exp(-jnp.abs(v)))  # softplus
         dt = jnp.minimum(jnp.maximum(dt, lo), hi)
         decay = jnp.exp(-dt * jnp.exp(a_ref[r, heads].astype(f32)))[:, None, None]
-        if packed.conv:
-            def activated(ch0, nch):  # conv1d_decode's output for xBC channels [ch0, + nch)
-                return _conv_channels(dt_ref, w_ref, cb_ref, cst_ref, s=s, r=r, slot=slot, ch0=ch0,
-                                      nch=nch, k=packed.conv, col0=packed.xbc_col0)
-            bv = activated(width + g * n, n)[0][None, None, :]
-            cv = activated(width + gn + g * n, n)[0][None, None, :]
-            # This program's x channels are its own: it rolls their conv state in place.
-            # B's and C's are read by every head's programs; mixer_merge rolls them later.
-            xch = h0 * packed.head_dim + pb * loops * bp
-            x_conv, window = activated(xch, bp)
-            for i in range(packed.conv - 1):
-                cst_out[slot * (packed.conv - 1) + i, pl.ds(xch, bp)] = window[i + 1].astype(cst_out.dtype)
-        else:
+        if not packed.conv:  # else convolved below, once the state's load is issued
             bv = x_ref[s, pl.ds(width + g * n, n)].astype(f32)[None, None, :]
             cv = x_ref[s, pl.ds(width + gn + g * n, n)].astype(f32)[None, None, :]
     dv = (d_ref[heads] if packed is None else d_ref[r, heads].astype(f32))[:, None]
 
-    def step(i, carry):
+    def load_state(i):
         rows = pl.ds((pb * loops + i) * bp, bp)
         if evict is None:
-            state = st_ref[slot, heads, rows, :]
-        else:
-            state = plgpu.load(st_ref.at[slot, heads, rows, :], eviction_policy=evict)
-        state = state.astype(f32)  # [hb, bp, n]
+            return st_ref[slot, heads, rows, :]
+        return plgpu.load(st_ref.at[slot, heads, rows, :], eviction_policy=evict)
+
+    # With the conv folded in (loops == 1), the state's load is issued before the conv's
+    # small dependent loads and arithmetic, which then run under it.
+    first = load_state(0) if packed is not None and packed.conv else None
+    if first is not None:
+        def activated(ch0, nch):  # conv1d_decode's output for xBC channels [ch0, + nch)
+            return _conv_channels(dt_ref, w_ref, cb_ref, cst_ref, s=s, r=r, slot=slot, ch0=ch0,
+                                  nch=nch, k=packed.conv, col0=packed.xbc_col0)
+        bv = activated(width + g * n, n)[0][None, None, :]
+        cv = activated(width + gn + g * n, n)[0][None, None, :]
+        # This program's x channels are its own: it rolls their conv state in place.
+        # B's and C's are read by every head's programs; mixer_merge rolls them later.
+        xch = h0 * packed.head_dim + pb * loops * bp
+        x_conv, window = activated(xch, bp)
+        for i in range(packed.conv - 1):
+            cst_out[slot * (packed.conv - 1) + i, pl.ds(xch, bp)] = window[i + 1].astype(cst_out.dtype)
+
+    def step(i, carry):
+        rows = pl.ds((pb * loops + i) * bp, bp)
+        state = (first if first is not None else load_state(i)).astype(f32)  # [hb, bp, n]
         if packed is None:
             x = x_ref[s, heads, rows].astype(f32)  # [hb, bp]
         elif packed.conv:  # loops == 1 (decode_packed_part)
