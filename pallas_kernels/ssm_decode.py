@@ -130,8 +130,9 @@ def _decode_body(*refs, hpg: int, bp: int, hb: int, loops: int, order: str,
     loops > 1 walks the rows in `loops` blocks of bp with a fori_loop (Triton may pipeline).
     `packed` (hb = 1): x, B and C are read from one activated xBC row [b, conv_dim], the raw
     dt from columns of the in_proj output, dt's softplus and A = -exp(A_log) are computed
-    here (see `ssm_decode_packed`). pids: the grid's program ids (`horizontal.Part`), else
-    `pl.program_id`.
+    here (see `ssm_decode_packed`); with `packed.conv` they are convolved here from the raw
+    xBC row, the program rolling its x channels' conv state (`_conv_channels`). pids: the
+    grid's program ids (`horizontal.Part`), else `pl.program_id`.
     """
     if pids is None:
         pids = tuple(pl.program_id(a) for a in range(3))
