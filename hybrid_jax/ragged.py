@@ -269,11 +269,12 @@ def _mamba_decode_args(layer: Mamba2Mixer, zxbcdt: jax.Array, c0: int, batch: Ra
 
 def _mamba(layer: Mamba2Mixer, x: jax.Array | None, batch: RaggedBatch, st: Mamba2State,
            decode: bool, q: int = 0, proj: jax.Array | None = None, col: int = 0,
-           project_out: bool = True, raw: bool = False) -> tuple[jax.Array, Mamba2State]:
+           project_out: bool = True, raw: bool = False, fold: bool = False) -> tuple[jax.Array, Mamba2State]:
     """proj: a fused layer's projection, this layer's in_proj output in its columns
     [col, col + in_proj_width) (x unused). project_out False returns out_proj's input;
     raw True (a decode step, `_merged_decode`) the SSM output y [b, h, p] before the gated
-    norm (z stays in proj)."""
+    norm (z stays in proj); fold (with raw) the conv inside the state update, B's and C's
+    conv states left for mixer_merge to roll (`_temporal`)."""
     cfg = layer.cfg
     dtype = (x if proj is None else proj).dtype
     zxbcdt, c0 = _mamba_in(layer, x, proj, col)
@@ -282,8 +283,8 @@ def _mamba(layer: Mamba2Mixer, x: jax.Array | None, batch: RaggedBatch, st: Mamb
         finish = lambda y, z, dtype: y  # noqa: E731
     if (q or (decode and FUSED_MAMBA_DECODE)) and mamba2_step_fits(cfg.head_dim, cfg.state_size):
         return _mamba_step(layer, zxbcdt, c0, dtype, batch, st, q, finish)
-    if decode and not q:  # raw: a merged layer's, whose mixer_merge rolls B's and C's conv states
-        args, conv = _mamba_decode_args(layer, zxbcdt, c0, batch, st, fold=raw and _fold_conv(zxbcdt))
+    if decode and not q:
+        args, conv = _mamba_decode_args(layer, zxbcdt, c0, batch, st, fold=fold)
         y, ssm, *folded = ssm_decode_packed(**args)
         conv = folded[0] if folded else conv
         return finish(y, zxbcdt[..., c0:c0 + cfg.d_inner], dtype), Mamba2State(conv, ssm)
@@ -381,6 +382,9 @@ def _temporal(block: Block, u: jax.Array, batch: RaggedBatch, cache: LayerCache,
     out = jnp.zeros_like(u)
     kv, mamba, rglru, short_conv = cache
     merged = _merged_decode(block, kv, decode, q)
+    # A merged layer's small decode steps run the conv inside the Mamba2 state update; then
+    # mixer_merge rolls B's and C's conv states (FOLD_CONV_ROWS).
+    fold = merged and u.shape[0] <= FOLD_CONV_ROWS
     # Fused projections (hybrid_jax/fusion.py): one GEMM for the mixers' input projections
     # (their input multipliers are equal), read in place by column; one for o_proj + out_proj.
     proj, col, branches = None, 0, []  # branches: (output, or out-projection input; multiplier)
@@ -396,7 +400,7 @@ def _temporal(block: Block, u: jax.Array, batch: RaggedBatch, cache: LayerCache,
             fused, col = (proj, (0, qw, qw + kw)), qw + 2 * kw
     if merged and u.shape[0] <= PARALLEL_DECODE_ROWS:
         # Paged decode and the Mamba2 state update in one launch (pallas_kernels/parallel_decode.py).
-        ssm_args, conv = _mamba_decode_args(block.mamba, proj, col, batch, mamba, fold=_fold_conv(u))
+        ssm_args, conv = _mamba_decode_args(block.mamba, proj, col, batch, mamba, fold=fold)
         (a, k_pages, v_pages), (m, ssm, *folded) = attention_ssm_decode(
             _fused_decode_args(block.attention, fused, batch, kv, group), ssm_args)
         kv, mamba = KVCache(k_pages, v_pages), Mamba2State(folded[0] if folded else conv, ssm)
@@ -409,13 +413,14 @@ def _temporal(block: Block, u: jax.Array, batch: RaggedBatch, cache: LayerCache,
             branches.append((a, cfg.attention_out_multiplier))
         if block.mamba is not None:
             x = None if proj is not None else _scale(u, cfg.ssm_in_multiplier)
-            m, mamba = _mamba(block.mamba, x, batch, mamba, decode, q, proj, col, project_out, raw=merged)
+            m, mamba = _mamba(block.mamba, x, batch, mamba, decode, q, proj, col, project_out, raw=merged,
+                              fold=fold)
             branches.append((m, cfg.ssm_out_multiplier))
     if merged:  # one launch from the kernels' outputs to fused_out's input (decode_glue.py)
         norm = block.mamba.norm
         common = dict(z_col=col, n_groups=norm.n_groups, eps=norm.eps,
                       norm_before_gate=norm.norm_before_gate, row=norm.stack_row)
-        if _fold_conv(u):  # the conv ran in the SSM kernel, which left B's and C's conv states
+        if fold:
             x, conv = mixer_merge(branches[0][0], branches[1][0], proj, norm.weight[...], **common,
                                   conv_states=mamba.conv, slot_ids=batch.slot_ids,
                                   xbc_col=col + block.mamba.cfg.d_inner)
@@ -467,11 +472,6 @@ PARALLEL_DECODE_ROWS = int(os.environ.get("HYBRID_JAX_PARALLEL_DECODE_ROWS", "12
 # costs more than the launch saved; docs/benchmarks.md, twelfth pass).
 # HYBRID_JAX_FOLD_CONV_ROWS=0: conv1d_decode apart.
 FOLD_CONV_ROWS = int(os.environ.get("HYBRID_JAX_FOLD_CONV_ROWS", "8"))
-
-
-def _fold_conv(rows: jax.Array) -> bool:
-    """Whether a merged layer's decode step over these rows folds its conv (FOLD_CONV_ROWS)."""
-    return rows.shape[0] <= FOLD_CONV_ROWS
 
 
 def _merged_decode(block: Block, kv: KVCache | None, decode: bool, q: int) -> bool:

@@ -215,18 +215,30 @@ def _ragged_pallas(x, weight, bias, cu, conv_states, slot_ids, has_initial, *, a
     return y, flat.reshape(conv_states.shape)
 
 
+def decode_window(x_ref, w_ref, bias_ref, st_ref, *, s, row, slot, ch0, nch: int, k: int, col0: int):
+    """Inside a kernel: sequence s's decode conv over channels [ch0, ch0 + nch) -> (the f32
+    sums before the activation, the window: the slot's k - 1 state rows (flat rows slot *
+    (k - 1) + i), then the new input x[s, col0 + ch0 + ...]). Weight [L, c, k] and bias
+    [L, c] | None read at `row`. Also the Mamba2 update's folded conv (ssm_decode.py)."""
+    cols = pl.ds(ch0, nch)
+    window = [st_ref[slot * (k - 1) + i, cols].astype(jnp.float32) for i in range(k - 1)]
+    window.append(x_ref[s, pl.ds(col0 + ch0, nch)].astype(jnp.float32))
+    f32 = jnp.float32
+    acc = bias_ref[row, cols].astype(f32) if bias_ref is not None else jnp.zeros((nch,), f32)
+    for j in range(k):
+        acc = acc + w_ref[row, cols, j].astype(jnp.float32) * window[j]
+    return acc, window
+
+
 def _conv_decode_kernel(row_ref, slot_ref, x_ref, w_ref, *refs, k, cb, col0, activation, has_bias):
     # The weight [L, c, k] and bias [L, c] (L = 1 for one layer's) come in their stored
     # dtype and layout: converting or slicing them in XLA would be more kernels per layer.
     bias_ref, st_ref, y_ref, st_out = refs if has_bias else (None, *refs)
     s, ci = pl.program_id(0), pl.program_id(1)
     cols = pl.ds(ci * cb, cb)
-    slot, row = slot_ref[s], row_ref[0]
-    window = [st_ref[slot * (k - 1) + i, cols].astype(jnp.float32) for i in range(k - 1)]
-    window.append(x_ref[s, pl.ds(col0 + ci * cb, cb)].astype(jnp.float32))
-    acc = bias_ref[row, cols].astype(jnp.float32) if has_bias else jnp.zeros((cb,), jnp.float32)
-    for j in range(k):
-        acc = acc + w_ref[row, cols, j].astype(jnp.float32) * window[j]
+    slot = slot_ref[s]
+    acc, window = decode_window(x_ref, w_ref, bias_ref, st_ref, s=s, row=row_ref[0], slot=slot,
+                                ch0=ci * cb, nch=cb, k=k, col0=col0)
     y_ref[s, cols] = _act(acc, activation).astype(y_ref.dtype)
     for i in range(k - 1):
         st_out[slot * (k - 1) + i, cols] = window[i + 1].astype(st_out.dtype)

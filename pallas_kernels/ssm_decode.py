@@ -25,7 +25,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.backend import Impl, resolve_impl
-from pallas_kernels.conv1d import conv1d_decode
+from pallas_kernels.conv1d import conv1d_decode, decode_window
 from pallas_kernels.horizontal import Deferred, Part, launch_parts
 from pallas_kernels.launch import channel_block, is_pow2, launch
 from pallas_kernels.ssm_common import check_mamba_args, effective_dt, silu
@@ -108,19 +108,6 @@ def ssm_decode_reference(
     return y.astype(x.dtype), states.at[slot_ids].set(s.astype(states.dtype))
 
 
-def _conv_channels(src_ref, w_ref, cb_ref, cst_ref, *, s, r, slot, ch0, nch: int, k: int, col0: int):
-    """The activated causal conv of sequence s's xBC channels [ch0, ch0 + nch), as
-    `conv1d.conv1d_decode` computes it (same order of f32 products, rounded to the row's
-    dtype) -> (values [nch] f32, the window: k - 1 state rows, then the new input)."""
-    cols = pl.ds(ch0, nch)
-    window = [cst_ref[slot * (k - 1) + i, cols].astype(jnp.float32) for i in range(k - 1)]
-    window.append(src_ref[s, pl.ds(col0 + ch0, nch)].astype(jnp.float32))
-    acc = cb_ref[r, cols].astype(jnp.float32) if cb_ref is not None else jnp.zeros((nch,), jnp.float32)
-    for j in range(k):
-        acc = acc + w_ref[r, cols, j].astype(jnp.float32) * window[j]
-    return silu(acc).astype(src_ref.dtype).astype(jnp.float32), window
-
-
 def _decode_body(*refs, hpg: int, bp: int, hb: int, loops: int, order: str,
                  evict: str | None, gated: bool, packed: Packed | None = None, pids=None):
     """One program: heads [h0, h0 + hb) x rows [pb * loops * bp, + loops * bp) of one sequence.
@@ -131,7 +118,7 @@ def _decode_body(*refs, hpg: int, bp: int, hb: int, loops: int, order: str,
     `packed` (hb = 1): x, B and C are read from one activated xBC row [b, conv_dim], the raw
     dt from columns of the in_proj output, dt's softplus and A = -exp(A_log) are computed
     here (see `ssm_decode_packed`); with `packed.conv` they are convolved here from the raw
-    xBC row, the program rolling its x channels' conv state (`_conv_channels`). pids: the
+    xBC row (`conv1d.decode_window`), the program rolling its x channels' conv state. pids: the
     grid's program ids (`horizontal.Part`), else `pl.program_id`.
     """
     if pids is None:
@@ -181,9 +168,10 @@ def _decode_body(*refs, hpg: int, bp: int, hb: int, loops: int, order: str,
     # small dependent loads and arithmetic, which then run under it.
     first = load_state(0) if packed is not None and packed.conv else None
     if first is not None:
-        def activated(ch0, nch):  # conv1d_decode's output for xBC channels [ch0, + nch)
-            return _conv_channels(dt_ref, w_ref, cb_ref, cst_ref, s=s, r=r, slot=slot, ch0=ch0,
-                                  nch=nch, k=packed.conv, col0=packed.xbc_col0)
+        def activated(ch0, nch):  # conv1d_decode's output for xBC channels [ch0, + nch), as stored
+            acc, window = decode_window(dt_ref, w_ref, cb_ref, cst_ref, s=s, row=r, slot=slot,
+                                        ch0=ch0, nch=nch, k=packed.conv, col0=packed.xbc_col0)
+            return silu(acc).astype(dt_ref.dtype).astype(f32), window
         bv = activated(width + g * n, n)[0][None, None, :]
         cv = activated(width + gn + g * n, n)[0][None, None, :]
         # This program's x channels are its own: it rolls their conv state in place.

@@ -111,10 +111,23 @@ def test_refuses_mixed_impls():
         attention_ssm_decode(attention | {"impl": "reference"}, ssm | {"impl": KERNEL_IMPL})
 
 
+def assert_one_call_in_place(step, arrays):
+    """step(*arrays, impl) -> the updated arrays: one Triton call where it lowers for a GPU,
+    and, jitted with the arrays donated, each output in its input's buffer."""
+    if KERNEL_IMPL == "interpret":  # the lowering for a GPU, checked from the CPU
+        pytest.importorskip("jax._src.lib.triton")
+        text = jax.jit(lambda *a: step(*a, "pallas")).trace(*arrays).lower(
+            lowering_platforms=("cuda",)).as_text()
+        assert text.count("__gpu$xla.gpu.triton") == 1
+    bufs = [jnp.array(a) for a in arrays]
+    ptrs = [a.unsafe_buffer_pointer() for a in bufs]
+    out = jax.jit(lambda *a: step(*a, KERNEL_IMPL), donate_argnums=tuple(range(len(bufs))))(*bufs)
+    assert [a.unsafe_buffer_pointer() for a in out] == ptrs
+
+
 def test_one_triton_call_and_updates_in_place():
     attention, _, _ = _attention_kw(CASES[0])
     ssm, _, _, _ = _ssm_setup(attention["proj"].shape[0], jnp.float32)
-    names = ("k_pages", "v_pages", "states")
 
     def step(k_pages, v_pages, states, impl):
         (_, k, v), (_, s) = attention_ssm_decode(
@@ -122,13 +135,4 @@ def test_one_triton_call_and_updates_in_place():
             ssm | {"states": states, "impl": impl})
         return k, v, s
 
-    if KERNEL_IMPL == "interpret":  # the lowering for a GPU, checked from the CPU
-        pytest.importorskip("jax._src.lib.triton")
-        text = jax.jit(lambda *a: step(*a, "pallas")).trace(
-            attention["k_pages"], attention["v_pages"], ssm["states"]).lower(
-            lowering_platforms=("cuda",)).as_text()
-        assert text.count("__gpu$xla.gpu.triton") == 1
-    bufs = [jnp.array(attention["k_pages"]), jnp.array(attention["v_pages"]), jnp.array(ssm["states"])]
-    ptrs = [a.unsafe_buffer_pointer() for a in bufs]
-    out = jax.jit(lambda *a: step(*a, KERNEL_IMPL), donate_argnums=(0, 1, 2))(*bufs)
-    assert [a.unsafe_buffer_pointer() for a in out] == ptrs, names
+    assert_one_call_in_place(step, (attention["k_pages"], attention["v_pages"], ssm["states"]))
