@@ -79,9 +79,9 @@ def run(stacked: bool, layers: int, kinds: int, reps: int) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--layers", type=int, default=24)
-    p.add_argument("--kinds", type=int, default=4)
-    p.add_argument("--reps", type=int, default=300)
-    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--kinds", type=int, default=4, help="buffers per layer (K, V, conv, SSM state)")
+    p.add_argument("--reps", type=int, default=300, help="timed calls per variant")
+    p.add_argument("--rounds", type=int, default=2, help="separate / stacked pairs run")
     a = p.parse_args()
     rows = []
     for _ in range(a.rounds):

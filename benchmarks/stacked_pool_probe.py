@@ -128,12 +128,12 @@ def _state(slots: int, first: int) -> jax.Array:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--slots", type=int, default=257)
-    p.add_argument("--pages-per-layer", type=int, default=12000)
-    p.add_argument("--context", type=int, default=600)
+    p.add_argument("--batch", type=int, default=64, help="decode rows per layer")
+    p.add_argument("--slots", type=int, default=257, help="state slots per layer (stack: x layers)")
+    p.add_argument("--pages-per-layer", type=int, default=12000, help="K/V pages per layer")
+    p.add_argument("--context", type=int, default=600, help="tokens in cache per sequence")
     p.add_argument("--layers", type=int, default=24)
-    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=2, help="separate / stacked pairs run")
     a = p.parse_args()
     for _ in range(a.rounds):
         outs = []
