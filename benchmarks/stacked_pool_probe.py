@@ -110,20 +110,26 @@ def run(a, stacked: bool) -> dict:
             "kernel_ms": kernel_ms, "kernels": kernels, "device": str(jax.devices()[0])}, first
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
+def _wave(shape: tuple[int, ...], axis: int, first: int, coeffs: tuple[float, ...]) -> jax.Array:
+    """f32 sin(sum_d i_d * coeffs[d]) over the array's indices, index `axis` counted from
+    `first` (its place in the stacked pool): a layer's array and the stack's row hold the
+    same values. Iotas per axis: no 32-bit overflow in arrays over 2**31 elements."""
+    acc = jnp.zeros(shape, jnp.float32)
+    for d, c in enumerate(coeffs):
+        i = jax.lax.broadcasted_iota(jnp.int32, shape, d).astype(jnp.float32)
+        acc = acc + ((i + first) if d == axis else i) * c
+    return jnp.sin(acc)
+
+
 def _pool(pages: int, first: int, f: float) -> jax.Array:
-    """K or V pages [4, pages, 16, 128] bf16 whose values depend on the page's index
-    `first + p` in the stacked pool (iotas per axis: no 32-bit overflow)."""
-    shape = (KV_HEADS, pages, PAGE, E)
-    i = [jax.lax.broadcasted_iota(jnp.int32, shape, d).astype(jnp.float32) for d in range(4)]
-    return jnp.sin(i[0] * 0.7 + (i[1] + first) * f + i[2] * 0.11 + i[3] * 0.013).astype(jnp.bfloat16)
+    """K or V pages [4, pages, 16, 128] bf16, the pages counted from `first`."""
+    return _wave((KV_HEADS, pages, PAGE, E), 1, first, (0.7, f, 0.11, 0.013)).astype(jnp.bfloat16)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1))
 def _state(slots: int, first: int) -> jax.Array:
-    shape = (slots, H, HP, N)
-    i = [jax.lax.broadcasted_iota(jnp.int32, shape, d).astype(jnp.float32) for d in range(4)]
-    return 0.1 * jnp.sin((i[0] + first) * 0.13 + i[1] * 0.7 + i[2] * 0.05 + i[3] * 0.011)
+    """SSM states [slots, 32, 64, 128] f32, the slots counted from `first`."""
+    return 0.1 * _wave((slots, H, HP, N), 0, first, (0.13, 0.7, 0.05, 0.011))
 
 
 def main() -> None:
