@@ -35,6 +35,7 @@ import time
 import jax
 import numpy as np
 
+from hybrid_jax.cache import states_of
 from hybrid_jax.loading import load_model
 from serving.bench.floor import copy_bandwidth
 from serving.bench.trace_report import gpu_kernel_events, host_event_totals
@@ -54,14 +55,13 @@ def floor_bytes(engine: LLMEngine, lengths: np.ndarray) -> dict[str, int]:
     weights = sum(x.nbytes for x in jax.tree.leaves(runner.params))
     batch = len(lengths)
     kv = state = 0
-    for spec, cache in zip(cfg.layers, runner.caches, strict=True):
-        if cache.kv is not None:
-            k = cache.kv.k  # [k, pages, s, e]
-            per_token = 2 * k.shape[0] * k.shape[3] * k.dtype.itemsize
-            seen = lengths if spec.window is None else np.minimum(lengths, spec.window)
-            kv += int(seen.sum()) * per_token
-        for x in jax.tree.leaves((cache.mamba, cache.rglru)):
-            state += 2 * batch * (x.nbytes // x.shape[0])
+    for window, cache in zip(cfg.windows, runner.caches.kv, strict=True):
+        k = cache.k  # [k, layers, pages, s, e]
+        per_token = 2 * k.shape[0] * k.shape[1] * k.shape[4] * k.dtype.itemsize
+        seen = lengths if window is None else np.minimum(lengths, window)
+        kv += int(seen.sum()) * per_token
+    for x in jax.tree.leaves(states_of(runner.caches)):  # [layers, slots, ...]
+        state += 2 * batch * (x.nbytes // x.shape[1])
     return {"weights": weights, "kv": kv, "state": state, "total": weights + kv + state}
 
 

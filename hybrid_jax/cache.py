@@ -1,10 +1,12 @@
-"""Serving-path data: per-layer caches (typed pytrees) and the ragged batch metadata.
+"""Serving-path data: the caches (typed pytrees, stacked by kind) and the ragged batch metadata.
 
 Caches are physical device arrays indexed by ints that the engine's host-side pools
 hand out: KV pages `[k, num_pages, s, e]` per attention layer (layers of one window
 group share page indices), and per-slot recurrent state. Index 0 of pages and slots
-is a dummy that padded rows read and write. This module knows nothing of scheduling:
-it only says what the arrays are and how big they are.
+is a dummy that padded rows read and write. The engine holds every layer's cache of
+one kind in one array (`CacheStacks`); a forward gives each layer its view
+(`layer_cache`; hybrid_jax/ragged.py offsets its indices). This module knows nothing of
+scheduling: it only says what the arrays are and how big they are.
 """
 
 from __future__ import annotations
@@ -87,50 +89,166 @@ def layer_groups(cfg: ModelConfig) -> tuple[int | None, ...]:
     return tuple(cfg.windows.index(s.window) if s.kind.has_attention else None for s in cfg.layers)
 
 
+class CacheStacks(NamedTuple):
+    """Every layer's cache, stacked by kind: a few device arrays instead of several per layer.
+
+    Each array of an executable call costs the host ~3 us to enqueue (H100 hosts,
+    benchmarks/arg_count_probe.py): per-layer arrays made 96 of a 24-layer decode step's
+    arguments. Stacked, a step takes one K and one V array per window group and one
+    array per state field.
+
+    kv          per window group g: K and V [k, n_g, P_g, s, e], row j the pages of the
+                group's j-th attention layer (`LayerSite.kv_rank`)
+    mamba       Mamba2State of [n, S, ...]: row j the slots of the j-th Mamba2 layer
+    rglru       RGLRUState of [n, S, ...] (RG-LRU layers), or None
+    short_conv  ShortConvState of [n, S, ...] (short-conv layers), or None
+
+    Inside a forward the rows are flattened ([k, n_g * P_g, s, e], [n * S, ...]: free
+    reshapes) and each layer's page and slot indices are offset to its row (ragged.py):
+    kernels see one pool whose pages and slots are numbered across layers.
+    """
+
+    kv: tuple[KVCache, ...]
+    mamba: Mamba2State | None = None
+    rglru: RGLRUState | None = None
+    short_conv: ShortConvState | None = None
+
+
+_STATE_FIELDS = ("mamba", "rglru", "short_conv")
+
+
+class LayerSite(NamedTuple):
+    """Where a layer's cache lies in the stacks (static, from the config)."""
+
+    group: int | None  # window group of its K/V (None: no attention)
+    kv_rank: int  # its row in the group's K/V stacks
+    state: str | None  # its recurrent state's field of CacheStacks (None: no state)
+    state_rank: int  # its row in that field's stacks
+
+
+def _state_field(spec) -> str | None:
+    if spec.kind.has_mamba2:
+        return "mamba"
+    if spec.kind == LayerKind.RGLRU:
+        return "rglru"
+    if spec.kind == LayerKind.SHORT_CONV:
+        return "short_conv"
+    return None
+
+
+def layer_sites(cfg: ModelConfig) -> tuple[LayerSite, ...]:
+    """Each layer's rows in the stacks: layers are numbered in order within their window
+    group (K/V) and within their state kind."""
+    groups, kv_count, state_count, out = layer_groups(cfg), {}, {}, []
+    for spec, g in zip(cfg.layers, groups, strict=True):
+        field = _state_field(spec)
+        kv_rank = kv_count.get(g, 0) if g is not None else 0
+        state_rank = state_count.get(field, 0) if field is not None else 0
+        if g is not None:
+            kv_count[g] = kv_rank + 1
+        if field is not None:
+            state_count[field] = state_rank + 1
+        out.append(LayerSite(g, kv_rank, field, state_rank))
+    return tuple(out)
+
+
 def init_caches(cfg: ModelConfig, *, num_pages: tuple[int, ...], page_size: int, num_slots: int,
-                dtype: jnp.dtype, state_dtype: jnp.dtype = jnp.float32) -> tuple[LayerCache, ...]:
-    """Zeroed caches; `num_pages[g]` pages for window group g, `num_slots` state slots."""
+                dtype: jnp.dtype, state_dtype: jnp.dtype = jnp.float32) -> CacheStacks:
+    """Zeroed stacks; `num_pages[g]` pages per layer of window group g, `num_slots` state
+    slots per recurrent layer."""
     if len(num_pages) != len(cfg.windows):
         raise ValueError(f"num_pages={num_pages} needs one entry per window group {cfg.windows}")
-    groups = layer_groups(cfg)
-    out = []
-    for spec, g in zip(cfg.layers, groups, strict=True):
-        kv = mamba = rglru = short_conv = None
-        if g is not None:
-            a = cfg.attention
-            shape = (a.num_kv_heads, num_pages[g], page_size, kv_head_dim(a.head_dim))
-            kv = KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
-        if spec.kind.has_mamba2:
-            m = cfg.mamba2
-            mamba = Mamba2State(jnp.zeros((num_slots, m.conv_kernel - 1, m.conv_dim), dtype),
-                                jnp.zeros((num_slots, m.num_heads, m.head_dim, m.state_size),
-                                          state_dtype))
-        if spec.kind == LayerKind.RGLRU:
-            r = cfg.rglru
-            rglru = RGLRUState(jnp.zeros((num_slots, r.conv_kernel - 1, r.width), dtype),
-                               jnp.zeros((num_slots, r.width), jnp.float32))
-        if spec.kind == LayerKind.SHORT_CONV:
-            k = cfg.short_conv.conv_kernel
-            c = cfg.short_conv.channels or cfg.hidden_size
-            short_conv = ShortConvState(jnp.zeros((num_slots, k - 1, c), dtype))
-        out.append(LayerCache(kv, mamba, rglru, short_conv))
-    return tuple(out)
+    sites = layer_sites(cfg)
+    per_group = [sum(1 for s in sites if s.group == g) for g in range(len(cfg.windows))]
+    per_state = {f: sum(1 for s in sites if s.state == f) for f in _STATE_FIELDS}
+    a = cfg.attention
+    kv = []
+    for g, n in enumerate(per_group):
+        shape = (a.num_kv_heads, n, num_pages[g], page_size, kv_head_dim(a.head_dim))
+        kv.append(KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)))
+    mamba = rglru = short_conv = None
+    if n := per_state["mamba"]:
+        m = cfg.mamba2
+        mamba = Mamba2State(jnp.zeros((n, num_slots, m.conv_kernel - 1, m.conv_dim), dtype),
+                            jnp.zeros((n, num_slots, m.num_heads, m.head_dim, m.state_size), state_dtype))
+    if n := per_state["rglru"]:
+        r = cfg.rglru
+        rglru = RGLRUState(jnp.zeros((n, num_slots, r.conv_kernel - 1, r.width), dtype),
+                           jnp.zeros((n, num_slots, r.width), jnp.float32))
+    if n := per_state["short_conv"]:
+        k = cfg.short_conv.conv_kernel
+        c = cfg.short_conv.channels or cfg.hidden_size
+        short_conv = ShortConvState(jnp.zeros((n, num_slots, k - 1, c), dtype))
+    return CacheStacks(tuple(kv), mamba, rglru, short_conv)
+
+
+def states_of(stacks: CacheStacks) -> CacheStacks:
+    """The recurrent part of the stacks (every per-slot state; K/V left out): each leaf
+    [n, S, ...], slots on axis 1."""
+    return stacks._replace(kv=())
+
+
+def with_states(stacks: CacheStacks, states: CacheStacks) -> CacheStacks:
+    """`stacks` with its recurrent fields from `states` (`states_of`'s form)."""
+    return states._replace(kv=stacks.kv)
+
+
+class Geometry(NamedTuple):
+    """Rows per layer in the flattened stacks: pages per window group, state slots."""
+
+    pages: tuple[int, ...]
+    slots: int
+    page_size: int
+
+
+def flatten_stacks(stacks: CacheStacks) -> tuple[CacheStacks, Geometry]:
+    """Rows merged: K/V [k, n_g * P_g, s, e], states [n * S, ...] (reshapes, no copies)."""
+    pages = tuple(kv.k.shape[2] for kv in stacks.kv)
+    leaves = jax.tree.leaves(states_of(stacks))
+    slots = leaves[0].shape[1] if leaves else 0
+
+    def merge_kv(x):
+        return x.reshape(x.shape[0], x.shape[1] * x.shape[2], *x.shape[3:])
+
+    kv = tuple(KVCache(merge_kv(c.k), merge_kv(c.v)) for c in stacks.kv)
+    states = jax.tree.map(lambda x: x.reshape(x.shape[0] * x.shape[1], *x.shape[2:]), states_of(stacks))
+    page_size = stacks.kv[0].k.shape[3] if stacks.kv else 0
+    return with_states(stacks._replace(kv=kv), states), Geometry(pages, slots, page_size)
+
+
+def unflatten_stacks(flat: CacheStacks, like: CacheStacks) -> CacheStacks:
+    """`flatten_stacks` undone: each leaf back to the shape of `like`'s."""
+    return jax.tree.map(lambda x, y: x.reshape(y.shape), flat, like)
+
+
+def layer_cache(flat: CacheStacks, site: LayerSite) -> LayerCache:
+    """A layer's cache as the kernels take it: the flattened stacks of its kinds (indexed
+    through the offset pages and slots of ragged._layer_batches)."""
+    kv = flat.kv[site.group] if site.group is not None else None
+    fields = {f: getattr(flat, f) for f in _STATE_FIELDS if f == site.state}
+    return LayerCache(kv=kv, **fields)
+
+
+def store_layer(flat: CacheStacks, site: LayerSite, cache: LayerCache) -> CacheStacks:
+    """The flattened stacks with what a layer returned (its kinds' updated stacks).
+    Fields of `cache` that are None are left as they are."""
+    if site.group is not None and cache.kv is not None:
+        kv = list(flat.kv)
+        kv[site.group] = cache.kv
+        flat = flat._replace(kv=tuple(kv))
+    if site.state is not None and getattr(cache, site.state) is not None:
+        flat = flat._replace(**{site.state: getattr(cache, site.state)})
+    return flat
 
 
 def cache_bytes(cfg: ModelConfig, *, page_size: int, dtype: jnp.dtype,
                 state_dtype: jnp.dtype = jnp.float32) -> tuple[tuple[int, ...], int]:
-    """(bytes of one page per window group across its layers, bytes of one state slot).
-
-    Derived from the shapes `init_caches` allocates (no arrays are created).
-    """
+    """(bytes of one page per window group across its layers, bytes of one state slot
+    across the recurrent layers). Derived from the shapes `init_caches` allocates (no
+    arrays are created)."""
     one = jax.eval_shape(lambda: init_caches(
         cfg, num_pages=(1,) * len(cfg.windows), page_size=page_size, num_slots=1, dtype=dtype,
         state_dtype=state_dtype))
-    page = [0] * len(cfg.windows)
-    slot = 0
-    for cache, g in zip(one, layer_groups(cfg), strict=True):
-        if cache.kv is not None:
-            page[g] += sum(x.size * x.dtype.itemsize for x in cache.kv)
-        states = (cache.mamba, cache.rglru, cache.short_conv)
-        slot += sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(states))
-    return tuple(page), slot
+    page = tuple(sum(x.size * x.dtype.itemsize for x in kv) for kv in one.kv)
+    slot = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(states_of(one)))
+    return page, slot

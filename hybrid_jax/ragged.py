@@ -35,14 +35,22 @@ import jax
 import jax.numpy as jnp
 
 from hybrid_jax.cache import (
+    CacheStacks,
+    Geometry,
     KVCache,
     LayerCache,
+    LayerSite,
     Mamba2State,
     RaggedBatch,
     RGLRUState,
     ShortConvState,
-    layer_groups,
+    flatten_stacks,
+    layer_cache,
+    layer_sites,
+    store_layer,
+    unflatten_stacks,
 )
+from hybrid_jax.config import ModelConfig
 from hybrid_jax.layers.attention import Attention
 from hybrid_jax.layers.mamba2 import Mamba2Mixer
 from hybrid_jax.layers.rglru import RecurrentBlock
@@ -61,6 +69,7 @@ from pallas_kernels import (
     mamba2_step,
     mamba2_step_fits,
     mixer_merge,
+    offset_indices,
     paged_attention_decode,
     paged_attention_decode_fused,
     paged_attention_prefill,
@@ -518,77 +527,111 @@ def _mlp_out(mlp, u: jax.Array) -> jax.Array:
     return down.partials(mlp.hidden(u), split)
 
 
-def _forward_decode_glued(model: CausalLM, batch: RaggedBatch, caches: tuple[LayerCache, ...]
-                          ) -> tuple[jax.Array, tuple[LayerCache, ...]]:
+def _layer_batches(batch: RaggedBatch, sites: tuple[LayerSite, ...], geom: Geometry
+                   ) -> tuple[RaggedBatch, ...]:
+    """Each layer's view of the batch over the flattened stacks (hybrid_jax/cache.py): its
+    slot ids offset to its state row, its window group's page table and slot mapping to its
+    page row. Padding rows (slot 0, page 0) land on the layer's own dummy slot and page.
+    Every layer's copy of one index array comes from one launch (`offset_indices`)."""
+    def shifted(x: jax.Array, offsets: set[int], scale: int = 1) -> dict[int, jax.Array]:
+        offs = tuple(sorted(offsets - {0}))
+        return {0: x, **dict(zip(offs, offset_indices(x, tuple(o * scale for o in offs)), strict=True))}
+
+    slots = shifted(batch.slot_ids, {s.state_rank * geom.slots for s in sites if s.state is not None})
+    tables, maps = [], []
+    for g, (table, mapping) in enumerate(zip(batch.page_tables, batch.slot_mappings, strict=True)):
+        offs = {s.kv_rank * geom.pages[g] for s in sites if s.group == g}
+        tables.append(shifted(table, offs))
+        maps.append(shifted(mapping, offs, geom.page_size))
+    out = []
+    for s in sites:
+        view = batch
+        if s.state is not None:
+            view = view._replace(slot_ids=slots[s.state_rank * geom.slots])
+        if s.group is not None:
+            o = s.kv_rank * geom.pages[s.group]
+            view = view._replace(
+                page_tables=tuple(t[o] if g == s.group else t[0] for g, t in enumerate(tables)),
+                slot_mappings=tuple(m[o] if g == s.group else m[0] for g, m in enumerate(maps)))
+        out.append(view)
+    return tuple(out)
+
+
+def _forward_decode_glued(model: CausalLM, batch: RaggedBatch, caches: CacheStacks
+                          ) -> tuple[jax.Array, CacheStacks]:
     """`forward_ragged`'s decode step with each residual add done by the next norm's launch:
     a sub-block's output waits (`pending`) until the norm that reads the sum (`Block.mix`
     and `Block.norm_input` in one). The fused out-projection and the MLP's down-projection
     may leave their output as depth parts (`Linear.partials`), which that launch sums."""
     h = model.embed_tokens(batch.tokens)
-    pending, new = None, []
-    for block, cache, group in zip(model.layers, caches, layer_groups(model.cfg), strict=True):
+    flat, geom = flatten_stacks(caches)
+    sites = layer_sites(model.cfg)
+    pending = None
+    for block, site, lb in zip(model.layers, sites, _layer_batches(batch, sites, geom), strict=True):
         if block.temporal_norm is not None:
             h, u = _add_norm(h, pending, block.temporal_norm)
-            pending, cache = _temporal(block, u, batch, cache, group, True, parts=True)
+            pending, cache = _temporal(block, u, lb, layer_cache(flat, site), site.group, True, parts=True)
+            flat = store_layer(flat, site, cache)
         if block.mlp is not None:
             h, u = _add_norm(h, pending, block.mlp_norm)
             pending = _mlp_out(block.mlp, u)
-        new.append(cache)
     if pending is not None:
         h = h + (jnp.sum(pending, axis=0) if pending.ndim == 3 else pending).astype(h.dtype)
-    return model.logits(jnp.take(h, batch.last_token, axis=0)), tuple(new)
+    return model.logits(jnp.take(h, batch.last_token, axis=0)), unflatten_stacks(flat, caches)
 
 
-def forward_ragged(model: CausalLM, batch: RaggedBatch, caches: tuple[LayerCache, ...], *,
-                   decode: bool) -> tuple[jax.Array, tuple[LayerCache, ...]]:
+def _layers(model: CausalLM, batch: RaggedBatch, caches: CacheStacks, decode: bool, q: int = 0):
+    """Every layer over the flattened stacks -> (h, the flattened stacks after them, each
+    layer's cache as the layer returned it)."""
+    h = e = model.embed_tokens(batch.tokens)
+    flat, geom = flatten_stacks(caches)
+    sites = layer_sites(model.cfg)
+    returned = []
+    for block, site, lb in zip(model.layers, sites, _layer_batches(batch, sites, geom), strict=True):
+        shared, cache = None, layer_cache(flat, site)
+        if block.depth is not None:  # the layer's K/V belong to its shared-block attention
+            sb = model.shared_blocks[block.depth.block]
+            shared, kv = _shared_block(sb, block, h, e, lb, cache.kv, site.group, decode, q)
+            cache = cache._replace(kv=kv)
+        h, cache = block_ragged(block, h, lb, cache, site.group, decode, shared, q)
+        # Verification returns candidates in the recurrent fields: only K/V go back.
+        flat = store_layer(flat, site, LayerCache(kv=cache.kv) if q else cache)
+        returned.append(cache)
+    return h, flat, tuple(returned)
+
+
+def forward_ragged(model: CausalLM, batch: RaggedBatch, caches: CacheStacks, *,
+                   decode: bool) -> tuple[jax.Array, CacheStacks]:
     """Ragged forward -> (logits [b, v] f32 at each sequence's last token, new caches)."""
     if _glued_residual(model, decode):
         return _forward_decode_glued(model, batch, caches)
-    h = e = model.embed_tokens(batch.tokens)
-    new = []
-    for block, cache, group in zip(model.layers, caches, layer_groups(model.cfg), strict=True):
-        shared = None
-        if block.depth is not None:  # the layer's K/V belong to its shared-block attention
-            sb = model.shared_blocks[block.depth.block]
-            shared, kv = _shared_block(sb, block, h, e, batch, cache.kv, group, decode)
-            cache = cache._replace(kv=kv)
-        h, cache = block_ragged(block, h, batch, cache, group, decode, shared)
-        new.append(cache)
-    return model.logits(jnp.take(h, batch.last_token, axis=0)), tuple(new)
+    h, flat, _ = _layers(model, batch, caches, decode)
+    return model.logits(jnp.take(h, batch.last_token, axis=0)), unflatten_stacks(flat, caches)
 
 
-def forward_verify(model: CausalLM, batch: RaggedBatch, caches: tuple[LayerCache, ...], q: int
-                   ) -> tuple[jax.Array, tuple[LayerCache, ...]]:
+def forward_verify(model: CausalLM, batch: RaggedBatch, caches: CacheStacks, q: int
+                   ) -> tuple[jax.Array, CacheStacks, tuple[LayerCache, ...]]:
     """Verification forward: every sequence has q tokens (t = b * q, sequence-major).
 
-    Returns (logits [t, v] f32 at EVERY token, caches whose K/V pages are written for
-    all t tokens and whose recurrent fields are candidates [q, b, ...]: the state after
-    each of the q positions; the slot arrays are untouched, see `choose`).
+    Returns (logits [t, v] f32 at EVERY token, the caches with K/V pages written for all t
+    tokens and the states untouched, and per layer its candidates: LayerCache whose
+    recurrent fields are [q, b, ...], the state after each of the q positions; see `choose`).
     """
-    h = e = model.embed_tokens(batch.tokens)
-    new = []
-    for block, cache, group in zip(model.layers, caches, layer_groups(model.cfg), strict=True):
-        shared = None
-        if block.depth is not None:
-            sb = model.shared_blocks[block.depth.block]
-            shared, kv = _shared_block(sb, block, h, e, batch, cache.kv, group, False, q)
-            cache = cache._replace(kv=kv)
-        h, cache = block_ragged(block, h, batch, cache, group, False, shared, q)
-        new.append(cache)
-    return model.logits(h), tuple(new)
+    h, flat, returned = _layers(model, batch, caches, False, q)
+    candidates = tuple(c._replace(kv=None) for c in returned)
+    return model.logits(h), unflatten_stacks(flat, caches), candidates
 
 
-def choose(caches: tuple[LayerCache, ...], candidates: tuple[LayerCache, ...], slot_ids: jax.Array,
-           index: jax.Array) -> tuple[LayerCache, ...]:
-    """Write candidate state `index[i]` (0..q-1) of sequence i into slot `slot_ids[i]`.
-
-    caches: the slot arrays before verification; candidates: `forward_verify`'s caches.
-    K/V pages come from the candidates (already written).
-    """
+def choose(caches: CacheStacks, candidates: tuple[LayerCache, ...], slot_ids: jax.Array,
+           index: jax.Array, cfg: ModelConfig) -> CacheStacks:
+    """Write candidate state `index[i]` (0..q-1) of sequence i into slot `slot_ids[i]` of
+    each recurrent layer's row of the stacks (`forward_verify`'s caches and candidates)."""
     rows = jnp.arange(slot_ids.shape[0])
-    out = []
-    for old, cand in zip(caches, candidates, strict=True):
-        states = jax.tree.map(lambda s, c: s.at[slot_ids].set(c[index, rows].astype(s.dtype)),
-                              old._replace(kv=None), cand._replace(kv=None))
-        out.append(states._replace(kv=cand.kv))
-    return tuple(out)
+    for site, cand in zip(layer_sites(cfg), candidates, strict=True):
+        if site.state is None:
+            continue
+        stack = jax.tree.map(
+            lambda s, c, r=site.state_rank: s.at[r, slot_ids].set(c[index, rows].astype(s.dtype)),
+            getattr(caches, site.state), getattr(cand, site.state))
+        caches = caches._replace(**{site.state: stack})
+    return caches

@@ -281,18 +281,19 @@ def shard_params(cfg: ModelConfig, state, n: int, d: int, local_state) -> list[n
 # -- caches ---------------------------------------------------------------------------------
 
 def cache_axes(caches) -> object:
-    """Per cache leaf: the axis split over devices (KV pages by KV head, states by head/channel)."""
+    """Per cache leaf: the axis split over devices (KV pages by KV head, states by head/channel;
+    the stacks of hybrid_jax/cache.py: K/V [k, n, P, s, e], states [n, S, ...])."""
     from hybrid_jax.cache import KVCache, Mamba2State, RGLRUState, ShortConvState
 
     def axes(c):
         if isinstance(c, KVCache):
             return KVCache(0, 0)
         if isinstance(c, Mamba2State):
-            return Mamba2State(2, 1)
+            return Mamba2State(3, 2)
         if isinstance(c, RGLRUState):
-            return RGLRUState(2, 1)
+            return RGLRUState(3, 2)
         if isinstance(c, ShortConvState):
-            return ShortConvState(2)
+            return ShortConvState(3)
         return None
 
     is_leaf = lambda c: isinstance(c, KVCache | Mamba2State | RGLRUState | ShortConvState)

@@ -19,6 +19,7 @@ from pallas_kernels.decode_glue import (
     mixer_merge,
     mixer_merge_reference,
 )
+from pallas_kernels.index_offsets import offset_indices, offset_indices_reference
 from pallas_kernels.linear_scan import (
     linear_scan_decode,
     linear_scan_decode_reference,
@@ -48,6 +49,8 @@ from pallas_kernels.ssd import ssd_ragged, ssd_ragged_reference
 from pallas_kernels.ssm_decode import ssm_decode, ssm_decode_packed, ssm_decode_reference
 
 __all__ = [
+    "offset_indices",
+    "offset_indices_reference",
     "DecodeParts",
     "IMPLS",
     "Impl",

@@ -30,11 +30,12 @@ from dataclasses import dataclass
 import jax
 import numpy as np
 
+from hybrid_jax.cache import CacheStacks, states_of, with_states
 from hybrid_jax.loading import DTYPES, LoadedModel, load_model
 from serving.block_table import KVGroup, PageRing, ring_width
 from serving.engine_config import EngineConfig, PoolPlan
 from serving.pools import SlotPool
-from serving.runner import ModelRunner, _states
+from serving.runner import ModelRunner
 from serving.sampling import SamplingArrays
 from serving.schedule import PENDING, Schedule, ScheduledSeq, flatten
 
@@ -49,9 +50,9 @@ class _Entry:
     consumed: int = 0  # tokens whose K/V and state the draft holds (in `base`)
 
 
-def _copy_slots(caches, src, dst):
-    states = jax.tree.map(lambda x: x.at[dst].set(x[src]), _states(caches))
-    return tuple(s._replace(kv=c.kv) for s, c in zip(states, caches, strict=True))
+def _copy_slots(caches: CacheStacks, src, dst) -> CacheStacks:
+    """Every recurrent layer's state of slots `src` copied into slots `dst`."""
+    return with_states(caches, jax.tree.map(lambda x: x.at[:, dst].set(x[:, src]), states_of(caches)))
 
 
 class DraftModelDrafter:

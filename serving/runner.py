@@ -35,7 +35,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from hybrid_jax import tensor_parallel as tp
-from hybrid_jax.cache import RaggedBatch, init_caches
+from hybrid_jax.cache import RaggedBatch, init_caches, states_of
 from hybrid_jax.fusion import fuse_projections
 from hybrid_jax.layers.linear import reduction_gemv
 from hybrid_jax.model import CausalLM
@@ -46,7 +46,7 @@ from serving.penalties import init_token_stats
 from serving.result_buffers import ResultBuffers
 from serving.sampling import SamplingArrays
 from serving.schedule import PENDING, StepArrays
-from serving.step_fns import (  # noqa: F401  (Bucket, make_buckets, _states: imported from here too)
+from serving.step_fns import (  # noqa: F401  (Bucket, make_buckets: imported from here too)
     TOP_LOGPROBS,
     Bucket,
     CkptOps,
@@ -54,7 +54,6 @@ from serving.step_fns import (  # noqa: F401  (Bucket, make_buckets, _states: im
     _forward_fn,
     _multi_fn,
     _sampler_fn,
-    _states,
     _verify_fn,
     compile_options,
     decode_row_floor,
@@ -118,7 +117,7 @@ class ModelRunner:
         cache_shapes = jax.eval_shape(lambda: init_caches(
             local, num_pages=num_pages, page_size=page_size, num_slots=num_slots, dtype=model.dtype,
             state_dtype=state_dtype))
-        ckpt_shapes = jax.eval_shape(lambda: _states(init_caches(
+        ckpt_shapes = jax.eval_shape(lambda: states_of(init_caches(
             local, num_pages=(1,) * len(num_pages), page_size=page_size,
             num_slots=max(num_checkpoints, 1), dtype=model.dtype, state_dtype=state_dtype))) \
             if ckpt_ops else None

@@ -27,7 +27,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from hybrid_jax import tensor_parallel as tp
-from hybrid_jax.cache import LayerCache, RaggedBatch
+from hybrid_jax.cache import CacheStacks, RaggedBatch, states_of, with_states
 from hybrid_jax.ragged import choose, forward_ragged, forward_verify
 from pallas_kernels.stage_copy import write_into
 from serving.host_pack import HostLayout
@@ -143,20 +143,16 @@ class CkptOps(NamedTuple):
     save_ckpt: jax.Array  # ... checkpoint
 
 
-def _states(caches) -> tuple[LayerCache, ...]:
-    """The recurrent part of the caches (every per-slot state), K/V pages left out."""
-    return tuple(c._replace(kv=None) for c in caches)
-
-
-def _restore(caches, ckpts, stats: TokenStats, ops: CkptOps):
-    st = jax.tree.map(lambda x, p: x.at[ops.restore_slot].set(p[ops.restore_ckpt]), _states(caches), ckpts)
-    caches = tuple(s._replace(kv=c.kv) for s, c in zip(st, caches, strict=True))
+def _restore(caches: CacheStacks, ckpts: CacheStacks, stats: TokenStats, ops: CkptOps):
+    st = jax.tree.map(lambda x, p: x.at[:, ops.restore_slot].set(p[:, ops.restore_ckpt]),
+                      states_of(caches), ckpts)
     stats = TokenStats(stats.counts.at[ops.restore_slot].set(0), stats.seen.at[ops.restore_slot].set(False))
-    return caches, stats
+    return with_states(caches, st), stats
 
 
-def _save(ckpts, caches, ops: CkptOps):
-    return jax.tree.map(lambda p, x: p.at[ops.save_ckpt].set(x[ops.save_slot]), ckpts, _states(caches))
+def _save(ckpts: CacheStacks, caches: CacheStacks, ops: CkptOps) -> CacheStacks:
+    return jax.tree.map(lambda p, x: p.at[:, ops.save_ckpt].set(x[:, ops.save_slot]),
+                        ckpts, states_of(caches))
 
 
 class Shardings(NamedTuple):
@@ -267,11 +263,11 @@ def _verify_fn(graphdef: nnx.GraphDef, layout: PackLayout, q: int, host: HostLay
         del outs  # donated: the results are written into these buffers (see `_forward_fn`)
         batch, num_drafts, sampling = host.unpack(buf, stage=True)
         model = nnx.merge(graphdef, unpack(layout, params))
-        logits, candidates = forward_verify(model, batch, caches, q)
+        logits, caches, candidates = forward_verify(model, batch, caches, q)
         b = batch.slot_ids.shape[0]
         out, accepted = accept(logits.reshape(b, q, -1), batch.tokens.reshape(b, q), num_drafts, sampling,
                                filters=filters)
-        return choose(caches, candidates, batch.slot_ids, accepted), out, accepted
+        return choose(caches, candidates, batch.slot_ids, accepted, model.cfg), out, accepted
 
     return jax.jit(verify, donate_argnums=(1, 3), keep_unused=True)
 

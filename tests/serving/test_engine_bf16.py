@@ -23,8 +23,8 @@ def test_bf16_engine_follows_the_bf16_full_forward():
     engine = LLMEngine(lm, EngineConfig(max_num_seqs=4, max_num_batched_tokens=32,
                                         max_prefill_chunk=16, max_model_len=128, page_size=8,
                                         dtype="bfloat16"), show_progress=False)
-    assert engine.runner.caches[0].kv.k.dtype == jnp.bfloat16
-    assert engine.runner.caches[0].mamba.ssm.dtype == jnp.float32
+    assert engine.runner.caches.kv[0].k.dtype == jnp.bfloat16
+    assert engine.runner.caches.mamba.ssm.dtype == jnp.float32
     prompts = [list(range(3, 73)), [5, 6, 7]]
     outs = LLM.from_engine(engine).generate(
         prompt_token_ids=prompts,
