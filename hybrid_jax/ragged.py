@@ -533,16 +533,22 @@ def _layer_batches(batch: RaggedBatch, sites: tuple[LayerSite, ...], geom: Geome
     slot ids offset to its state row, its window group's page table and slot mapping to its
     page row. Padding rows (slot 0, page 0) land on the layer's own dummy slot and page.
     Every layer's copy of one index array comes from one launch (`offset_indices`)."""
-    def shifted(x: jax.Array, offsets: set[int], scale: int = 1) -> dict[int, jax.Array]:
-        offs = tuple(sorted(offsets - {0}))
-        return {0: x, **dict(zip(offs, offset_indices(x, tuple(o * scale for o in offs)), strict=True))}
+    def offsets(values) -> tuple[int, ...]:
+        return tuple(sorted(set(values) - {0}))
 
-    slots = shifted(batch.slot_ids, {s.state_rank * geom.slots for s in sites if s.state is not None})
-    tables, maps = [], []
-    for g, (table, mapping) in enumerate(zip(batch.page_tables, batch.slot_mappings, strict=True)):
-        offs = {s.kv_rank * geom.pages[g] for s in sites if s.group == g}
-        tables.append(shifted(table, offs))
-        maps.append(shifted(mapping, offs, geom.page_size))
+    slot_offs = offsets(s.state_rank * geom.slots for s in sites if s.state is not None)
+    page_offs = [offsets(s.kv_rank * pages for s in sites if s.group == g)
+                 for g, pages in enumerate(geom.pages)]
+    map_offs = [tuple(o * geom.page_size for o in offs) for offs in page_offs]
+    shifted = iter(offset_indices((batch.slot_ids, *batch.page_tables, *batch.slot_mappings),
+                                  (slot_offs, *page_offs, *map_offs)))
+
+    def by_offset(x: jax.Array, offs: tuple[int, ...]) -> dict[int, jax.Array]:
+        return {0: x, **dict(zip(offs, next(shifted), strict=True))}  # maps: keyed by page offset
+
+    slots = by_offset(batch.slot_ids, slot_offs)
+    tables = [by_offset(t, offs) for t, offs in zip(batch.page_tables, page_offs, strict=True)]
+    maps = [by_offset(m, offs) for m, offs in zip(batch.slot_mappings, page_offs, strict=True)]
     out = []
     for s in sites:
         view = batch
