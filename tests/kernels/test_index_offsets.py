@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from pallas_kernels import offset_indices
 
+KERNEL_IMPL = "pallas" if jax.default_backend() == "gpu" else "interpret"
 
-@pytest.mark.parametrize("impl", ["interpret", "reference"])
+
+@pytest.mark.parametrize("impl", [KERNEL_IMPL, "reference"])
 def test_each_output_is_its_array_plus_its_offset(impl):
     rng = np.random.default_rng(0)
     shapes = [(1,), (7,), (64, 129), (2100,), (0,), (5,)]
