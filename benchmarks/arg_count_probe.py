@@ -1,8 +1,9 @@
 """Host enqueue time of one executable call against its number of donated arguments.
 
-The engine's decode step takes 112 arguments, 96 of them per-layer caches (K and V
-pages, conv and SSM state of 24 layers), and the host needs 0.55-1.0 ms to enqueue it on
-the H100 hosts. This probe separates the per-argument share from the rest: the same
+The engine's decode step took 112 arguments, 96 of them per-layer caches (K and V
+pages, conv and SSM state of 24 layers), and the host needed 0.55-1.0 ms to enqueue it on
+the H100 hosts (since the caches are stacked by kind, hybrid_jax/cache.py, it takes 20).
+This probe separates the per-argument share from the rest: the same
 jitted chain of per-layer updates (a dynamic slice of one slot row, tanh, a dynamic
 update back: ~3 small kernels per buffer) is called on
 

@@ -1,11 +1,13 @@
 """Do paged decode and the Mamba2 state update slow down on stacked pools?
 
 Stacked cache pools (one array per kind for all layers, each layer reading its row)
-would cut the decode step's 96 per-layer cache arguments, ~0.28 ms of host enqueue per
-step (`arg_count_probe.py`). They make the arrays large: Pallas's Triton lowering then
-switches to 64-bit offsets (arrays over 4 GB), and every layer's pages and slots lie in
-one allocation. This probe measures what that does to the two kernels that stream the
-caches, with native-1b-parallel's shapes, in a jitted chain of L layers:
+cut the decode step's 96 per-layer cache arguments, ~0.28 ms of host enqueue per step
+(`arg_count_probe.py`); the engine has held its caches so since the fourteenth pass
+(hybrid_jax/cache.py), and this probe was the check made before. They make the arrays
+large: Pallas's Triton lowering then switches to 64-bit offsets (arrays over 4 GB), and
+every layer's pages and slots lie in one allocation. This probe measures what that does
+to the two kernels that stream the caches, with native-1b-parallel's shapes, in a jitted
+chain of L layers:
 
   separate  per layer: K and V pools [4, P, 16, 128] bf16, SSM state [S, 32, 64, 128] f32
   stacked   K and V [4, L * P, 16, 128], state [L * S, 32, 64, 128]: layer l's page table
