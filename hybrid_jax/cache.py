@@ -161,6 +161,14 @@ def init_caches(cfg: ModelConfig, *, num_pages: tuple[int, ...], page_size: int,
     sites = layer_sites(cfg)
     per_group = [sum(1 for s in sites if s.group == g) for g in range(len(cfg.windows))]
     per_state = {f: sum(1 for s in sites if s.state == f) for f in _STATE_FIELDS}
+    # Layer j's pages and slots are indexed at j * P + page (slot mappings: times the page
+    # size) and j * S + slot in int32: the merged pools must stay under 2**31 of each.
+    for g, n in enumerate(per_group):
+        if n * num_pages[g] * page_size >= 2**31:
+            raise ValueError(f"num_pages={num_pages[g]} x page_size={page_size} x {n} layers of window "
+                             f"group {g} reaches 2**31 token positions: lower num_pages or memory_fraction")
+    if max(per_state.values(), default=0) * num_slots >= 2**31:
+        raise ValueError(f"num_slots={num_slots} x {max(per_state.values())} layers reaches 2**31")
     a = cfg.attention
     kv = []
     for g, n in enumerate(per_group):

@@ -88,3 +88,16 @@ def test_flattening_is_a_reshape_that_keeps_every_row():
     back = unflatten_stacks(flat, filled)
     for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(filled), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_pools_that_overflow_int32_indices_are_refused():
+    cfg = load_preset("native-1b-parallel")  # 24 attention layers in one window group
+    limit = 2**31 / (24 * 16)  # pages per layer at which layer 23's slot mappings reach 2**31
+
+    def init(pages: int):
+        return jax.eval_shape(lambda: init_caches(cfg, num_pages=(pages,), page_size=16, num_slots=5,
+                                                  dtype=jnp.bfloat16))
+
+    with pytest.raises(ValueError, match="num_pages"):
+        init(int(np.ceil(limit)))
+    init(int(np.floor(limit)) - (limit == int(limit)))
