@@ -68,13 +68,13 @@ def _ladder(name: str, sizes: tuple[int, ...] | None, limit: int, lo: int, facto
     return sorted({*(min(x, limit) for x in sizes), limit})
 
 
-def make_buckets(max_num_seqs: int, max_num_batched_tokens: int, min_tokens: int = 16,
+def make_buckets(max_num_seqs: int, max_num_batched_tokens: int, min_tokens: int = 64,
                  min_seqs: int = 8, *, seq_sizes: tuple[int, ...] | None = None,
                  token_sizes: tuple[int, ...] | None = None, min_decode_rows: int = 1,
                  single_row_decode: bool = False) -> list[Bucket]:
     """Decode buckets (t == b) and mixed buckets (t tokens, b <= t sequences).
 
-    The ladders are geometric up to the limits (sequences x2 from 8, tokens x4 from 16)
+    The ladders are geometric up to the limits (sequences x2 from 8, tokens x4 from 64)
     unless `seq_sizes` / `token_sizes` give them (fewer buckets: faster start-up, more
     padding); the limits always close them, and sizes above a limit are clamped to it.
     Decode buckets have at least `min_decode_rows` rows (padding rows beyond

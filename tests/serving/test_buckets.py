@@ -15,8 +15,11 @@ from serving.sampling_params import SamplingParams
 
 
 def test_decode_buckets_take_the_row_floor_and_mixed_buckets_do_not():
-    assert make_buckets(1, 64, min_decode_rows=8) == [
+    assert make_buckets(1, 64, min_tokens=16, min_decode_rows=8) == [
         Bucket(8, 8, True), Bucket(16, 1, False), Bucket(64, 1, False)]
+    # The default token ladder starts at 64 (x4 up to the limit), sequences at 8 (x2).
+    assert make_buckets(32, 512) == [Bucket(b, b, True) for b in (8, 16, 32)] + [
+        Bucket(t, b, False) for t in (64, 256, 512) for b in (8, 16, 32)]
     assert make_buckets(32, 512) == make_buckets(32, 512, min_decode_rows=8)  # ladder starts at 8
     decode = [b for b in make_buckets(4, 64, seq_sizes=(1, 2, 4), min_decode_rows=8) if b.decode]
     assert decode == [Bucket(8, 8, True)]  # 1, 2 and 4 rows all pad to one 8-row bucket
