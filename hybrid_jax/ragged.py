@@ -586,7 +586,8 @@ def _forward_decode_glued(model: CausalLM, batch: RaggedBatch, caches: CacheStac
     return model.logits(jnp.take(h, batch.last_token, axis=0)), unflatten_stacks(flat, caches)
 
 
-def _layers(model: CausalLM, batch: RaggedBatch, caches: CacheStacks, decode: bool, q: int = 0):
+def _layers(model: CausalLM, batch: RaggedBatch, caches: CacheStacks, decode: bool, q: int = 0
+            ) -> tuple[jax.Array, CacheStacks, tuple[LayerCache, ...]]:
     """Every layer over the flattened stacks -> (h, the flattened stacks after them, each
     layer's cache as the layer returned it)."""
     h = e = model.embed_tokens(batch.tokens)
