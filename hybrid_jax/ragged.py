@@ -7,6 +7,11 @@ is False) and write the final state back. `decode=True` is the one-token-per-seq
 specialisation (t == b). Kernels come from `pallas_kernels` under its one impl switch.
 Cached decoding through this path reproduces the full forward token for token.
 
+The caches arrive stacked by kind (`CacheStacks`, hybrid_jax/cache.py). A forward
+merges each stack's layer rows into one pool and gives layer j its view: the pool,
+with the batch's page table, slot mapping and slot ids offset to its rows
+(`_layer_batches`); what a layer returns is the pool for the next layer of its kind.
+
 Mamba2 verification runs the layer's whole recurrent core (conv, split, dt, SSM update)
 for the q tokens as one fused kernel, `mamba2_step`, when its shapes allow (power-of-2
 head and state dims). Decode (one token) keeps the separate conv and SSM kernels: on
