@@ -5,7 +5,7 @@ hand out: KV pages `[k, num_pages, s, e]` per attention layer (layers of one win
 group share page indices), and per-slot recurrent state. Index 0 of pages and slots
 is a dummy that padded rows read and write. The engine holds every layer's cache of
 one kind in one array (`CacheStacks`); a forward gives each layer its view
-(`layer_cache`; hybrid_jax/ragged.py offsets its indices). This module knows nothing of
+(`layer_cache`, `layer_batches`). This module knows nothing of
 scheduling: it only says what the arrays are and how big they are.
 """
 
@@ -16,7 +16,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from hybrid_jax.config import LayerKind, ModelConfig
+from hybrid_jax.config import LayerKind, LayerSpec, ModelConfig
+from pallas_kernels import offset_indices
 
 
 class KVCache(NamedTuple):
@@ -84,11 +85,6 @@ def kv_head_dim(head_dim: int) -> int:
     return head_dim
 
 
-def layer_groups(cfg: ModelConfig) -> tuple[int | None, ...]:
-    """Window group index of each layer (None for layers without attention)."""
-    return tuple(cfg.windows.index(s.window) if s.kind.has_attention else None for s in cfg.layers)
-
-
 class CacheStacks(NamedTuple):
     """Every layer's cache, stacked by kind: a few device arrays instead of several per layer.
 
@@ -104,7 +100,7 @@ class CacheStacks(NamedTuple):
     short_conv  ShortConvState of [n, S, ...] (short-conv layers), or None
 
     Inside a forward the rows are flattened ([k, n_g * P_g, s, e], [n * S, ...]: free
-    reshapes) and each layer's page and slot indices are offset to its row (ragged.py):
+    reshapes) and each layer's page and slot indices are offset to its row (`layer_batches`):
     kernels see one pool whose pages and slots are numbered across layers.
     """
 
@@ -126,7 +122,7 @@ class LayerSite(NamedTuple):
     state_rank: int  # its row in that field's stacks
 
 
-def _state_field(spec) -> str | None:
+def _state_field(spec: LayerSpec) -> str | None:
     if spec.kind.has_mamba2:
         return "mamba"
     if spec.kind == LayerKind.RGLRU:
@@ -139,8 +135,9 @@ def _state_field(spec) -> str | None:
 def layer_sites(cfg: ModelConfig) -> tuple[LayerSite, ...]:
     """Each layer's rows in the stacks: layers are numbered in order within their window
     group (K/V) and within their state kind."""
-    groups, kv_count, state_count, out = layer_groups(cfg), {}, {}, []
-    for spec, g in zip(cfg.layers, groups, strict=True):
+    kv_count, state_count, out = {}, {}, []
+    for spec in cfg.layers:
+        g = cfg.windows.index(spec.window) if spec.kind.has_attention else None
         field = _state_field(spec)
         kv_rank = kv_count.get(g, 0) if g is not None else 0
         state_rank = state_count.get(field, 0) if field is not None else 0
@@ -167,8 +164,8 @@ def init_caches(cfg: ModelConfig, *, num_pages: tuple[int, ...], page_size: int,
         if n * num_pages[g] * page_size >= 2**31:
             raise ValueError(f"num_pages={num_pages[g]} x page_size={page_size} x {n} layers of window "
                              f"group {g} reaches 2**31 token positions: lower num_pages or memory_fraction")
-    if max(per_state.values(), default=0) * num_slots >= 2**31:
-        raise ValueError(f"num_slots={num_slots} x {max(per_state.values())} layers reaches 2**31")
+    if (deepest := max(per_state.values())) * num_slots >= 2**31:
+        raise ValueError(f"num_slots={num_slots} x {deepest} layers reaches 2**31")
     a = cfg.attention
     kv = []
     for g, n in enumerate(per_group):
@@ -231,10 +228,9 @@ def unflatten_stacks(flat: CacheStacks, like: CacheStacks) -> CacheStacks:
 
 def layer_cache(flat: CacheStacks, site: LayerSite) -> LayerCache:
     """A layer's cache as the kernels take it: the flattened stacks of its kinds (indexed
-    through the offset pages and slots of ragged._layer_batches)."""
+    through `layer_batches`' offset pages and slots)."""
     kv = flat.kv[site.group] if site.group is not None else None
-    fields = {f: getattr(flat, f) for f in _STATE_FIELDS if f == site.state}
-    return LayerCache(kv=kv, **fields)
+    return LayerCache(kv=kv, **({site.state: getattr(flat, site.state)} if site.state else {}))
 
 
 def store_layer(flat: CacheStacks, site: LayerSite, cache: LayerCache) -> CacheStacks:
@@ -247,6 +243,42 @@ def store_layer(flat: CacheStacks, site: LayerSite, cache: LayerCache) -> CacheS
     if site.state is not None and getattr(cache, site.state) is not None:
         flat = flat._replace(**{site.state: getattr(cache, site.state)})
     return flat
+
+
+def layer_batches(batch: RaggedBatch, sites: tuple[LayerSite, ...], geom: Geometry
+                  ) -> tuple[RaggedBatch, ...]:
+    """Each layer's view of the batch over the flattened stacks: its slot ids offset to its
+    state row, its window group's page table and slot mapping to its page row. Padding rows
+    (slot 0, page 0) land on the layer's own dummy slot and page. Every layer's copy of
+    every index array comes from one launch (`offset_indices`)."""
+    def offsets(values) -> tuple[int, ...]:
+        return tuple(sorted(set(values) - {0}))
+
+    slot_offs = offsets(s.state_rank * geom.slots for s in sites if s.state is not None)
+    page_offs = [offsets(s.kv_rank * pages for s in sites if s.group == g)
+                 for g, pages in enumerate(geom.pages)]
+    map_offs = [tuple(o * geom.page_size for o in offs) for offs in page_offs]
+    shifted = iter(offset_indices((batch.slot_ids, *batch.page_tables, *batch.slot_mappings),
+                                  (slot_offs, *page_offs, *map_offs)))
+
+    def by_offset(x: jax.Array, offs: tuple[int, ...]) -> dict[int, jax.Array]:
+        return {0: x, **dict(zip(offs, next(shifted), strict=True))}  # maps: keyed by page offset
+
+    slots = by_offset(batch.slot_ids, slot_offs)
+    tables = [by_offset(t, offs) for t, offs in zip(batch.page_tables, page_offs, strict=True)]
+    maps = [by_offset(m, offs) for m, offs in zip(batch.slot_mappings, page_offs, strict=True)]
+    out = []
+    for s in sites:
+        view = batch
+        if s.state is not None:
+            view = view._replace(slot_ids=slots[s.state_rank * geom.slots])
+        if s.group is not None:
+            o = s.kv_rank * geom.pages[s.group]
+            view = view._replace(
+                page_tables=tuple(t[o] if g == s.group else t[0] for g, t in enumerate(tables)),
+                slot_mappings=tuple(m[o] if g == s.group else m[0] for g, m in enumerate(maps)))
+        out.append(view)
+    return tuple(out)
 
 
 def cache_bytes(cfg: ModelConfig, *, page_size: int, dtype: jnp.dtype,

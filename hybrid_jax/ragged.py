@@ -10,7 +10,7 @@ Cached decoding through this path reproduces the full forward token for token.
 The caches arrive stacked by kind (`CacheStacks`, hybrid_jax/cache.py). A forward
 merges each stack's layer rows into one pool and gives layer j its view: the pool,
 with the batch's page table, slot mapping and slot ids offset to its rows
-(`_layer_batches`); what a layer returns is the pool for the next layer of its kind.
+(`cache.layer_batches`); what a layer returns is the pool for the next layer of its kind.
 
 Mamba2 verification runs the layer's whole recurrent core (conv, split, dt, SSM update)
 for the q tokens as one fused kernel, `mamba2_step`, when its shapes allow (power-of-2
@@ -41,15 +41,14 @@ import jax.numpy as jnp
 
 from hybrid_jax.cache import (
     CacheStacks,
-    Geometry,
     KVCache,
     LayerCache,
-    LayerSite,
     Mamba2State,
     RaggedBatch,
     RGLRUState,
     ShortConvState,
     flatten_stacks,
+    layer_batches,
     layer_cache,
     layer_sites,
     store_layer,
@@ -74,7 +73,6 @@ from pallas_kernels import (
     mamba2_step,
     mamba2_step_fits,
     mixer_merge,
-    offset_indices,
     paged_attention_decode,
     paged_attention_decode_fused,
     paged_attention_prefill,
@@ -532,42 +530,6 @@ def _mlp_out(mlp, u: jax.Array) -> jax.Array:
     return down.partials(mlp.hidden(u), split)
 
 
-def _layer_batches(batch: RaggedBatch, sites: tuple[LayerSite, ...], geom: Geometry
-                   ) -> tuple[RaggedBatch, ...]:
-    """Each layer's view of the batch over the flattened stacks (hybrid_jax/cache.py): its
-    slot ids offset to its state row, its window group's page table and slot mapping to its
-    page row. Padding rows (slot 0, page 0) land on the layer's own dummy slot and page.
-    Every layer's copy of one index array comes from one launch (`offset_indices`)."""
-    def offsets(values) -> tuple[int, ...]:
-        return tuple(sorted(set(values) - {0}))
-
-    slot_offs = offsets(s.state_rank * geom.slots for s in sites if s.state is not None)
-    page_offs = [offsets(s.kv_rank * pages for s in sites if s.group == g)
-                 for g, pages in enumerate(geom.pages)]
-    map_offs = [tuple(o * geom.page_size for o in offs) for offs in page_offs]
-    shifted = iter(offset_indices((batch.slot_ids, *batch.page_tables, *batch.slot_mappings),
-                                  (slot_offs, *page_offs, *map_offs)))
-
-    def by_offset(x: jax.Array, offs: tuple[int, ...]) -> dict[int, jax.Array]:
-        return {0: x, **dict(zip(offs, next(shifted), strict=True))}  # maps: keyed by page offset
-
-    slots = by_offset(batch.slot_ids, slot_offs)
-    tables = [by_offset(t, offs) for t, offs in zip(batch.page_tables, page_offs, strict=True)]
-    maps = [by_offset(m, offs) for m, offs in zip(batch.slot_mappings, page_offs, strict=True)]
-    out = []
-    for s in sites:
-        view = batch
-        if s.state is not None:
-            view = view._replace(slot_ids=slots[s.state_rank * geom.slots])
-        if s.group is not None:
-            o = s.kv_rank * geom.pages[s.group]
-            view = view._replace(
-                page_tables=tuple(t[o] if g == s.group else t[0] for g, t in enumerate(tables)),
-                slot_mappings=tuple(m[o] if g == s.group else m[0] for g, m in enumerate(maps)))
-        out.append(view)
-    return tuple(out)
-
-
 def _forward_decode_glued(model: CausalLM, batch: RaggedBatch, caches: CacheStacks
                           ) -> tuple[jax.Array, CacheStacks]:
     """`forward_ragged`'s decode step with each residual add done by the next norm's launch:
@@ -578,7 +540,7 @@ def _forward_decode_glued(model: CausalLM, batch: RaggedBatch, caches: CacheStac
     flat, geom = flatten_stacks(caches)
     sites = layer_sites(model.cfg)
     pending = None
-    for block, site, lb in zip(model.layers, sites, _layer_batches(batch, sites, geom), strict=True):
+    for block, site, lb in zip(model.layers, sites, layer_batches(batch, sites, geom), strict=True):
         if block.temporal_norm is not None:
             h, u = _add_norm(h, pending, block.temporal_norm)
             pending, cache = _temporal(block, u, lb, layer_cache(flat, site), site.group, True, parts=True)
@@ -599,7 +561,7 @@ def _layers(model: CausalLM, batch: RaggedBatch, caches: CacheStacks, decode: bo
     flat, geom = flatten_stacks(caches)
     sites = layer_sites(model.cfg)
     returned = []
-    for block, site, lb in zip(model.layers, sites, _layer_batches(batch, sites, geom), strict=True):
+    for block, site, lb in zip(model.layers, sites, layer_batches(batch, sites, geom), strict=True):
         shared, cache = None, layer_cache(flat, site)
         if block.depth is not None:  # the layer's K/V belong to its shared-block attention
             sb = model.shared_blocks[block.depth.block]
