@@ -46,8 +46,10 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import nnx
 
+from hybrid_jax.layers import linear
 from hybrid_jax.layers.linear import Linear
 from hybrid_jax.model import Block, CausalLM
+from pallas_kernels.stream_gemm import load_runtime
 
 
 def linear_from(kernel_t: jnp.ndarray, bias: jnp.ndarray | None) -> Linear:
@@ -154,6 +156,9 @@ def fuse_projections(model: CausalLM) -> CausalLM:
     # Small per-layer parameters that decode kernels take as one stack, read at each
     # layer's row in place (`stack_row`): a per-layer slice of the step's packed
     # parameters is copied before every custom call (a buffer of its own).
+    if linear.stream_gemm_active():  # decode's gate/up + silu * up read their layer's rows of one stack
+        _stack_linears([b.mlp.gate_up_proj for b in fused.layers if _streams_glu(b.mlp)])
+        load_runtime()  # before any stored executable with the kernel is loaded
     mixers = [b.mamba for b in fused.layers if b.mamba is not None]
     _stack(mixers, MAMBA_STACKED)  # conv1d_decode, ssm_decode_packed
     # decode_glue.add_rms_norm (input and MLP norms in one stack) and mixer_merge
@@ -191,6 +196,36 @@ def _stack(modules: list, names: tuple[str, ...], settings=lambda m: ()) -> None
             setattr(m, name, stack)
     for i, m in enumerate(modules):
         m.stack_row = i
+
+
+def _streams_glu(mlp) -> bool:
+    """Whether this MLP's decode steps can take `Linear.glu` (silu, a bias-free fused
+    gate/up kernel whose shape the stream GEMM takes at some decode row count)."""
+    lin = None if mlp is None else mlp.gate_up_proj
+    if lin is None or not mlp.silu or lin.bias is not None or not lin.transposed:
+        return False
+    n2, k = lin.kernel.shape
+    return n2 % 2 == 0 and linear.glu_config(64, n2 // 2, k) is not None
+
+
+def _stack_linears(linears: list[Linear]) -> None:
+    """These transposed Linears' kernels as stacks [L, o, i], one per kernel shape and dtype
+    with at least two members, shared by them, each reading its row (`Linear.stack_row`):
+    the decode step's stream GEMM (pallas_kernels/stream_gemm.py) reads a layer's rows of
+    the stack in place, where a per-layer slice of the packed parameters would be copied
+    before the custom call (XLA's own GEMMs read their row of the stack as they read a
+    slice of the packed parameters, without a copy). Biases stay per layer."""
+    groups: dict[tuple, list[Linear]] = {}
+    for lin in linears:
+        if lin.transposed and lin.stack_row is None:
+            groups.setdefault((lin.kernel.shape, jnp.dtype(lin.kernel.dtype)), []).append(lin)
+    for group in groups.values():
+        if len(group) < 2:
+            continue
+        stack = nnx.Param(jnp.stack([lin.kernel[...] for lin in group]))
+        for i, lin in enumerate(group):
+            lin.kernel = stack
+            lin.stack_row = i
 
 
 def is_fused(model: CausalLM) -> bool:

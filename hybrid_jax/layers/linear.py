@@ -41,6 +41,7 @@ from flax import nnx
 
 from pallas_kernels.backend import Impl
 from pallas_kernels.skinny_gemm import skinny_fits, skinny_matmul
+from pallas_kernels.stream_gemm import StreamConfig, stream_glu
 
 
 def _max_rows_from_env() -> int:
@@ -74,6 +75,47 @@ REDUCTION_GEMV_ANY_BACKEND = False  # tests: the one-row reduction on any backen
 # HYBRID_JAX_SPLIT_K=0 turns it off. SPLIT_K_ANY_BACKEND: tests run it on the CPU.
 SPLIT_K = os.environ.get("HYBRID_JAX_SPLIT_K", "1") != "0"
 SPLIT_K_ANY_BACKEND = False
+
+
+# A gated MLP's gate/up product and its silu(gate) * up in one launch of the Mosaic GPU
+# weight-streaming GEMM (pallas_kernels/stream_gemm.stream_glu, `Linear.glu`) for decode
+# steps of STREAM_GEMM_ROWS rows, reading the layer's rows of the gate/up kernels' stack
+# (hybrid_jax/fusion.py) in place. H100, native-1b-parallel: 0.046 ms less kernel time
+# per step at B = 8, 0.02-0.036 ms at B = 64 (docs/benchmarks.md, fifteenth pass). Env
+# HYBRID_JAX_STREAM_GEMM=0 turns it off. STREAM_GEMM_IMPL: None runs it on Hopper GPUs
+# only; tests set "reference" to take the same path through XLA on any backend.
+STREAM_GEMM = os.environ.get("HYBRID_JAX_STREAM_GEMM", "1") != "0"
+STREAM_GEMM_IMPL: str | None = None
+STREAM_GEMM_ROWS = (8, 16, 32, 64)
+STREAM_GEMM_MIN_N = 2048  # gate/up outputs per half: narrower MLPs stay with cuBLAS
+
+
+def glu_config(rows: int, n: int, k: int) -> StreamConfig | None:
+    """The launch configuration of `stream_glu` for x [rows, k] and a gate/up kernel of
+    2n rows, None where it does not take it (benchmarks/stream_gemm.py --shapes glu; a
+    partial last tile would make the kernel write a padded output whose slice XLA copies,
+    0.034 ms per step for 24 layers on the H200)."""
+    if rows not in STREAM_GEMM_ROWS or n < STREAM_GEMM_MIN_N or k % 128:
+        return None
+    override = os.environ.get("HYBRID_JAX_STREAM_GEMM_CONFIG")  # "tn,tk,stages,swap": experiments
+    if override:
+        tn, tk, stages, swap = (int(v) for v in override.split(","))
+        cfg = StreamConfig(tn=tn, tk=tk, stages=stages, splits=1, swap=bool(swap))
+    else:
+        cfg = StreamConfig(tn=64, tk=128, stages=4, splits=1, swap=rows != 64)
+    return None if n % cfg.tn else cfg
+
+
+def _hopper() -> bool:
+    if jax.default_backend() != "gpu":
+        return False
+    return getattr(jax.devices()[0], "compute_capability", "") in ("9.0", "9.0a")
+
+
+def stream_gemm_active() -> bool:
+    """Whether gated MLPs' decode products take the stream GEMM here (fusion.py stacks
+    the gate/up kernels only then)."""
+    return STREAM_GEMM and (STREAM_GEMM_IMPL is not None or _hopper())
 
 
 def reduction_gemv() -> bool:
@@ -117,11 +159,34 @@ class Linear(nnx.Module):
         self.reduce_axis: str | None = None  # row-parallel: psum over this mesh axis
         self.gather_axis: str | None = None  # column shards of the output gathered over it
         self.transposed = False  # kernel held [o, i] (hybrid_jax/fusion.py)
+        # kernel is a stack [L, o, i] of transposed kernels shared by L Linears; this one's
+        # is row `stack_row` (hybrid_jax/fusion.py: the stream GEMM reads the stack in place)
+        self.stack_row: int | None = None
+
+    def weight(self) -> jax.Array:
+        """This Linear's kernel: its own array, or its row of the shared stack."""
+        return self.kernel[...] if self.stack_row is None else self.kernel[self.stack_row]
+
+    def glu(self, x: jax.Array, gate_multiplier: float) -> jax.Array | None:
+        """silu(gate * gate_multiplier) * up of this fused gate/up Linear (gate's outputs
+        first) in one stream GEMM launch, or None where it does not apply: the caller then
+        runs the product and the activation apart."""
+        if (self.bias is not None or self.stack_row is None or x.ndim != 2
+                or self.reduce_axis is not None or self.gather_axis is not None or not stream_gemm_active()):
+            return None
+        stack = self.kernel[...]
+        layers, n2, k = stack.shape
+        cfg = None if n2 % 2 else glu_config(x.shape[0], n2 // 2, k)
+        if cfg is None or (STREAM_GEMM_IMPL is None and jnp.dtype(stack.dtype) != jnp.dtype(jnp.bfloat16)):
+            return None
+        return stream_glu(x, stack.reshape(layers * n2, k), row0=self.stack_row * n2, n=n2 // 2,
+                          gate_multiplier=gate_multiplier, cfg=cfg, out_dtype=stack.dtype,
+                          impl=STREAM_GEMM_IMPL or "pallas")
 
     def product_rows(self, x: jax.Array, start: int) -> jax.Array:
         """x [..., w] times the kernel's input rows [start, start + w): a part of the product
         whose input is the concatenation of several (no bias, no reduction)."""
-        w, kernel = x.shape[-1], self.kernel[...]
+        w, kernel = x.shape[-1], self.weight()
         if self.transposed:
             return matmul(x, kernel[:, start:start + w], transposed=True)
         return matmul(x, kernel[start:start + w])
@@ -132,7 +197,7 @@ class Linear(nnx.Module):
         For decode products with a narrow output, whose consumer sums the parts
         (pallas_kernels/decode_glue.add_rms_norm): cuBLAS then runs `parts` times the
         tiles (`split_k_parts`)."""
-        kernel = self.kernel[...]
+        kernel = self.weight()
         if not self.transposed or x.ndim != 2 or x.shape[1] % parts:
             raise ValueError(f"partials need a transposed kernel and x [b, i] with i divisible by "
                              f"{parts=}, got {x.shape}")
@@ -146,14 +211,14 @@ class Linear(nnx.Module):
         bias-free plain kernel with at most 2048 outputs at 2-64 rows on a GPU, else 1
         (benchmarks/gemm_layout.py --split-k, H100: the out- and down-projections of
         native-1b-parallel 58-67% -> 64-74% of copy bandwidth; wider outputs lose)."""
-        kernel = self.kernel[...]
+        kernel = self.weight()
         ok = (SPLIT_K and (SPLIT_K_ANY_BACKEND or jax.default_backend() == "gpu") and self.transposed
               and self.bias is None and self.reduce_axis is None and self.gather_axis is None
               and 2 <= rows <= 64 and kernel.shape[0] <= 2048 and kernel.shape[1] % 2 == 0)
         return 2 if ok else 1
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = matmul(x, self.kernel[...], self.transposed)
+        y = matmul(x, self.weight(), self.transposed)
         if self.reduce_axis is not None:
             y = jax.lax.psum(y, self.reduce_axis)
         if self.bias is not None:
