@@ -228,5 +228,12 @@ def _stack_linears(linears: list[Linear]) -> None:
             lin.stack_row = i
 
 
+def kernel_stacks(model: CausalLM) -> set[tuple[int, ...]]:
+    """The shapes of the Linears' kernel stacks (`_stack_linears`): the serving runner
+    gives each its own parameter buffer, since the stream GEMM reads a stack whole."""
+    return {tuple(lin.kernel[...].shape) for _, lin in nnx.iter_graph(model)
+            if isinstance(lin, Linear) and lin.stack_row is not None}
+
+
 def is_fused(model: CausalLM) -> bool:
     return any(b.fused_in is not None or b.fused_out is not None for b in model.layers)

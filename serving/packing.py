@@ -18,6 +18,7 @@ This module knows nothing of models or scheduling: it packs a pytree of arrays.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,7 +40,11 @@ class PackLayout:
     sizes: tuple[int, ...]  # elements per buffer
 
 
-def plan_layout(tree: Any, max_elements: int = MAX_BUFFER_ELEMENTS) -> PackLayout:
+def plan_layout(tree: Any, max_elements: int = MAX_BUFFER_ELEMENTS,
+                own: Callable[[Any], bool] | None = None) -> PackLayout:
+    """own(leaf): whether a leaf gets a buffer of its own, exactly its size, whatever its
+    size: a leaf that a custom call reads whole (a Pallas kernel's operand), which XLA
+    would copy out of a shared buffer before every call."""
     leaves, treedef = jax.tree.flatten(tree)
     dtypes: list[str] = []
     fill: list[int] = []
@@ -48,6 +53,11 @@ def plan_layout(tree: Any, max_elements: int = MAX_BUFFER_ELEMENTS) -> PackLayou
     for x in leaves:
         name = jnp.dtype(x.dtype).name
         size = int(np.prod(x.shape, dtype=np.int64))
+        if own is not None and own(x):
+            dtypes.append(name)
+            fill.append(size)
+            where.append((len(dtypes) - 1, 0, tuple(int(d) for d in x.shape)))
+            continue
         room = -(-max(size, 1) // ALIGN) * ALIGN
         b = open_buf.get(name)
         if b is None or (fill[b] and fill[b] + room > max_elements):
@@ -59,9 +69,10 @@ def plan_layout(tree: Any, max_elements: int = MAX_BUFFER_ELEMENTS) -> PackLayou
     return PackLayout(treedef, tuple(dtypes), tuple(where), tuple(fill))
 
 
-def pack(tree: Any, layout: PackLayout | None = None) -> tuple[PackLayout, tuple[jax.Array, ...]]:
-    """(layout, buffers): each leaf copied once into its dtype's flat buffer."""
-    layout = layout or plan_layout(tree)
+def pack(tree: Any, layout: PackLayout | None = None,
+         own: Callable[[Any], bool] | None = None) -> tuple[PackLayout, tuple[jax.Array, ...]]:
+    """(layout, buffers): each leaf copied once into its dtype's flat buffer (`plan_layout`)."""
+    layout = layout or plan_layout(tree, own=own)
     leaves = jax.tree.leaves(tree)
     bufs = []
     for b, name in enumerate(layout.dtypes):

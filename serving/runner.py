@@ -36,7 +36,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from hybrid_jax import tensor_parallel as tp
 from hybrid_jax.cache import RaggedBatch, init_caches, states_of
-from hybrid_jax.fusion import fuse_projections
+from hybrid_jax.fusion import fuse_projections, kernel_stacks
 from hybrid_jax.layers.linear import reduction_gemv
 from hybrid_jax.model import CausalLM
 from serving.compile_pool import Job, compile_jobs
@@ -127,10 +127,13 @@ class ModelRunner:
             if fuse_projections_enabled():  # one GEMM per shared input (hybrid_jax/fusion.py)
                 model = fuse_projections(model)
                 self.transposed = True  # its layers' Linears held [out, in], fused or not
+            stacks = kernel_stacks(model)
             self.graphdef, params = nnx.split(model)
             del model  # a fused copy's concatenated weights go once packed
-            # One flat buffer per dtype (serving/packing.py: hundreds of arguments cost ms per call).
-            self.layout, self.params = pack(jax.device_put(params, self.replicated))
+            # One flat buffer per dtype (serving/packing.py: hundreds of arguments cost ms per call),
+            # but one each for the stacks a Pallas kernel reads whole (a slice would be copied).
+            self.layout, self.params = pack(jax.device_put(params, self.replicated),
+                                            own=lambda x: tuple(x.shape) in stacks)
             del params
             gc.collect()  # the fused copy's concatenations, before the pools are allocated
             zeros = lambda tree: jax.device_put(

@@ -40,3 +40,27 @@ def test_round_trip_and_buffer_limit():
 def test_default_limit_keeps_small_models_in_one_buffer_per_dtype():
     layout = plan_layout(tree())
     assert sorted(layout.dtypes) == ["bfloat16", "float32"]
+
+
+def test_own_buffers_hold_their_leaf_alone_and_exactly():
+    """Leaves `own` picks (the stream GEMM's stacks, read whole by a custom call) get a
+    buffer each, exactly their size, whatever their size; the others pack as without."""
+    t = tree()
+    t["stack"] = jnp.asarray(np.random.default_rng(1).normal(size=(3, 5, 7)), jnp.bfloat16)  # 105 elements
+    t["tail"] = jnp.asarray(np.arange(9.0), jnp.bfloat16)  # after the stack: must not join its buffer
+    own = lambda x: x.ndim == 3 and x.shape == (3, 5, 7)  # noqa: E731
+    layout = plan_layout(t, own=own)
+    leaves = jax.tree.leaves(t)
+    (i,) = [j for j, x in enumerate(leaves) if own(x)]
+    b, off, shape = layout.leaves[i]
+    assert (off, shape, layout.sizes[b], layout.dtypes[b]) == (0, (3, 5, 7), 105, "bfloat16")
+    assert [j for j, (bj, *_) in enumerate(layout.leaves) if bj == b] == [i]
+    # Without `own` the stack shares its dtype's buffer with the other bf16 leaves.
+    plain = plan_layout(t)
+    assert sum(bj == plain.leaves[i][0] for bj, *_ in plain.leaves) > 1
+    assert len(layout.dtypes) == len(plain.dtypes) + 1
+    _, bufs = pack(t, own=own)
+    assert bufs[b].shape == (105,)
+    back = jax.jit(lambda bs: unpack(layout, bs))(bufs)
+    for x, y in zip(leaves, jax.tree.leaves(back), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))

@@ -11,7 +11,9 @@ import pytest
 from flax import nnx
 
 from hybrid_jax.fusion import is_fused
+from hybrid_jax.layers import linear
 from hybrid_jax.model import CausalLM
+from pallas_kernels.stream_gemm import StreamConfig
 from serving.packing import unpack
 from serving.runner import ModelRunner
 from tests.model.test_fused_projections import CONFIGS
@@ -46,3 +48,20 @@ def test_runner_refuses_a_bad_switch(monkeypatch):
     monkeypatch.setenv("HYBRID_JAX_FUSE_PROJECTIONS", "yes")
     with pytest.raises(ValueError, match="HYBRID_JAX_FUSE_PROJECTIONS"):
         _runner(CausalLM(CONFIGS["hybrid"], rngs=nnx.Rngs(0)))
+
+
+def test_runner_gives_kernel_stacks_their_own_buffers(monkeypatch):
+    """Where the stream GEMM serves the gated MLPs (patched on here: its XLA reference,
+    any shape), fusion stacks their gate/up kernels and the runner packs the stack into a
+    buffer of its own, exactly its size, so the kernel reads it in place."""
+    monkeypatch.setattr(linear, "STREAM_GEMM_IMPL", "reference")
+    monkeypatch.setattr(linear, "glu_config", lambda rows, n, k: StreamConfig())
+    runner = _runner(CausalLM(CONFIGS["hybrid"], rngs=nnx.Rngs(0)))
+    served = nnx.merge(runner.graphdef, unpack(runner.layout, runner.params))
+    shapes = {tuple(lin.kernel[...].shape) for _, lin in nnx.iter_graph(served)
+              if isinstance(lin, linear.Linear) and lin.stack_row is not None}
+    assert len(shapes) == 1
+    (shape,) = shapes
+    (b,) = [b for b, _, s in runner.layout.leaves if s == shape]
+    assert [s for bj, _, s in runner.layout.leaves if bj == b] == [shape]
+    assert runner.layout.sizes[b] == int(np.prod(shape)) == runner.params[b].size
