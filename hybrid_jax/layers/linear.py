@@ -80,8 +80,8 @@ SPLIT_K_ANY_BACKEND = False
 # A gated MLP's gate/up product and its silu(gate) * up in one launch of the Mosaic GPU
 # weight-streaming GEMM (pallas_kernels/stream_gemm.stream_glu, `Linear.glu`) for decode
 # steps of STREAM_GEMM_ROWS rows, reading the layer's rows of the gate/up kernels' stack
-# (hybrid_jax/fusion.py) in place. H100, native-1b-parallel: 0.046 ms less kernel time
-# per step at B = 8, 0.02-0.036 ms at B = 64 (docs/benchmarks.md, fifteenth pass). Env
+# (hybrid_jax/fusion.py) in place. H100, native-1b-parallel: 0.03-0.05 ms less kernel
+# time per step at B = 8, 0.02-0.03 ms at B = 64 (docs/benchmarks.md, fifteenth pass). Env
 # HYBRID_JAX_STREAM_GEMM=0 turns it off. STREAM_GEMM_IMPL: None runs it on Hopper GPUs
 # only; tests set "reference" to take the same path through XLA on any backend.
 STREAM_GEMM = os.environ.get("HYBRID_JAX_STREAM_GEMM", "1") != "0"
