@@ -99,7 +99,11 @@ def glu_config(rows: int, n: int, k: int) -> StreamConfig | None:
         return None
     override = os.environ.get("HYBRID_JAX_STREAM_GEMM_CONFIG")  # "tn,tk,stages,swap": experiments
     if override:
-        tn, tk, stages, swap = (int(v) for v in override.split(","))
+        try:
+            tn, tk, stages, swap = (int(v) for v in override.split(","))
+        except ValueError:
+            raise ValueError(f"HYBRID_JAX_STREAM_GEMM_CONFIG={override!r}: expected four integers "
+                             "tn,tk,stages,swap") from None
         cfg = StreamConfig(tn=tn, tk=tk, stages=stages, splits=1, swap=bool(swap))
     else:
         cfg = StreamConfig(tn=64, tk=128, stages=4, splits=1, swap=rows != 64)

@@ -89,6 +89,22 @@ def test_decode_through_stack_equals_per_layer_kernels(monkeypatch):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
 
 
+def test_launch_rule(monkeypatch):
+    """glu_config: decode row counts 8-64, halves of >= 2048 in whole 64-row tiles, depth in
+    128s; a malformed override names its variable."""
+    monkeypatch.delenv("HYBRID_JAX_STREAM_GEMM_CONFIG", raising=False)
+    assert linear.glu_config(64, 5632, 2048) == stream_gemm.StreamConfig(tn=64, tk=128, stages=4, swap=False)
+    assert linear.glu_config(8, 5632, 2048).swap
+    for rows, n, k in [(1, 5632, 2048), (128, 5632, 2048), (8, 1024, 2048), (8, 5600, 2048), (8, 5632, 2000)]:
+        assert linear.glu_config(rows, n, k) is None, (rows, n, k)
+    monkeypatch.setenv("HYBRID_JAX_STREAM_GEMM_CONFIG", "128,128,3,1")
+    assert linear.glu_config(8, 5696, 2048) is None  # 5696 = 89 x 64: not whole 128-row tiles
+    assert linear.glu_config(8, 4096, 2048) == stream_gemm.StreamConfig(tn=128, tk=128, stages=3, swap=True)
+    monkeypatch.setenv("HYBRID_JAX_STREAM_GEMM_CONFIG", "128,128")
+    with pytest.raises(ValueError, match="HYBRID_JAX_STREAM_GEMM_CONFIG"):
+        linear.glu_config(8, 4096, 2048)
+
+
 HOPPER = jax.default_backend() == "gpu" and getattr(jax.devices()[0], "compute_capability", "") == "9.0"
 
 
