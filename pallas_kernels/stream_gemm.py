@@ -27,13 +27,16 @@ TMA stream of the weight through shared memory into the tensor cores:
 
       h[m, c] = act(gate[m, c] * gate_multiplier) * up[m, c]     act = silu
 
-  with gate and up rounded to the output dtype first, as the unfused path rounds the
-  GEMM's output (XLA's silu * up is then one launch and one [m, 2n] round trip less).
+  with gate, up and the activation rounded to the output dtype, as the unfused path
+  rounds them (XLA's silu * up is then one launch and one [m, 2n] round trip less).
 
 When tn does not divide n, the last tile reads rows past row0 + n (the next layer's,
 or zeros past the array's end: TMA fills out-of-bounds reads with zeros); the kernel
 writes a [.., m, ceil(n / tn) tn] output (Mosaic GPU's tiled stores need whole tiles)
-whose first n columns are returned, a slice XLA fuses into the consumers.
+whose first n columns are returned: a slice that XLA may copy (0.034 ms per decode step
+for 24 layers' input projections on an H200), which is why the engine's launch rule
+(`hybrid_jax/layers/linear.glu_config`) takes whole tiles only. TMA copies start on
+8-row tiles: row0, and n in the gated form, must be multiples of 8 (`check`).
 
 Mosaic GPU kernels run on Hopper GPUs only (jax 0.11.2 there); jax 0.10.2's GPU
 interpret mode does not implement wgmma on transposed operands, so on CPU the reference
