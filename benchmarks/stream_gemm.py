@@ -24,6 +24,7 @@ output is checked against the cuBLAS chain's (relative max error printed).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import tempfile
 import time
@@ -32,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.stream_gemm import StreamConfig, silu, smem_bytes, stream_glu, stream_matmul
+from pallas_kernels.stream_gemm import StreamConfig, check, silu, stream_glu, stream_matmul
 from serving.bench.floor import copy_bandwidth
 from serving.bench.trace_report import gpu_kernel_events
 from serving.step_fns import compile_options
@@ -57,20 +58,18 @@ def _kernel_us(fn, args: tuple, reps: int) -> tuple[float, int, list[str]]:
 
 
 def configs(m: int, n: int, k: int, quick: bool) -> list[StreamConfig]:
-    out = []
-    wide = n >= 4096
+    """The sweep: every launch configuration `check` accepts for x [m, k] and n outputs."""
     tns = (64, 128) if quick else (64, 128, 256)
-    for swap in (True, False):
-        if not swap and m % 64:
-            continue
-        for tn in tns:
-            for tk in (64, 128):
-                for stages in ((4, 8) if tk == 64 else (3, 4)):
-                    for splits in ((1, 2) if wide else (2, 4, 8)):
-                        c = StreamConfig(tn=tn, tk=tk, stages=stages, splits=splits, swap=swap)
-                        if k % (tk * splits) or smem_bytes(m, c, 4 if splits > 1 else 2) > 227 * 1024:
-                            continue
-                        out.append(c)
+    split_opts = (1, 2) if n >= 4096 else (1, 2, 4, 8)
+    out = []
+    for swap, tn, tk in itertools.product((True, False), tns, (64, 128)):
+        for stages, splits in itertools.product((4, 8) if tk == 64 else (3, 4), split_opts):
+            c = StreamConfig(tn=tn, tk=tk, stages=stages, splits=splits, swap=swap)
+            try:
+                check(m, k, n, n, 0, c, 4 if splits > 1 else 2)
+            except ValueError:
+                continue
+            out.append(c)
     return out
 
 

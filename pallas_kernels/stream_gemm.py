@@ -249,7 +249,7 @@ def _kernel(x, w, row0, n: int, cfg: StreamConfig, out_dtype, glu: float | None)
             # Rounded to the output dtype as the unfused GEMM's output is, then the gate.
             g = acc[...].astype(out_dtype).astype(jnp.float32) * glu
             u = acc_u[...].astype(out_dtype).astype(jnp.float32)
-            h = (g * (1.0 / (1.0 + jnp.exp(-g)))).astype(out_dtype).astype(jnp.float32)
+            h = silu(g).astype(out_dtype).astype(jnp.float32)
             return h * u
 
         accs = [plgpu.ACC(acc_shape, jnp.float32)] * 2

@@ -175,8 +175,8 @@ class Linear(nnx.Module):
         """silu(gate * gate_multiplier) * up of this fused gate/up Linear (gate's outputs
         first) in one stream GEMM launch, or None where it does not apply: the caller then
         runs the product and the activation apart."""
-        if (self.bias is not None or self.stack_row is None or x.ndim != 2
-                or self.reduce_axis is not None or self.gather_axis is not None or not stream_gemm_active()):
+        # Fusion stacks only bias-free, unsharded gate/up kernels, and only where the kernel runs.
+        if self.stack_row is None or x.ndim != 2 or not stream_gemm_active():
             return None
         stack = self.kernel[...]
         layers, n2, k = stack.shape
