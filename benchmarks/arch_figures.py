@@ -8,7 +8,7 @@ For each preset (random bf16 weights, f32 SSM state), one engine with sequence b
             measured in the same process (benchmarks/prefill_rate.py's accounting)
   decode    B = 64 and B = 1 sequences at context ~C: median `LLMEngine.step()` over
             steps in which the WHOLE batch decodes (checked on every measured step),
-            against the byte floor (serving.bench.floor: weights + in-window K/V +
+            against the byte floor (serving.entrypoints.bench.floor: weights + in-window K/V +
             recurrent state read and written, over the copy bandwidth measured here)
 
 With `--long` (Gemma 3 by default), a second engine decodes one sequence at 4k and 32k
@@ -35,11 +35,11 @@ import jax
 import numpy as np
 
 from hybrid_jax.loading import load_model
-from serving.bench.floor import copy_bandwidth, decode_floor_bytes
-from serving.bench.probe import step_until_whole_batch, whole_batch_steps
-from serving.engine import LLMEngine
-from serving.engine_config import EngineConfig
-from serving.sampling_params import SamplingParams
+from serving.engine.engine_config import EngineConfig
+from serving.engine.llm_engine import LLMEngine
+from serving.entrypoints.bench.floor import copy_bandwidth, decode_floor_bytes
+from serving.entrypoints.bench.probe import step_until_whole_batch, whole_batch_steps
+from serving.sample.sampling_params import SamplingParams
 
 PRESETS = ("gemma-3-1b", "lfm2-1.2b", "granite-4.0-h-micro", "zamba2-2.7b", "nemotron-h-8b",
            "bamba-9b", "gemma-3-4b")

@@ -12,8 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from serving.penalties import apply_penalties, init_token_stats, update_token_stats
-from serving.sampling import SamplingArrays, filter_logits, sample
+from serving.sample.penalties import apply_penalties, init_token_stats, update_token_stats
+from serving.sample.sampling import SamplingArrays, filter_logits, sample
 
 
 def bench(name: str, fn, *args, reps: int = 50) -> None:

@@ -33,8 +33,8 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks.step_anatomy import trace_kernels
-from serving.bench.floor import copy_bandwidth
-from serving.step_fns import compile_options
+from serving.entrypoints.bench.floor import copy_bandwidth
+from serving.runner.step_fns import compile_options
 
 BF16 = jnp.bfloat16
 GEMM = re.compile(r"nvjet|gemm|cutlass|sm90_xmma", re.I)

@@ -9,7 +9,7 @@ the down-projection), bf16, at m rows. Each timing is a jit of a chain of 24 cal
 distinct weights (so they stream from HBM, as in a decode step), x shared, compiled
 with the step executables' XLA options (serving/step_fns.compile_options). Time: the GPU
 kernel time of `--reps` chains in a jax.profiler trace, per product (GPU only). %copy:
-weight bytes over the device's copy bandwidth (serving/bench/floor.copy_bandwidth)
+weight bytes over the device's copy bandwidth (serving/entrypoints/bench/floor.copy_bandwidth)
 against that time.
 
 `--gemv`: the same products as XLA's dot, as a multiply + reduction over [k, n]
@@ -36,9 +36,9 @@ import tempfile
 import jax
 import jax.numpy as jnp
 
-from serving.bench.floor import copy_bandwidth
-from serving.bench.trace_report import gpu_kernel_events
-from serving.step_fns import compile_options
+from serving.entrypoints.bench.floor import copy_bandwidth
+from serving.entrypoints.bench.trace_report import gpu_kernel_events
+from serving.runner.step_fns import compile_options
 
 SHAPES = {"in": (2048, 7456), "gate_up": (2048, 11264), "out": (4096, 2048), "down": (5632, 2048)}
 CHAIN = 24
@@ -64,7 +64,7 @@ def _chain(transposed: bool):
 
 def _flat_chain(transposed: bool, shape: tuple[int, int]):
     """The chain over weights sliced out of one flat buffer, as the step reads its packed
-    parameters (serving/packing.py)."""
+    parameters (serving/runner/packing.py)."""
     inner, size = _chain(transposed), shape[0] * shape[1]
 
     def f(x, flat):

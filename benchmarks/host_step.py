@@ -25,10 +25,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from serving.engine import LLMEngine, freeze_heap
-from serving.engine_config import EngineConfig
-from serving.runner import TOP_LOGPROBS
-from serving.sampling_params import SamplingParams
+from serving.engine.engine_config import EngineConfig
+from serving.engine.llm_engine import LLMEngine, freeze_heap
+from serving.runner.runner import TOP_LOGPROBS
+from serving.sample.sampling_params import SamplingParams
 
 
 def stub_device(engine: LLMEngine, vocab_lo: int = 3, vocab_hi: int = 200) -> None:

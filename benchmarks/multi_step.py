@@ -25,10 +25,10 @@ import numpy as np
 
 from benchmarks.step_anatomy import floor_bytes, timed
 from hybrid_jax.loading import load_model
-from serving.bench.floor import copy_bandwidth
-from serving.engine import LLMEngine, freeze_heap
-from serving.engine_config import EngineConfig
-from serving.sampling_params import SamplingParams
+from serving.engine.engine_config import EngineConfig
+from serving.engine.llm_engine import LLMEngine, freeze_heap
+from serving.entrypoints.bench.floor import copy_bandwidth
+from serving.sample.sampling_params import SamplingParams
 
 
 def measure(lm, a: argparse.Namespace, k: int, bw: float) -> dict:

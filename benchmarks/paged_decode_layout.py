@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.paged_attention import paged_attention_decode
-from serving.bench.trace_report import gpu_kernel_events
+from serving.entrypoints.bench.trace_report import gpu_kernel_events
 
 B, CTX, W, H, K, E, S = 256, 312, 2048, 16, 4, 128, 16
 smoke = "--smoke" in sys.argv

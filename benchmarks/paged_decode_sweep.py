@@ -25,7 +25,7 @@ from attention_inputs import decode_inputs, time_fn  # noqa: E402
 
 from pallas_kernels.paged_attention import _tile_config, paged_attention_decode  # noqa: E402
 from pallas_kernels.paged_decode import decode_pallas  # noqa: E402
-from serving.bench.floor import copy_bandwidth  # noqa: E402
+from serving.entrypoints.bench.floor import copy_bandwidth  # noqa: E402
 
 # native-1b-parallel's attention: 16 query heads, 4 KV heads of 128, window 2048.
 MODEL = dict(heads=16, kv_heads=4, head_dim=128, page_size=16)

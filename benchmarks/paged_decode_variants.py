@@ -57,7 +57,7 @@ from pallas_kernels.paged_decode import (  # noqa: E402
     split_outputs,
 )
 from pallas_kernels.paged_tiles import finish  # noqa: E402
-from serving.bench.floor import copy_bandwidth  # noqa: E402
+from serving.entrypoints.bench.floor import copy_bandwidth  # noqa: E402
 
 # native-1b-parallel's attention: 16 query heads, 4 KV heads of 128, window 2048.
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 16, 4, 128, 16

@@ -30,10 +30,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from hybrid_jax.loading import load_model
-from serving.bench.trace_report import gpu_kernel_events
-from serving.engine import LLMEngine
-from serving.engine_config import EngineConfig
-from serving.sampling_params import SamplingParams
+from serving.engine.engine_config import EngineConfig
+from serving.engine.llm_engine import LLMEngine
+from serving.entrypoints.bench.trace_report import gpu_kernel_events
+from serving.sample.sampling_params import SamplingParams
 
 
 def matmul_rate(n: int = 8192) -> float:

@@ -25,9 +25,9 @@ import jax
 import numpy as np
 
 from hybrid_jax.loading import load_model
-from serving.engine import LLMEngine
-from serving.engine_config import EngineConfig
-from serving.sampling_params import SamplingParams
+from serving.engine.engine_config import EngineConfig
+from serving.engine.llm_engine import LLMEngine
+from serving.sample.sampling_params import SamplingParams
 
 
 def parse() -> argparse.Namespace:

@@ -8,7 +8,7 @@ chain's length. Both sides compile with the step executables' XLA options
 (serving/step_fns.compile_options: Triton GEMM fusions off, so XLA's dot is cuBLAS).
 The skinny side includes XLA's sum over K-splits (in a model it may fuse into the
 consumer). GB/s counts weight bytes only; %copy compares them with a device copy
-(serving/bench/floor.copy_bandwidth, read + write bytes). The step column estimates one
+(serving/entrypoints/bench/floor.copy_bandwidth, read + write bytes). The step column estimates one
 decode step's 216 projections (24 layers) from the per-call times.
 
     PYTHONPATH=. python benchmarks/skinny_gemm.py [--rows 1 8 ...] [--shapes q down] [--out r.json]
@@ -36,8 +36,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import skinny_gemm
-from serving.bench.floor import copy_bandwidth
-from serving.step_fns import compile_options
+from serving.entrypoints.bench.floor import copy_bandwidth
+from serving.runner.step_fns import compile_options
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 LAYERS = 24

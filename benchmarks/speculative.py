@@ -35,9 +35,9 @@ from pathlib import Path
 import numpy as np
 
 from hybrid_jax.loading import load_model
-from serving.engine import LLMEngine
-from serving.engine_config import EngineConfig
-from serving.sampling_params import SamplingParams
+from serving.engine.engine_config import EngineConfig
+from serving.engine.llm_engine import LLMEngine
+from serving.sample.sampling_params import SamplingParams
 
 SOURCES = sorted(Path(__file__).resolve().parent.parent.glob("serving/*.py"))
 

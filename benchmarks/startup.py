@@ -1,7 +1,7 @@
 """Engine start-up with default settings: cold (empty compilation cache) or warm.
 
 Warm: every step executable comes from the executable store beside the cache
-(serving/exec_store.py), loaded without tracing. exec_load_s / exec_lower_s /
+(serving/runner/exec_store.py), loaded without tracing. exec_load_s / exec_lower_s /
 exec_compile_s split the runner's part; load_s is the model.
 
   PYTHONPATH=. python benchmarks/startup.py --cache-dir /tmp/xla-cache   # run twice: cold, then warm
@@ -18,8 +18,8 @@ t_import = time.perf_counter()
 
 import jax  # noqa: E402
 
-from serving.engine import LLMEngine  # noqa: E402
-from serving.engine_config import EngineConfig  # noqa: E402
+from serving.engine.engine_config import EngineConfig  # noqa: E402
+from serving.engine.llm_engine import LLMEngine  # noqa: E402
 
 
 def main() -> None:
@@ -31,7 +31,7 @@ def main() -> None:
     a = p.parse_args()
     cold = not (os.path.isdir(a.cache_dir) and os.listdir(a.cache_dir))
     # Where start-up goes: loading the model, the engine without compiling, compiling.
-    from serving.runner import ModelRunner
+    from serving.runner.runner import ModelRunner
 
     phases: dict[str, float] = {}
     compile_all = ModelRunner.compile_all
@@ -56,7 +56,7 @@ def main() -> None:
     # The engine serves: greedy tokens of a few requests, digested (cold and warm must agree).
     import hashlib
 
-    from serving.sampling_params import SamplingParams
+    from serving.sample.sampling_params import SamplingParams
 
     out: dict[str, list[int]] = {}
     for i in range(4):

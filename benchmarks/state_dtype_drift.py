@@ -19,8 +19,8 @@ import statistics
 
 import numpy as np
 
-from serving.llm import DEFAULT_MODEL, LLM
-from serving.sampling_params import SamplingParams
+from serving.entrypoints.llm import DEFAULT_MODEL, LLM
+from serving.sample.sampling_params import SamplingParams
 
 PROMPTS = [
     "def fibonacci(n):", "import numpy as np\n\n\ndef", "class Stack:\n    def __init__(self):",

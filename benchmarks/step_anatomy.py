@@ -37,12 +37,12 @@ import numpy as np
 
 from hybrid_jax.cache import states_of
 from hybrid_jax.loading import load_model
-from serving.bench.floor import copy_bandwidth
-from serving.bench.trace_report import gpu_kernel_events, host_event_totals
-from serving.engine import LLMEngine, freeze_heap
-from serving.engine_config import EngineConfig
-from serving.runner import fuse_projections_enabled
-from serving.sampling_params import SamplingParams
+from serving.engine.engine_config import EngineConfig
+from serving.engine.llm_engine import LLMEngine, freeze_heap
+from serving.entrypoints.bench.floor import copy_bandwidth
+from serving.entrypoints.bench.trace_report import gpu_kernel_events, host_event_totals
+from serving.runner.runner import fuse_projections_enabled
+from serving.sample.sampling_params import SamplingParams
 
 
 def floor_bytes(engine: LLMEngine, lengths: np.ndarray) -> dict[str, int]:
@@ -287,8 +287,8 @@ def run(a: argparse.Namespace) -> dict:
     arrays, sampling = captured["args"]
     bucket = r.pick(arrays)
     exe = r.compiled[bucket]
-    from serving.runner import _pad_rows
-    from serving.sampling import SamplingArrays
+    from serving.runner.runner import _pad_rows
+    from serving.sample.sampling import SamplingArrays
 
     samp = SamplingArrays(*(_pad_rows(np.asarray(x), bucket.seqs) for x in sampling))
     feed = np.full(bucket.tokens, -1, np.int32)
@@ -296,7 +296,7 @@ def run(a: argparse.Namespace) -> dict:
     buf = jax.device_put(r.host_layouts[bucket].pack(tree))
     logits, plain = r.results.take(bucket.seqs, r.last_tokens)
     # Two sets of sample buffers, alternating, as the engine's loop cycles them
-    # (serving/result_buffers.py).
+    # (serving/runner/result_buffers.py).
     sets = [plain, r.results.zeros(r.results.forward_shapes(bucket.seqs)[1])]
     state = {"caches": r.caches, "stats": r.stats, "last": r.last_tokens, "logits": logits, "k": 0}
 

@@ -34,9 +34,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.stream_gemm import StreamConfig, check, silu, stream_glu, stream_matmul
-from serving.bench.floor import copy_bandwidth
-from serving.bench.trace_report import gpu_kernel_events
-from serving.step_fns import compile_options
+from serving.entrypoints.bench.floor import copy_bandwidth
+from serving.entrypoints.bench.trace_report import gpu_kernel_events
+from serving.runner.step_fns import compile_options
 
 SHAPES = {"in": (7456, 2048), "gate_up": (11264, 2048), "out": (2048, 4096), "down": (2048, 5632),
           "glu": (11264, 2048)}

@@ -34,12 +34,12 @@ import numpy as np
 from benchmarks.arch_figures import _prompts, measure_decode
 from hybrid_jax import tensor_parallel as tp
 from hybrid_jax.loading import load_model
-from serving.bench.floor import copy_bandwidth, decode_floor_bytes
-from serving.bench.probe import step_until_whole_batch, whole_batch_steps
-from serving.bench.trace_report import gpu_kernel_events
-from serving.engine import LLMEngine
-from serving.engine_config import EngineConfig
-from serving.sampling_params import SamplingParams
+from serving.engine.engine_config import EngineConfig
+from serving.engine.llm_engine import LLMEngine
+from serving.entrypoints.bench.floor import copy_bandwidth, decode_floor_bytes
+from serving.entrypoints.bench.probe import step_until_whole_batch, whole_batch_steps
+from serving.entrypoints.bench.trace_report import gpu_kernel_events
+from serving.sample.sampling_params import SamplingParams
 
 COLLECTIVE = ("nccl", "all-reduce", "allreduce", "all_reduce", "all-gather", "allgather", "all_gather")
 

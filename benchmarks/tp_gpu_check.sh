@@ -14,8 +14,8 @@ JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=4 timeout 400
 cat > /tmp/tp_gpu_parity.py <<'PY'
 import json, os
 import numpy as np
-from serving.llm import LLM
-from serving.sampling_params import SamplingParams
+from serving.entrypoints.llm import LLM
+from serving.sample.sampling_params import SamplingParams
 rng = np.random.default_rng(0)
 ps = [rng.integers(3, 259, int(n)).tolist() for n in (5, 30, 70, 130)]
 P = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=2)

@@ -64,7 +64,7 @@ def segments(cu_seqlens: jax.Array, t: int) -> Segments:
     """The sequence and in-sequence position of each of `t` tokens."""
     b = cu_seqlens.shape[0] - 1
     tok = jnp.arange(t, dtype=jnp.int32)
-    # compare_all: no while loop in the step (see serving/penalties.py)
+    # compare_all: no while loop in the step (see serving/sample/penalties.py)
     seq = jnp.searchsorted(cu_seqlens[1:], tok, side="right", method="compare_all").astype(jnp.int32)
     start = cu_seqlens[jnp.minimum(seq, b - 1)]
     pos = jnp.where(seq < b, tok - start, -1)

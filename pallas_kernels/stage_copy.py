@@ -15,7 +15,7 @@ copy, which lives in the step's temporary buffer at an address that does not cha
 between calls, and only this kernel's node is updated.
 
 `write_into` is the same problem at the other end. A step's results go into donated
-buffers (serving/runner.py cycles a few sets: the host still reads one step's results
+buffers (serving/runner/runner.py cycles a few sets: the host still reads one step's results
 while the next step runs), but XLA places temporaries inside a donated buffer whose old
 value is never read, before the result is written there; every node using those
 temporaries is then updated when the set changes (78 nodes of a decode step, measured).

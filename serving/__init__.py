@@ -2,23 +2,23 @@
 
 Host-side bookkeeping (scheduler, pools, sequences, sampling parameters) is plain
 Python and imports no JAX; the runner, the engine and the LLM API build on it.
-`LLM` and `LLMEngine` are imported lazily so that `import serving.scheduler` stays
+`LLM` and `LLMEngine` are imported lazily so that `import serving.core.scheduler` stays
 free of JAX.
 """
 
-from serving.sampling_params import SamplingParams
-from serving.scheduler import Scheduler, SchedulerStats, StepOutput
-from serving.scheduler_config import AttentionGroup, SchedulerConfig
-from serving.sequence import FinishReason, Sequence, SequenceStatus
+from serving.core.scheduler import Scheduler, SchedulerStats, StepOutput
+from serving.core.scheduler_config import AttentionGroup, SchedulerConfig
+from serving.core.sequence import FinishReason, Sequence, SequenceStatus
+from serving.sample.sampling_params import SamplingParams
 
 
 def __getattr__(name: str):
     if name == "LLM":
-        from serving.llm import LLM
+        from serving.entrypoints.llm import LLM
 
         return LLM
     if name == "LLMEngine":
-        from serving.engine import LLMEngine
+        from serving.engine.llm_engine import LLMEngine
 
         return LLMEngine
     raise AttributeError(name)

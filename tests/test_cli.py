@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from hybrid_jax.generate import greedy_generate
 from hybrid_jax.loading import load_model
-from serving.cli import main
+from serving.entrypoints.cli import main
 
 
 def test_generate_prints_the_greedy_continuation(capsys):
@@ -49,7 +49,7 @@ def test_generate_needs_no_grpc():
         "        if name == 'grpc' or name.startswith('grpc.') or name.startswith('grpc_'):\n"
         "            raise ImportError('grpc refused by the test')\n"
         "sys.meta_path.insert(0, NoGrpc())\n"
-        "from serving.cli import main\n"
+        "from serving.entrypoints.cli import main\n"
         "sys.exit(main(['generate', '--model', 'native-tiny', '--max-tokens', '3',\n"
         "               '--temperature', '0', 'Hi']))\n"
     )

@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 
 from hybrid_jax.presets import load_preset
-from serving.cli import _parser, main
-from serving.cli_support import user_message
-from serving.engine_config import EngineConfig, plan_pools
-from serving.hub import resolve_model
+from serving.engine.engine_config import EngineConfig, plan_pools
+from serving.entrypoints.cli import _parser, main
+from serving.entrypoints.cli_support import user_message
+from serving.entrypoints.hub import resolve_model
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
@@ -28,8 +28,8 @@ ENV.pop("HYBRID_JAX_DEBUG", None)
 
 def _cli(*args: str, timeout: float = 120, **env: str) -> tuple[subprocess.CompletedProcess, float]:
     t0 = time.monotonic()
-    out = subprocess.run([sys.executable, "-m", "serving.cli", *args], cwd=ROOT, env={**ENV, **env},
-                         capture_output=True, text=True, timeout=timeout)
+    cmd = [sys.executable, "-m", "serving.entrypoints.cli", *args]
+    out = subprocess.run(cmd, cwd=ROOT, env={**ENV, **env}, capture_output=True, text=True, timeout=timeout)
     return out, time.monotonic() - t0
 
 

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from serving.cli import main
+from serving.entrypoints.cli import main
 
 
 def _run(mode: str, tmp_path, *extra: str) -> dict:
@@ -93,7 +93,7 @@ def test_sweep_pages_in_use_equal_a_pure_swa_models_need(tmp_path):
 
 
 def test_prefill_prediction_follows_the_measured_growth():
-    from serving.bench.scaling import predict_prefill_s
+    from serving.entrypoints.bench.scaling import predict_prefill_s
 
     assert predict_prefill_s([], 1 << 20) == 0.0
     assert predict_prefill_s([(1000, 1.0)], 4000) == pytest.approx(4.0)  # one point: linear
@@ -115,7 +115,7 @@ def test_poisson_arrivals_have_the_requested_rate():
 
     import numpy as np
 
-    from serving.bench.load import LoadSpec, arrival_offsets
+    from serving.entrypoints.bench.load import LoadSpec, arrival_offsets
 
     gaps = np.diff(arrival_offsets(20000, 8.0, np.random.default_rng(0)), prepend=0.0)
     assert gaps.min() >= 0 and abs(gaps.mean() - 1 / 8) < 0.005 and abs(gaps.std() - 1 / 8) < 0.005

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.stage_copy import BLOCK, stage_copy, write_into
-from serving.host_pack import host_layout
+from serving.runner.host_pack import host_layout
 
 KERNEL_IMPL = "pallas" if jax.default_backend() == "gpu" else "interpret"
 
@@ -36,7 +36,7 @@ def test_refuses_other_shapes():
 def test_staged_unpack_equals_plain_unpack(monkeypatch):
     """A host layout unpacked with stage=True inside jit gives the same fields (the kernel
     runs: the reference impl would make this test vacuous)."""
-    import serving.host_pack as hp
+    import serving.runner.host_pack as hp
 
     monkeypatch.setattr(hp, "stage_copy", lambda x: stage_copy(x, impl=KERNEL_IMPL))
     rng = np.random.default_rng(0)

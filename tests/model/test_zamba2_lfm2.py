@@ -28,10 +28,10 @@ from hybrid_jax.checkpoints import lfm2, load_hf, zamba2  # noqa: E402
 from hybrid_jax.loading import LoadedModel, load_model  # noqa: E402
 from hybrid_jax.model import CausalLM  # noqa: E402
 from hybrid_jax.presets import load_preset  # noqa: E402
-from serving.engine import LLMEngine  # noqa: E402
-from serving.engine_config import EngineConfig  # noqa: E402
-from serving.llm import LLM  # noqa: E402
-from serving.sampling_params import SamplingParams  # noqa: E402
+from serving.engine.engine_config import EngineConfig  # noqa: E402
+from serving.engine.llm_engine import LLMEngine  # noqa: E402
+from serving.entrypoints.llm import LLM  # noqa: E402
+from serving.sample.sampling_params import SamplingParams  # noqa: E402
 from tests.model.hf_models import build  # noqa: E402
 
 pytestmark = pytest.mark.slow  # minutes on a 2-core CPU: outside the quick subset (-m "not slow")
@@ -163,7 +163,7 @@ PRESETS = {"lfm2-1.2b": (1_170_340_608, 0.0), "zamba2-2.7b": (2.7e9, 0.02)}
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_real_size_preset_size_and_one_step_with_tiny_overrides(name, capsys):
-    from serving.cli import main
+    from serving.entrypoints.cli import main
 
     assert main(["presets"]) == 0 and name in capsys.readouterr().out
     full = load_preset(name)

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from serving.engine import LLMEngine
-from serving.engine_config import EngineConfig
+from serving.engine.engine_config import EngineConfig
+from serving.engine.llm_engine import LLMEngine
 
 SERVER_CFG = EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, max_prefill_chunk=16,
                           max_model_len=128, page_size=8)

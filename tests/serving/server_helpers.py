@@ -8,10 +8,10 @@ from dataclasses import dataclass
 
 import grpc
 
-from serving.client import make_request
+from serving.entrypoints.grpc.client import make_request
 from serving.proto.hybrid_jax.v1 import generation_pb2 as pb
 from serving.proto.hybrid_jax.v1 import generation_pb2_grpc as pb_grpc
-from serving.sampling_params import SamplingParams
+from serving.sample.sampling_params import SamplingParams
 
 REASONS = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length",
            pb.FINISH_REASON_ABORT: "abort"}

@@ -17,11 +17,11 @@ from collections.abc import Callable, Iterable
 
 import numpy as np
 
-from serving.block_table import KVGroup
-from serving.schedule import Schedule, flatten
-from serving.scheduler import Scheduler
-from serving.scheduler_config import SchedulerConfig
-from serving.sequence import Sequence, SequenceStatus
+from serving.core.block_table import KVGroup
+from serving.core.schedule import Schedule, flatten
+from serving.core.scheduler import Scheduler
+from serving.core.scheduler_config import SchedulerConfig
+from serving.core.sequence import Sequence, SequenceStatus
 
 VOCAB = 1009
 

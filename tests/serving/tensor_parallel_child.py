@@ -36,10 +36,10 @@ from hybrid_jax.config import (
 )
 from hybrid_jax.loading import LoadedModel
 from hybrid_jax.model import CausalLM
-from serving.engine import LLMEngine
-from serving.engine_config import EngineConfig
-from serving.llm import LLM
-from serving.sampling_params import SamplingParams
+from serving.engine.engine_config import EngineConfig
+from serving.engine.llm_engine import LLMEngine
+from serving.entrypoints.llm import LLM
+from serving.sample.sampling_params import SamplingParams
 
 NEW = 8
 MARGIN = 2e-3  # compare greedy tokens while the reference's top-1/top-2 logprob gap exceeds this

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import jax
 
-import serving.runner as runner_mod
+import serving.runner.runner as runner_mod
 from hybrid_jax.layers import linear
 from hybrid_jax.loading import load_model
-from serving.engine import LLMEngine
-from serving.engine_config import EngineConfig
-from serving.runner import Bucket, make_buckets
-from serving.sampling_params import SamplingParams
+from serving.engine.engine_config import EngineConfig
+from serving.engine.llm_engine import LLMEngine
+from serving.runner.runner import Bucket, make_buckets
+from serving.sample.sampling_params import SamplingParams
 
 
 def test_decode_buckets_take_the_row_floor_and_mixed_buckets_do_not():

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from serving.step_fns import compile_options
+from serving.runner.step_fns import compile_options
 
 
 def test_defaults_turn_off_dot_merger_and_triton_gemms(monkeypatch):

@@ -22,12 +22,12 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from serving_fakes import FakeRunner, check_invariants, check_schedule
 
-from serving.block_table import decode_page_bound
-from serving.sampling_params import SamplingParams
-from serving.schedule import PENDING, Schedule, flatten
-from serving.scheduler import Scheduler
-from serving.scheduler_config import SchedulerConfig
-from serving.sequence import FinishReason, Sequence
+from serving.core.block_table import decode_page_bound
+from serving.core.schedule import PENDING, Schedule, flatten
+from serving.core.scheduler import Scheduler
+from serving.core.scheduler_config import SchedulerConfig
+from serving.core.sequence import FinishReason, Sequence
+from serving.sample.sampling_params import SamplingParams
 
 EOS = 7
 

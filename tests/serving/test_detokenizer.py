@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from hybrid_jax.tokenizer import Tokenizer, byte_level_tokenizer
-from serving import detokenizer
-from serving.detokenizer import IncrementalDetokenizer
+from serving.engine import detokenizer
+from serving.engine.detokenizer import IncrementalDetokenizer
 
 TOK = Tokenizer(byte_level_tokenizer(), bos_id=1)
 

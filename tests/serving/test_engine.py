@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from jax import monitoring
 
-from serving.llm import LLM
-from serving.sampling_params import SamplingParams
+from serving.entrypoints.llm import LLM
+from serving.sample.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow  # minutes on a 2-core CPU: outside the quick subset (-m "not slow")
 
@@ -144,7 +144,7 @@ def test_swa_pages_stay_within_the_window_bound_while_decoding(llm):
 
 def test_runner_refuses_out_of_range_indices(llm):
     """JAX would clamp these silently on device; the runner checks them on the host."""
-    from serving.schedule import StepArrays
+    from serving.core.schedule import StepArrays
 
     runner = llm.engine.runner
     i32 = lambda *v: np.asarray(v, np.int32)

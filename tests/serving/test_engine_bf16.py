@@ -11,10 +11,10 @@ import jax.numpy as jnp
 
 from hybrid_jax.generate import greedy_steps
 from hybrid_jax.loading import load_model
-from serving.engine import LLMEngine
-from serving.engine_config import EngineConfig
-from serving.llm import LLM
-from serving.sampling_params import SamplingParams
+from serving.engine.engine_config import EngineConfig
+from serving.engine.llm_engine import LLMEngine
+from serving.entrypoints.llm import LLM
+from serving.sample.sampling_params import SamplingParams
 
 
 def test_bf16_engine_follows_the_bf16_full_forward():

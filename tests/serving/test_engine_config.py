@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import pytest
 
 from hybrid_jax.presets import load_preset
-from serving.engine_config import EngineConfig, plan_pools
+from serving.engine.engine_config import EngineConfig, plan_pools
 
 MODEL = load_preset("native-tiny")
 
@@ -77,10 +77,10 @@ def test_too_many_sequences_are_lowered_with_a_warning(caplog):
     free = (1 << 20) + int(2 * (extra + 3.5 * per_seq))  # room for 3 sequences at fraction 0.5
     # The handler goes on the module's logger itself: a server test earlier in the session
     # may have stopped "serving" loggers from propagating to the root (its JSON log).
-    logger = logging.getLogger("serving.engine_config")
+    logger = logging.getLogger("serving.engine.engine_config")
     logger.addHandler(caplog.handler)
     try:
-        with caplog.at_level(logging.WARNING, logger="serving.engine_config"):
+        with caplog.at_level(logging.WARNING, logger="serving.engine.engine_config"):
             p = plan(EngineConfig(max_num_seqs=8, max_model_len=256, memory_fraction=0.5), free=free)
     finally:
         logger.removeHandler(caplog.handler)

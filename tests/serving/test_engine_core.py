@@ -6,10 +6,10 @@ import threading
 
 import pytest
 
-from serving.engine import LLMEngine
-from serving.engine_config import EngineConfig
-from serving.engine_core import EngineCore, QueueFull
-from serving.sampling_params import SamplingParams
+from serving.engine.engine_config import EngineConfig
+from serving.engine.engine_core import EngineCore, QueueFull
+from serving.engine.llm_engine import LLMEngine
+from serving.sample.sampling_params import SamplingParams
 
 CFG = EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, max_prefill_chunk=16,
                    max_model_len=128, page_size=8)

@@ -27,10 +27,10 @@ from hybrid_jax import (  # noqa: E402
 )
 from hybrid_jax.generate import greedy_generate  # noqa: E402
 from hybrid_jax.loading import LoadedModel, load_model  # noqa: E402
-from serving.engine import LLMEngine  # noqa: E402
-from serving.engine_config import EngineConfig  # noqa: E402
-from serving.llm import LLM  # noqa: E402
-from serving.sampling_params import SamplingParams  # noqa: E402
+from serving.engine.engine_config import EngineConfig  # noqa: E402
+from serving.engine.llm_engine import LLMEngine  # noqa: E402
+from serving.entrypoints.llm import LLM  # noqa: E402
+from serving.sample.sampling_params import SamplingParams  # noqa: E402
 from tests.model.hf_models import build  # noqa: E402
 
 pytestmark = pytest.mark.slow  # minutes on a 2-core CPU: outside the quick subset (-m "not slow")

@@ -23,10 +23,10 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from hybrid_jax.loading import load_model  # noqa: E402
-from serving.engine import LLMEngine  # noqa: E402
-from serving.engine_config import EngineConfig  # noqa: E402
-from serving.llm import LLM  # noqa: E402
-from serving.sampling_params import SamplingParams  # noqa: E402
+from serving.engine.engine_config import EngineConfig  # noqa: E402
+from serving.engine.llm_engine import LLMEngine  # noqa: E402
+from serving.entrypoints.llm import LLM  # noqa: E402
+from serving.sample.sampling_params import SamplingParams  # noqa: E402
 from tests.model.hf_models import build  # noqa: E402
 
 NEW = 10

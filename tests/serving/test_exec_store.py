@@ -1,4 +1,4 @@
-"""The executable store (serving/exec_store.py): a warm start loads every step executable
+"""The executable store (serving/runner/exec_store.py): a warm start loads every step executable
 without tracing and serves exactly what a cold start serves; a changed setting misses; a
 damaged file is compiled again, never trusted."""
 
@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-import serving.exec_store as exec_store
+import serving.runner.exec_store as exec_store
 from hybrid_jax.loading import load_model
-from serving.engine import LLMEngine
-from serving.engine_config import EngineConfig
-from serving.sampling_params import SamplingParams
+from serving.engine.engine_config import EngineConfig
+from serving.engine.llm_engine import LLMEngine
+from serving.sample.sampling_params import SamplingParams
 
 PROMPTS = [[1, 5, 9, 13, 7, 22, 3], [4, 8], [30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43]]
 

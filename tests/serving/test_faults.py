@@ -12,11 +12,11 @@ import time
 
 import pytest
 
-from serving.engine import LLMEngine
-from serving.engine_core import EngineCore, EngineStopped
-from serving.faults import EngineFatal
-from serving.llm import LLM
-from serving.sampling_params import SamplingParams
+from serving.engine.engine_core import EngineCore, EngineStopped
+from serving.engine.faults import EngineFatal
+from serving.engine.llm_engine import LLMEngine
+from serving.entrypoints.llm import LLM
+from serving.sample.sampling_params import SamplingParams
 
 
 @pytest.fixture(scope="module")

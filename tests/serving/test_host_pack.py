@@ -4,7 +4,7 @@ import jax
 import numpy as np
 import pytest
 
-from serving.host_pack import host_layout
+from serving.runner.host_pack import host_layout
 
 
 def test_round_trip_every_dtype_and_shape():
@@ -46,8 +46,7 @@ def test_host_put_fast_path_and_its_fallback(monkeypatch):
     JAX's private transfer where it works here, else through jax.device_put."""
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-    from serving import host_pack
-
+    from serving.runner import host_pack
     sharding = NamedSharding(Mesh(np.asarray(jax.devices()[:1]), ("tp",)), PartitionSpec())
     buf = np.arange(-5, 300, dtype=np.int32)
     put = host_pack.host_put(sharding)

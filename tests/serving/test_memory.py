@@ -1,4 +1,4 @@
-"""serving.memory: the memory budget base without an accelerator comes from the machine
+"""serving.engine.memory: the memory budget base without an accelerator comes from the machine
 (MemAvailable, a cgroup limit, free pages), and from the allocator's statistics with one."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import os
 
 import jax
 
-from serving import memory
-from serving.memory import cgroup_available_bytes, device_free_bytes, host_available_bytes
+from serving.engine import memory
+from serving.engine.memory import cgroup_available_bytes, device_free_bytes, host_available_bytes
 
 MEMINFO = """MemTotal:       16000000 kB
 MemFree:         1000000 kB

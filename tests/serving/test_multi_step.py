@@ -14,13 +14,13 @@ import dataclasses
 import pytest
 
 from hybrid_jax.generate import greedy_generate
-from serving.engine import LLMEngine
-from serving.engine_config import EngineConfig
-from serving.llm import LLM
-from serving.sampling_params import SamplingParams
-from serving.scheduler import Scheduler, SpecPlan
-from serving.scheduler_config import SchedulerConfig
-from serving.sequence import Sequence
+from serving.core.scheduler import Scheduler, SpecPlan
+from serving.core.scheduler_config import SchedulerConfig
+from serving.core.sequence import Sequence
+from serving.engine.engine_config import EngineConfig
+from serving.engine.llm_engine import LLMEngine
+from serving.entrypoints.llm import LLM
+from serving.sample.sampling_params import SamplingParams
 from tests.serving.conftest import SERVER_CFG
 from tests.serving.test_engine_parity import native_hybrid
 from tests.serving.test_overlap import _drive, _same, _workload
@@ -156,7 +156,7 @@ def test_verify_ready_looks_past_the_step_in_flight():
 
 def test_multi_step_executables_alias_their_results(engines):
     """The multi-step executables write their results into donated buffers (the runner
-    reuses them call after call: serving/result_buffers.py)."""
+    reuses them call after call: serving/runner/result_buffers.py)."""
     from tests.serving.test_output_buffers import assert_results_aliased
 
     r = engines[0].runner

@@ -1,5 +1,5 @@
 """The executables write their results into donated buffers that the runner cycles
-(serving/result_buffers.py): every executable aliases them (the forward here; multi-step
+(serving/runner/result_buffers.py): every executable aliases them (the forward here; multi-step
 and verification in test_multi_step and test_speculative), and the
 buffers are reused across steps without ever handing a result still to be read, or the
 next step's fed tokens, to a new call. Outputs themselves are checked against the
@@ -14,7 +14,7 @@ import itertools
 import jax
 import numpy as np
 
-from serving.sampling_params import SamplingParams
+from serving.sample.sampling_params import SamplingParams
 
 _IDS = itertools.count()
 
@@ -82,7 +82,7 @@ def test_unfetched_results_and_fed_tokens_are_never_donated(server_engine):
     array is deleted, so a wrong reuse shows as a deleted or shared buffer."""
     engine = server_engine
     r = engine.runner
-    from serving.sampling import SamplingArrays
+    from serving.sample.sampling import SamplingArrays
 
     captured = []
     orig = r.dispatch
@@ -120,8 +120,8 @@ def test_result_buffers_bounds_and_skips():
     (donated) array never handed out."""
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-    from serving.result_buffers import FREE_SETS, LOGITS_KEPT, ResultBuffers
-    from serving.step_fns import TOP_LOGPROBS
+    from serving.runner.result_buffers import FREE_SETS, LOGITS_KEPT, ResultBuffers
+    from serving.runner.step_fns import TOP_LOGPROBS
 
     rep = NamedSharding(Mesh(np.asarray(jax.devices()[:1]), ("x",)), PartitionSpec())
     rb = ResultBuffers(vocab_size=11, max_seqs=8, sharding=rep)

@@ -13,10 +13,10 @@ import dataclasses
 import numpy as np
 import pytest
 
-from serving.engine import LLMEngine
-from serving.llm import LLM
-from serving.outputs import RequestOutput
-from serving.sampling_params import SamplingParams
+from serving.engine.llm_engine import LLMEngine
+from serving.engine.outputs import RequestOutput
+from serving.entrypoints.llm import LLM
+from serving.sample.sampling_params import SamplingParams
 from tests.serving.conftest import SERVER_CFG
 
 pytestmark = pytest.mark.slow  # minutes on a 2-core CPU: outside the quick subset (-m "not slow")
@@ -137,7 +137,7 @@ def test_a_slot_reused_at_once_never_sees_the_old_state(engines):
 
 
 def test_decode_steps_over_columns_equal_the_general_path(engines, monkeypatch):
-    """The mixed workload with pure decode steps planned as columns (serving/decode_block.py)
+    """The mixed workload with pure decode steps planned as columns (serving/core/decode_block.py)
     and with every step on the general path: the same outputs."""
     fast, _ = engines
     prompts, params = _workload(fast)

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from serving.packing import pack, plan_layout, unpack
+from serving.runner.packing import pack, plan_layout, unpack
 
 
 def tree():

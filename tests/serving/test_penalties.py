@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 
 from hybrid_jax.loading import load_model
-from serving.engine import LLMEngine
-from serving.engine_config import EngineConfig
-from serving.llm import LLM
-from serving.penalties import apply_penalties, init_token_stats, update_token_stats
-from serving.sampling_params import SamplingParams
+from serving.engine.engine_config import EngineConfig
+from serving.engine.llm_engine import LLMEngine
+from serving.entrypoints.llm import LLM
+from serving.sample.penalties import apply_penalties, init_token_stats, update_token_stats
+from serving.sample.sampling_params import SamplingParams
 
 
 def penalise_np(logits, prompt, output, rep, pres, freq):

@@ -23,14 +23,14 @@ pytest.importorskip("transformers")
 import grpc  # noqa: E402
 from prometheus_client import generate_latest  # noqa: E402
 
-from serving.engine import LLMEngine  # noqa: E402
-from serving.engine_config import EngineConfig  # noqa: E402
-from serving.llm import LLM  # noqa: E402
-from serving.metrics import ServerMetrics  # noqa: E402
+from serving.engine.engine_config import EngineConfig  # noqa: E402
+from serving.engine.llm_engine import LLMEngine  # noqa: E402
+from serving.entrypoints.grpc.server import GenerationServer  # noqa: E402
+from serving.entrypoints.llm import LLM  # noqa: E402
+from serving.entrypoints.metrics import ServerMetrics  # noqa: E402
 from serving.proto.hybrid_jax.v1 import generation_pb2 as pb  # noqa: E402
 from serving.proto.hybrid_jax.v1 import generation_pb2_grpc as pb_grpc  # noqa: E402
-from serving.sampling_params import SamplingParams  # noqa: E402
-from serving.server import GenerationServer  # noqa: E402
+from serving.sample.sampling_params import SamplingParams  # noqa: E402
 from tests.model.hf_models import build  # noqa: E402
 from tests.serving.conftest import SERVER_CFG  # noqa: E402
 from tests.serving.test_engine_parity import loaded, native_hybrid  # noqa: E402

@@ -9,12 +9,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from serving.pools import PageCache, PagePool, PoolError
-from serving.prefix_cache import page_keys
-from serving.sampling_params import SamplingParams
-from serving.scheduler import Scheduler
-from serving.scheduler_config import SchedulerConfig
-from serving.sequence import Sequence
+from serving.core.pools import PageCache, PagePool, PoolError
+from serving.core.prefix_cache import page_keys
+from serving.core.scheduler import Scheduler
+from serving.core.scheduler_config import SchedulerConfig
+from serving.core.sequence import Sequence
+from serving.sample.sampling_params import SamplingParams
 
 S = 8  # page size
 

@@ -14,8 +14,8 @@ from hybrid_jax.fusion import is_fused
 from hybrid_jax.layers import linear
 from hybrid_jax.model import CausalLM
 from pallas_kernels.stream_gemm import StreamConfig
-from serving.packing import unpack
-from serving.runner import ModelRunner
+from serving.runner.packing import unpack
+from serving.runner.runner import ModelRunner
 from tests.model.test_fused_projections import CONFIGS
 
 

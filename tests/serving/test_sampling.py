@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from serving.sampling import SamplingArrays, filter_logits, sample
+from serving.sample.sampling import SamplingArrays, filter_logits, sample
 
 sample_jit = jax.jit(sample)
 

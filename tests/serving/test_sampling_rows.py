@@ -1,4 +1,4 @@
-"""A step's sampling arrays (serving/sampling_rows.py) equal the per-row dict build
+"""A step's sampling arrays (serving/sample/sampling_rows.py) equal the per-row dict build
 (`SamplingArrays.from_rows`, the reference), step after step, while the kept columns
 are reused and when the batch changes: rows reordered, a row gone, a row new, and EOS
 suppression that ends when a row reaches min_tokens."""
@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from serving.sampling import SamplingArrays
-from serving.sampling_params import SamplingParams
-from serving.sampling_rows import Request, SamplingRows, constant_row, needs_full
-from serving.sequence import Sequence
+from serving.core.sequence import Sequence
+from serving.sample.sampling import SamplingArrays
+from serving.sample.sampling_params import SamplingParams
+from serving.sample.sampling_rows import Request, SamplingRows, constant_row, needs_full
 
 VOCAB = 300
 
@@ -67,7 +67,7 @@ def test_rows_equal_the_per_row_build_as_the_batch_changes():
 
 def test_columns_are_kept_while_the_batch_is_unchanged():
     """The same sequences in the same order reuse the columns (the runner's padding
-    copies them: serving/runner.py `_pad_rows`); the per-step fields are new."""
+    copies them: serving/runner/runner.py `_pad_rows`); the per-step fields are new."""
     req = _request("a", SamplingParams(temperature=0.7, max_tokens=5), 1, 3)
     rows = SamplingRows()
     first, _ = rows.arrays((req.seq,), {"a": req}, np.zeros(1, np.int32))

@@ -15,10 +15,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from serving.llm import LLM
+from serving.entrypoints.grpc.server import GenerationServer
+from serving.entrypoints.llm import LLM
 from serving.proto.hybrid_jax.v1 import generation_pb2_grpc as pb_grpc
-from serving.sampling_params import SamplingParams
-from serving.server import GenerationServer
+from serving.sample.sampling_params import SamplingParams
 from tests.serving.server_helpers import collect, request_for, rpc_code, wait_for
 
 N_CLIENTS = 64

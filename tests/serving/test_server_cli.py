@@ -17,15 +17,16 @@ import pytest
 
 from hybrid_jax.generate import greedy_generate
 from hybrid_jax.loading import load_model
-from serving.cli import ENGINE_DEFAULTS, main
-from serving.engine_config import EngineConfig
+from serving.engine.engine_config import EngineConfig
+from serving.entrypoints.cli import ENGINE_DEFAULTS, main
 from serving.proto.hybrid_jax.v1 import generation_pb2_grpc as pb_grpc
-from serving.sampling_params import SamplingParams
+from serving.sample.sampling_params import SamplingParams
 from tests.serving.server_helpers import request_for
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
-SERVE = [sys.executable, "-m", "serving.cli", "serve", "--model", "native-tiny", "--host", "127.0.0.1",
+SERVE = [sys.executable, "-m", "serving.entrypoints.cli", "serve", "--model", "native-tiny",
+         "--host", "127.0.0.1",
          "--port", "0", "--metrics-port", "0", "--max-num-seqs", "4", "--max-num-batched-tokens", "32",
          "--max-prefill-chunk", "16", "--max-model-len", "256", "--page-size", "8",
          "--shutdown-grace", "0.3"]
@@ -82,7 +83,7 @@ def server():
 
 
 def test_client_streams_the_greedy_continuation_from_the_server(server):
-    out = subprocess.run([sys.executable, "-m", "serving.cli", "client", "--server",
+    out = subprocess.run([sys.executable, "-m", "serving.entrypoints.cli", "client", "--server",
                           f"127.0.0.1:{server.port}", "--max-tokens", "8", "--temperature", "0",
                           "--request-id", "cli-e2e", "--usage", "Hi"],
                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
@@ -105,7 +106,7 @@ def test_loading_is_logged_before_the_compile_and_the_host_is_reported(server):
 
 
 def test_client_reports_a_bad_request_with_its_status(server):
-    out = subprocess.run([sys.executable, "-m", "serving.cli", "client", "--server",
+    out = subprocess.run([sys.executable, "-m", "serving.entrypoints.cli", "client", "--server",
                           f"127.0.0.1:{server.port}", "--top-p", "0", "Hi"],
                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
     assert out.returncode == 1 and "INVALID_ARGUMENT" in out.stderr and "top_p" in out.stderr

@@ -14,10 +14,10 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from serving.llm import LLM
+from serving.entrypoints.grpc.server import EXIT_ENGINE_FAILED, GenerationServer
+from serving.entrypoints.llm import LLM
 from serving.proto.hybrid_jax.v1 import generation_pb2_grpc as pb_grpc
-from serving.sampling_params import SamplingParams
-from serving.server import EXIT_ENGINE_FAILED, GenerationServer
+from serving.sample.sampling_params import SamplingParams
 from tests.serving.server_helpers import collect, metric_samples, request_for, rpc_code, wait_for
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)

@@ -14,10 +14,10 @@ import grpc
 import numpy as np
 import pytest
 
-from serving.llm import LLM
+from serving.entrypoints.grpc.server import GenerationServer
+from serving.entrypoints.llm import LLM
 from serving.proto.hybrid_jax.v1 import generation_pb2 as pb
-from serving.sampling_params import SamplingParams
-from serving.server import GenerationServer
+from serving.sample.sampling_params import SamplingParams
 from tests.serving.server_helpers import request_for, wait_for
 
 N_CALLS = 300

@@ -11,11 +11,11 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from serving.entrypoints.grpc.server import GenerationServer
+from serving.entrypoints.validation import RequestLimits
 from serving.proto.hybrid_jax.v1 import generation_pb2 as pb
 from serving.proto.hybrid_jax.v1 import generation_pb2_grpc as pb_grpc
-from serving.sampling_params import SamplingParams
-from serving.server import GenerationServer
-from serving.validation import RequestLimits
+from serving.sample.sampling_params import SamplingParams
 from tests.serving.server_helpers import collect, metric_samples, rejected, request_for, rpc_code, wait_for
 
 LIMITS = RequestLimits(max_request_bytes=16384, max_stop_strings=4, max_stop_chars=32,

@@ -11,14 +11,14 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from serving.cli import _parser
-from serving.client import GenerationClient, open_channel
-from serving.llm import LLM
+from serving.entrypoints.cli import _parser
+from serving.entrypoints.grpc.client import GenerationClient, open_channel
+from serving.entrypoints.grpc.security import tls_credentials
+from serving.entrypoints.grpc.server import GenerationServer
+from serving.entrypoints.llm import LLM
 from serving.proto.hybrid_jax.v1 import generation_pb2 as pb
 from serving.proto.hybrid_jax.v1 import generation_pb2_grpc as pb_grpc
-from serving.sampling_params import SamplingParams
-from serving.security import tls_credentials
-from serving.server import GenerationServer
+from serving.sample.sampling_params import SamplingParams
 from tests.serving.server_helpers import listening, metric_samples, rejected, rpc_code
 
 KEY = "s3cret-token"

@@ -10,9 +10,9 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from serving.entrypoints.grpc.server import GenerationServer
 from serving.proto.hybrid_jax.v1 import generation_pb2_grpc as pb_grpc
-from serving.sampling_params import SamplingParams
-from serving.server import GenerationServer
+from serving.sample.sampling_params import SamplingParams
 from tests.serving.server_helpers import collect, request_for, rpc_code, wait_for
 
 

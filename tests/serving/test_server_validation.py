@@ -6,11 +6,11 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from serving.llm import LLM
+from serving.entrypoints.grpc.server import GenerationServer
+from serving.entrypoints.llm import LLM
 from serving.proto.hybrid_jax.v1 import generation_pb2 as pb
 from serving.proto.hybrid_jax.v1 import generation_pb2_grpc as pb_grpc
-from serving.sampling_params import SamplingParams
-from serving.server import GenerationServer
+from serving.sample.sampling_params import SamplingParams
 from tests.serving.server_helpers import collect, request_for, rpc_code
 
 GOOD = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from serving.block_table import KVGroup, PageRing, decode_page_bound, ring_width
+from serving.core.block_table import KVGroup, PageRing, decode_page_bound, ring_width
 
 
 def _needed_range(window: int | None, s: int, n: int, c: int) -> range:

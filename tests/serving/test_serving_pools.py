@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from serving.pools import PagePool, PoolError, SlotPool
+from serving.core.pools import PagePool, PoolError, SlotPool
 
 
 def test_hands_out_every_index_but_the_dummy_once() -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from serving.sampling_params import SamplingParams
+from serving.sample.sampling_params import SamplingParams
 
 
 def test_defaults_are_valid_and_vllm_like() -> None:

@@ -5,11 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from serving.sampling_params import SamplingParams
-from serving.schedule import PENDING, flatten
-from serving.scheduler import Scheduler
-from serving.scheduler_config import AttentionGroup, SchedulerConfig
-from serving.sequence import Sequence
+from serving.core.schedule import PENDING, flatten
+from serving.core.scheduler import Scheduler
+from serving.core.scheduler_config import AttentionGroup, SchedulerConfig
+from serving.core.sequence import Sequence
+from serving.sample.sampling_params import SamplingParams
 
 
 def _config(**overrides: object) -> SchedulerConfig:

@@ -7,10 +7,10 @@ import random
 import pytest
 from serving_fakes import FakeRunner, drive, reference_tokens, step
 
-from serving.sampling_params import SamplingParams
-from serving.scheduler import Scheduler
-from serving.scheduler_config import SchedulerConfig
-from serving.sequence import FinishReason, Sequence, SequenceStatus
+from serving.core.scheduler import Scheduler
+from serving.core.scheduler_config import SchedulerConfig
+from serving.core.sequence import FinishReason, Sequence, SequenceStatus
+from serving.sample.sampling_params import SamplingParams
 
 S = 4  # page size
 LEN = 96  # max_model_len

@@ -12,11 +12,11 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from serving_fakes import FakeRunner, drive, reference_tokens, step
 
-from serving.block_table import decode_page_bound
-from serving.sampling_params import SamplingParams
-from serving.scheduler import Scheduler
-from serving.scheduler_config import SchedulerConfig
-from serving.sequence import FinishReason, Sequence
+from serving.core.block_table import decode_page_bound
+from serving.core.scheduler import Scheduler
+from serving.core.scheduler_config import SchedulerConfig
+from serving.core.sequence import FinishReason, Sequence
+from serving.sample.sampling_params import SamplingParams
 
 
 @st.composite

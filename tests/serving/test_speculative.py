@@ -26,12 +26,12 @@ import jax.numpy as jnp  # noqa: E402
 from hybrid_jax.cache import RaggedBatch, init_caches, states_of  # noqa: E402
 from hybrid_jax.generate import greedy_generate  # noqa: E402
 from hybrid_jax.ragged import choose, forward_ragged, forward_verify  # noqa: E402
-from serving.engine import LLMEngine  # noqa: E402
-from serving.engine_config import EngineConfig  # noqa: E402
-from serving.llm import LLM  # noqa: E402
-from serving.sampling import SamplingArrays  # noqa: E402
-from serving.sampling_params import SamplingParams  # noqa: E402
-from serving.speculative import NgramDrafter, accept  # noqa: E402
+from serving.engine.engine_config import EngineConfig  # noqa: E402
+from serving.engine.llm_engine import LLMEngine  # noqa: E402
+from serving.entrypoints.llm import LLM  # noqa: E402
+from serving.sample.sampling import SamplingArrays  # noqa: E402
+from serving.sample.sampling_params import SamplingParams  # noqa: E402
+from serving.spec_decode.speculative import NgramDrafter, accept  # noqa: E402
 from tests.model.hf_models import build  # noqa: E402
 from tests.serving.test_engine_parity import loaded, native_hybrid  # noqa: E402
 
@@ -316,9 +316,9 @@ def test_draft_model_greedy_equals_plain(native, monkeypatch):
     """A perturbed copy of the native hybrid drafts (k=3): tokens equal the reference,
     some drafts are rejected, and every proposal equals the draft model's own greedy
     continuation (its state is re-synced correctly after rejections)."""
-    import serving.draft_model as dm
-    import serving.engine as engine_mod
-    from serving.engine_config import draft_bytes
+    import serving.engine.llm_engine as engine_mod
+    import serving.spec_decode.draft_model as dm
+    from serving.engine.engine_config import draft_bytes
 
     draft = perturbed(native)
     monkeypatch.setattr(dm, "load_model", lambda name, dtype: draft)
@@ -355,7 +355,7 @@ def test_draft_model_greedy_equals_plain(native, monkeypatch):
 def test_draft_model_memory_is_planned_with_the_pools(native):
     """The draft model's weights and caches come out of the pool budget; a draft that leaves
     too little for one sequence is refused by name."""
-    from serving.engine_config import draft_bytes, plan_pools
+    from serving.engine.engine_config import draft_bytes, plan_pools
 
     cfg = EngineConfig(max_num_seqs=100_000, max_model_len=512, speculative_method="draft",
                        speculative_model="d", num_speculative_tokens=3, memory_fraction=1.0)
@@ -378,7 +378,7 @@ def test_draft_model_memory_is_planned_with_the_pools(native):
 
 
 def test_cli_flags_reach_the_engine_config():
-    from serving.cli import _parser, _spec_kwargs
+    from serving.entrypoints.cli import _parser, _spec_kwargs
 
     for cmd in (["generate", "hi"], ["serve"]):
         args = _parser().parse_args([*cmd, "--speculative-method", "draft", "--num-speculative-tokens", "2",
@@ -395,8 +395,8 @@ def test_cli_flags_reach_the_engine_config():
 def test_a_stop_string_inside_an_accepted_run_cuts_the_run():
     """Tokens after the one completing a stop string are dropped (from the sequence too)."""
     from hybrid_jax.loading import load_model
-    from serving.detokenizer import IncrementalDetokenizer
-    from serving.sequence import Sequence
+    from serving.core.sequence import Sequence
+    from serving.engine.detokenizer import IncrementalDetokenizer
 
     tok = load_model("default").tokenizer
     prompt = tok.encode("def f(x):", add_bos=True)
@@ -412,7 +412,7 @@ def test_a_stop_string_inside_an_accepted_run_cuts_the_run():
 
 def test_verification_executables_alias_their_results(native_engine):
     """The verification executables write their results into donated buffers (the runner
-    reuses them call after call: serving/result_buffers.py)."""
+    reuses them call after call: serving/runner/result_buffers.py)."""
     from tests.serving.test_output_buffers import assert_results_aliased
 
     r = native_engine.runner

@@ -28,7 +28,7 @@ from flax import nnx
 from hybrid_jax import tensor_parallel as tp
 from hybrid_jax.model import CausalLM
 from hybrid_jax.presets import load_preset, preset_names
-from serving.engine_config import EngineConfig
+from serving.engine.engine_config import EngineConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -116,7 +116,7 @@ def test_refusals_name_the_setting():
 
 
 def test_cli_refuses_more_devices_than_present_before_loading(capsys):
-    from serving.cli import main
+    from serving.entrypoints.cli import main
 
     assert main(["generate", "--model", "native-tiny", "--tensor-parallel-size", "2", "x"]) == 2
     err = capsys.readouterr().err
@@ -126,13 +126,13 @@ def test_cli_refuses_more_devices_than_present_before_loading(capsys):
 
 def test_pool_plan_is_per_device():
     """Pages and slots of one device's shard: half the KV heads and SSM heads at N = 2."""
-    from serving.engine_config import plan_pools
+    from serving.engine.engine_config import plan_pools
 
     cfg = load_preset("native-1b-parallel")  # 4 KV heads, 32 SSM heads, 1 group
     one, two = (plan_pools(cfg, EngineConfig(max_model_len=4096, tensor_parallel_size=n),
                            free_bytes=8 << 30, weight_bytes=0, dtype="bfloat16") for n in (1, 2))
     assert two.page_bytes == tuple(b // 2 for b in one.page_bytes)
-    from serving.penalties import init_token_stats
+    from serving.sample.penalties import init_token_stats
 
     stats = sum(x.size * x.dtype.itemsize  # penalty statistics stay whole (replicated)
                 for x in jax.tree.leaves(jax.eval_shape(lambda: init_token_stats(1, cfg.vocab_size))))

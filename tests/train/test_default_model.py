@@ -14,7 +14,7 @@ import pytest
 from configs import DEFAULT_MODEL, default_model_dir
 from hybrid_jax.loading import load_model
 from hybrid_jax.train.corpus import stdlib_dir
-from serving.cli import main
+from serving.entrypoints.cli import main
 
 # Measured when the model was shipped (docs/training.md): 1.1-1.9 nats/token on these files
 # with this Python's versions of them. A broken checkpoint or loader gives > 5.

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 import configs
-from serving.cli import main
+from serving.entrypoints.cli import main
 from tests.train.helpers import write_corpus
 
 

@@ -1,0 +1,102 @@
+"""`hybrid-jax bench serving`: latency under load against a running `hybrid-jax serve`.
+
+With `--server HOST:PORT` the load goes to that server (run it in its own process for
+figures you report). Without it, a server for `--model` is started in this process on
+a free localhost port (for smoke runs: client and server then share one Python
+process, which inflates latencies), and its own request counters are recorded
+beside the client's. Lengths come from the model info's vocabulary, and are not
+clipped: requests longer than the server's max_model_len fail with INVALID_ARGUMENT
+and are counted as such.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from pathlib import Path
+
+import numpy as np
+
+from serving.entrypoints.bench import common, plots
+from serving.entrypoints.bench.load import LoadSpec, report, run_load
+
+
+def run(args: argparse.Namespace, out: Path) -> dict:
+    if args.smoke:
+        # lengths up to 152 + 19 tokens: some exceed max_model_len 128 and must fail INVALID_ARGUMENT
+        args.num_requests, args.input_len, args.output_len = 12, 80, 10
+        args.len_dist, args.range_ratio = "uniform", 0.9
+    spec = LoadSpec(rate=args.request_rate, concurrency=args.concurrency, duration_s=args.duration,
+                    timeout_s=args.request_timeout, seed=args.seed)
+    server = None if args.server else _local_server(args)
+    target = args.server or f"127.0.0.1:{server.port}"
+    try:
+        info = _model_info(target)
+        rng = np.random.default_rng(args.seed)
+        n = args.num_requests
+        ins = common.LengthDist(args.input_len, args.len_dist, args.range_ratio).sample(n, rng)
+        outs = common.LengthDist(args.output_len, args.len_dist, args.range_ratio).sample(n, rng)
+        prompts = common.random_prompts(ins, info.vocab_size, rng)
+        records, wall = run_load(target, prompts, outs, spec, sampling={"temperature": 0.0})
+        res = {"mode": "serving", "model": info.model, "dtype": info.dtype, **common.environment(),
+               "server": args.server or "in-process", "max_num_seqs": info.max_num_seqs,
+               "max_model_len": info.max_model_len,
+               "request_rate": None if math.isinf(spec.rate) else spec.rate,
+               "concurrency": spec.concurrency, "duration_limit_s": spec.duration_s,
+               "num_requests": args.num_requests, "len_dist": args.len_dist, "range_ratio": args.range_ratio,
+               "input_lens": [r.prompt_len for r in records],
+               "output_lens": [r.output_tokens for r in records],
+               "max_tokens": [r.max_tokens for r in records], "codes": [r.code for r in records],
+               **_timeline(records),
+               "wall_s": wall, **report(records, wall)}
+        if server is not None:
+            res["server_counted"] = server_counts(server)
+    finally:
+        if server is not None:
+            server.shutdown(grace_s=0)
+    common.write_json(out, "serving", res)
+    plots.serving(res, records, out / "serving.png")
+    return res
+
+
+def _timeline(records) -> dict[str, list]:
+    """Per request, seconds from the first send: sent, first token (None if none), end."""
+    t0 = min((r.sent for r in records), default=0.0)
+    return {"sent_s": [r.sent - t0 for r in records],
+            "first_token_s": [r.token_times[0] - t0 if r.token_times else None for r in records],
+            "end_s": [r.end - t0 for r in records]}
+
+
+def _local_server(args: argparse.Namespace):
+    from serving.entrypoints.bench.engine_setup import build_engine, load, smoke_buckets
+    from serving.entrypoints.grpc.server import GenerationServer
+
+    lm, _ = load(args.model, args.dtype, args.seed)
+    max_len = args.max_model_len or 2 * (args.input_len + args.output_len)
+    engine = build_engine(lm, args, max_model_len=max_len, **smoke_buckets(args))
+    return GenerationServer(engine, model_name=args.model, host="127.0.0.1", port=0, metrics_port=None,
+                            max_waiting=max(128, args.num_requests)).start()
+
+
+def _model_info(target: str):
+    from serving.entrypoints.grpc.client import GenerationClient
+
+    with GenerationClient(target) as c:
+        return c.model_info(timeout=60)
+
+
+def server_counts(server) -> dict[str, int]:
+    """The server's own counters: finished requests by reason, rejected by code, tokens streamed."""
+    labels = {"hybrid_jax_requests": ("finished", "finish_reason"),
+              "hybrid_jax_requests_rejected": ("rejected", "code")}
+    out: dict[str, int] = {}
+    for fam in server.metrics.registry.collect():
+        for s in fam.samples:
+            if not s.name.endswith("_total"):
+                continue
+            if fam.name in labels:
+                prefix, key = labels[fam.name]
+                out[f"{prefix}_{s.labels[key]}"] = int(s.value)
+            elif fam.name == "hybrid_jax_generation_tokens":
+                out["generation_tokens"] = int(s.value)
+    return out

@@ -1,0 +1,178 @@
+"""What the CLI does before the slow part, and how it reports what a user can fix.
+
+- `run_user_command`: a subcommand's user errors (ValueError, which includes
+  CheckpointError; OSError, which includes FileNotFoundError and a port in use)
+  become one line on stderr, `hybrid-jax CMD: error: ...`, and exit code 2, never a
+  traceback; HYBRID_JAX_DEBUG=1 shows the traceback. Other exceptions are bugs and
+  keep theirs.
+- `reword`: the engine's advice ("lower max_model_len ..., or raise memory_fraction")
+  names the flags this subcommand has, and drops what it cannot set.
+- `prepare_model`: refuses an unknown model name, resolves `org/name`
+  (`serving.entrypoints.hub`), checks for tokenizer.json before any weight is read, and says
+  "loading model ..." before the first compile.
+- `check_bindable`: a port in use is refused before the engine compiles.
+
+This module imports no JAX.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import socket
+import sys
+from collections.abc import Callable
+from importlib import resources
+from pathlib import Path
+
+from serving.entrypoints.hub import is_repo_id, resolve_model
+
+USER_ERRORS = (ValueError, OSError)
+EXIT_USER_ERROR = 2
+_ADVICE = re.compile(r"\b(lower|raise) (\w+(?: or \w+)*)")
+# Engine settings that a subcommand derives from another flag instead of taking them.
+DERIVED = {"generate": {"max_model_len": "--max-tokens"}}
+
+
+def run_user_command(command: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
+    """command(args), with user errors as one stderr line and exit code 2."""
+    try:
+        return command(args)
+    except KeyboardInterrupt:
+        print(f"hybrid-jax {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except USER_ERRORS as err:
+        if os.environ.get("HYBRID_JAX_DEBUG"):
+            raise
+        print(f"hybrid-jax {args.command}: error: {user_message(err, args)}", file=sys.stderr)
+        return EXIT_USER_ERROR
+
+
+def user_message(err: BaseException, args: argparse.Namespace) -> str:
+    """One line: the error's text (lines joined), its advice naming this command's flags."""
+    text = "; ".join(line.strip() for line in str(err).splitlines() if line.strip()) or type(err).__name__
+    if isinstance(err, OSError) and err.filename and str(err.filename) not in text:
+        text = f"{err.filename}: {text}"
+    sub = getattr(args, "_subparser", None)
+    return reword(text, flags_of(sub, args.command)) if sub is not None else text
+
+
+def flags_of(parser: argparse.ArgumentParser, command: str) -> dict[str, str]:
+    """{engine setting name: the flag that sets it} for one subcommand."""
+    flags = {opt[2:].replace("-", "_"): opt for opt in re.findall(r"--[\w-]+", parser.format_usage())}
+    for name, flag in DERIVED.get(command, {}).items():
+        flags.setdefault(name, flag)
+    return flags
+
+
+def reword(message: str, flags: dict[str, str]) -> str:
+    """Rewrite a trailing "lower a or b, or raise c" with flags; drop what no flag sets.
+
+    The message is left as it is when no setting in the advice has a flag.
+    """
+    head, sep, advice = message.rpartition(": ")
+    if not sep or not _ADVICE.match(advice):
+        return message
+    parts = []
+    for verb, names in _ADVICE.findall(advice):
+        mapped = dict.fromkeys(flags[n] for n in names.split(" or ") if n in flags)
+        if mapped:
+            parts.append(f"{verb} {' or '.join(mapped)}")
+    return f"{head}: {', or '.join(parts)}" if parts else message
+
+
+def tokenizer_status(model: str) -> bool | None:
+    """For a model directory: whether it will come with a tokenizer; None for other names.
+
+    Read from the files alone (no weights): tokenizer.json, or a native checkpoint of the
+    native architecture (which uses the shipped byte-level tokenizer).
+    """
+    path = Path(model)
+    if not path.is_dir():
+        return None
+    if (path / "tokenizer.json").is_file():
+        return True
+    native = path / "hybrid_jax_config.json"
+    if native.is_file():
+        try:
+            return json.loads(native.read_text()).get("architecture") == "native"
+        except (OSError, ValueError):
+            return None  # load_model reports the broken config
+    return False
+
+
+def prepare_model(model: str, *, needs_tokenizer: bool, announce: Callable[[str], None]) -> str:
+    """The loadable name of `model` (an `org/name` becomes its cached directory), checked.
+
+    ValueError for a name that is no directory, preset or repo id; FileNotFoundError
+    before any weight is read when a text prompt needs a tokenizer the directory lacks;
+    then `announce("loading model ...")`.
+    """
+    presets = preset_names()
+    if not (Path(model).is_dir() or model in presets or is_repo_id(model)):
+        raise ValueError(f"model={model!r} is neither a model directory, a preset ({', '.join(presets)}) "
+                         "nor a Hugging Face repo id (org/name)")
+    path = resolve_model(model)
+    if tokenizer_status(path) is False:
+        if needs_tokenizer:
+            raise FileNotFoundError(f"{model}: no tokenizer.json in {path}; copy the model's "
+                                    "tokenizer.json there (a text prompt needs it)")
+        announce(f"{model}: no tokenizer.json; text prompts will be refused, token ids work")
+    where = "" if path == model else f" from {path}"
+    announce(f"loading model {model}{where}")
+    return path
+
+
+def preset_names() -> list[str]:
+    """The presets in configs/models (as `hybrid_jax.presets`, without importing JAX)."""
+    root = resources.files("configs") / "models"
+    return sorted(p.name.removesuffix(".json") for p in root.iterdir() if p.name.endswith(".json"))
+
+
+def check_bindable(host: str, port: int, flag: str = "--port") -> None:
+    """OSError naming `flag` when `host:port` cannot be listened on now (in use, not local).
+
+    A cheap check before a long engine compile; port 0 (any free port) always passes.
+    """
+    if port == 0:
+        return
+    try:
+        infos = socket.getaddrinfo(host.strip("[]") or None, port, type=socket.SOCK_STREAM,
+                                   flags=socket.AI_PASSIVE)
+    except socket.gaierror as err:
+        raise OSError(f"--host {host}: cannot resolve it ({err.strerror})") from err
+    for family, kind, proto, _, addr in infos:
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind(addr)
+            except OSError as err:
+                raise OSError(f"cannot listen on {host}:{port} ({flag} {port}): {err.strerror}") from err
+
+
+def add_client_args(p: argparse.ArgumentParser) -> None:
+    """`hybrid-jax client`'s arguments (here, not in serving/entrypoints/grpc/client.py, so that building the
+    CLI's parser imports no gRPC: `generate` runs whatever grpcio is installed)."""
+    p.add_argument("prompt", nargs="?", help="prompt text (not needed with --info)")
+    p.add_argument("--server", default="localhost:50051", help="host:port (default localhost:50051)")
+    p.add_argument("--max-tokens", type=int, help="output tokens at most (server default 16)")
+    p.add_argument("--temperature", type=float, help="0 = greedy (server default 1.0)")
+    p.add_argument("--top-k", type=int, help="keep the k most likely tokens (-1 = off)")
+    p.add_argument("--top-p", type=float, help="nucleus mass in (0, 1]")
+    p.add_argument("--min-p", type=float, help="drop tokens below min_p * p(best)")
+    p.add_argument("--min-tokens", type=int, help="do not stop before this many tokens")
+    p.add_argument("--seed", type=int, help="per-request seed for reproducible sampling")
+    p.add_argument("--stop", action="append", help="stop string (repeatable)")
+    p.add_argument("--stop-token-id", type=int, action="append", dest="stop_token_ids",
+                   help="stop token id (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true", default=None, help="generate past EOS")
+    p.add_argument("--timeout", type=float, help="deadline in seconds (the server aborts at expiry)")
+    p.add_argument("--request-id", default="", help="request id for the server logs (default: generated)")
+    p.add_argument("--tls", action="store_true", help="connect with TLS, trusting the system's CAs")
+    p.add_argument("--tls-ca", metavar="PEM", help="connect with TLS, trusting this CA certificate")
+    p.add_argument("--api-key", default=os.environ.get("HYBRID_JAX_API_KEY"),
+                   help="sent as 'authorization: Bearer KEY' (default: $HYBRID_JAX_API_KEY)")
+    p.add_argument("--usage", action="store_true", help="print finish reason and usage to stderr")
+    p.add_argument("--info", action="store_true", help="print the server's model info as JSON and exit")

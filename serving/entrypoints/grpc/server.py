@@ -1,0 +1,190 @@
+"""The serving process: gRPC server + engine core + health + reflection + metrics, and shutdown.
+
+    server = GenerationServer(engine, model_name="native-tiny", port=0, metrics_port=0).start()
+    ...                       # server.port / server.metrics_port are the bound ports
+    server.shutdown(grace_s=30)
+
+`GenerationServer` wires the parts together: an `EngineCore` (the engine loop
+thread), a sync `grpc.server` whose thread pool holds one thread per stream that can
+be open plus spares (health checks and unary calls keep being answered when the
+streams are full), the `Generation` servicer, the standard `grpc.health.v1` service,
+server reflection, and the Prometheus endpoint. It binds 127.0.0.1 unless told
+otherwise, and the metrics endpoint binds the same host as gRPC. Optional TLS
+(`tls`) and a shared API key (`api_key`, see `serving.entrypoints.grpc.security`; health stays open).
+`run_until_signal` is what `hybrid-jax serve` runs: it blocks until SIGTERM or
+SIGINT, then shuts down gracefully and returns 0 (the process exits 0), or until
+the engine core reports a fault it cannot recover from, and then returns
+`EXIT_ENGINE_FAILED` so that a supervisor restarts the process.
+
+Shutdown: health turns NOT_SERVING and new Generate calls get UNAVAILABLE; requests
+in flight run for up to `grace_s`; what is left is aborted (its stream ends with
+UNAVAILABLE); then the transport stops. This module knows nothing of request
+validation or how deltas become messages (see `serving.entrypoints.grpc.grpc_service`).
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from concurrent import futures
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from serving.engine.engine_core import EngineCore
+from serving.engine.llm_engine import LLMEngine
+from serving.entrypoints.grpc.grpc_service import SERVICE, GenerationServicer, add_to_server
+from serving.entrypoints.grpc.security import ApiKeyInterceptor
+from serving.entrypoints.metrics import ServerMetrics
+from serving.entrypoints.request_log import log_event
+from serving.entrypoints.validation import RequestLimits, default_request_bytes
+
+SERVICE_NAME = SERVICE  # "hybrid_jax.v1.Generation"
+SPARE_WORKERS = 16  # threads beyond the open streams: health, unary calls, rejections
+EXIT_ENGINE_FAILED = 1  # run_until_signal's answer when the engine cannot recover
+FATAL_DRAIN_S = 2.0  # after such a fault: NOT_SERVING answered, then the transport closes
+
+
+class GenerationServer:
+    """One engine served over gRPC on `host:port` (port 0 picks a free one).
+
+    max_waiting bounds the engine's waiting queue (RESOURCE_EXHAUSTED beyond it).
+    max_streams bounds the open Generate calls (default: every stream that can be
+    admitted, max_num_seqs + max_waiting); one more gets RESOURCE_EXHAUSTED from the
+    servicer, counted. The gRPC pool has max_streams + spare threads, and gRPC itself
+    refuses calls beyond that (uncounted) rather than queue them invisibly.
+    limits: per-request size limits (default: `RequestLimits` with a request-size
+    limit from max_model_len). tls: server credentials (`security.tls_credentials`).
+    api_key: calls other than health checks need `authorization: Bearer <api_key>`.
+    """
+
+    def __init__(self, engine: LLMEngine, *, model_name: str, host: str = "127.0.0.1", port: int = 0,
+                 metrics_port: int | None = None, max_waiting: int = 128, max_streams: int | None = None,
+                 limits: RequestLimits | None = None, tls: grpc.ServerCredentials | None = None,
+                 api_key: str | None = None):
+        self.core = EngineCore(engine, max_waiting=max_waiting)
+        self.metrics = ServerMetrics(self.core.stats)
+        self.core.on_step.append(self.metrics.on_step)
+        self.limits = limits or RequestLimits(
+            max_request_bytes=default_request_bytes(engine.plan.scheduler.max_model_len))
+        streams = max_streams or engine.plan.scheduler.max_num_seqs + max_waiting
+        workers = streams + SPARE_WORKERS
+        interceptors = [ApiKeyInterceptor(api_key, self._unauthenticated)] if api_key else []
+        self._grpc = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="grpc"),
+            interceptors=interceptors, maximum_concurrent_rpcs=workers,
+            options=[("grpc.so_reuseport", 0),  # a second server on the same port fails to bind
+                     # bodies up to twice the limit reach the servicer, which refuses them counted
+                     ("grpc.max_receive_message_length", 2 * self.limits.max_request_bytes)])
+        add_to_server(GenerationServicer(self.core, self.metrics, model_name=model_name,
+                                         limits=self.limits, max_streams=streams), self._grpc)
+        self.health = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._grpc)
+        reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME),
+                                            self._grpc)
+        self.host, self.port = host, self._bind(host, port, tls)
+        self._metrics_port_arg = metrics_port
+        self.metrics_port: int | None = None
+        self.model_name = model_name
+        self._stopped = threading.Event()
+        self._wake = threading.Event()  # a signal or a fatal engine fault: run_until_signal returns
+        self.fatal_error: BaseException | None = None
+        self.core.on_fatal.append(self._on_fatal)  # the engine cannot recover
+
+    def _bind(self, host: str, port: int, tls: grpc.ServerCredentials | None) -> int:
+        addr = f"{host}:{port}"
+        try:
+            bound = self._grpc.add_secure_port(addr, tls) if tls else self._grpc.add_insecure_port(addr)
+        except RuntimeError as err:  # grpc's "Failed to bind to address ..."
+            raise OSError(f"cannot listen on {addr}: the port is in use or the host is not an "
+                          "address of this machine (--host, --port)") from err
+        if bound == 0:
+            raise OSError(f"could not bind {addr}")
+        return bound
+
+    def start(self) -> GenerationServer:
+        """Start the engine loop, the metrics endpoint and the gRPC server; report SERVING."""
+        self.core.start()
+        if self._metrics_port_arg is not None:
+            self.metrics_port = self.metrics.start_http(self._metrics_port_arg, addr=self.host)
+        self._grpc.start()
+        self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        log_event("server.started", model=self.model_name, host=self.host, port=self.port,
+                  metrics_port=self.metrics_port)
+        return self
+
+    def shutdown(self, grace_s: float = 30.0) -> None:
+        """Stop accepting, let in-flight requests finish for `grace_s`, abort the rest, stop.
+
+        Idempotent. Aborted streams end with UNAVAILABLE; the transport then gets a few
+        seconds to deliver those statuses before it closes.
+        """
+        if self._stopped.is_set():
+            return
+        self._stopped.set()
+        live = self.core.num_live()
+        log_event("server.stopping", in_flight=live, grace_s=grace_s)
+        self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        t0 = time.monotonic()
+        self.core.shutdown(grace_s)  # stop accepting, wait up to grace_s, abort the rest
+        self._grpc.stop(grace=5.0).wait()
+        self.metrics.stop_http()
+        log_event("server.stopped", in_flight_at_signal=live, seconds=round(time.monotonic() - t0, 3))
+
+    def _on_fatal(self, err: BaseException) -> None:
+        """The engine cannot recover: NOT_SERVING at once, wake run_until_signal.
+
+        Runs on the engine thread with the core's lock held (the core already refuses new
+        work), so it must not call back into the core.
+        """
+        if self.fatal_error is None:
+            self.fatal_error = err
+            log_event("server.fatal", logging.CRITICAL, error=repr(err))
+        self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        self._wake.set()
+
+    def _unauthenticated(self, method: str, token_given: bool) -> None:
+        self.metrics.rejected.labels("UNAUTHENTICATED", "unauthenticated").inc()
+        log_event("request.rejected", logging.WARNING, code="UNAUTHENTICATED", reason="unauthenticated",
+                  method=method, token_given=token_given)
+
+    def _set_health(self, status: int) -> None:
+        for name in ("", SERVICE_NAME):
+            self.health.set(name, status)
+
+    def run_until_signal(self, grace_s: float = 30.0) -> int:
+        """Block until SIGTERM or SIGINT (main thread only), then shut down gracefully: 0.
+
+        When the engine core reports an unrecoverable fault (its `on_fatal` callbacks, or
+        `healthy` turning False) health is already NOT_SERVING; the server keeps answering
+        (NOT_SERVING, UNAVAILABLE) for FATAL_DRAIN_S, stops and returns EXIT_ENGINE_FAILED.
+        """
+        previous = {s: signal.signal(s, lambda signum, frame: self._wake.set())
+                    for s in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            while not self._wake.wait(timeout=0.5):
+                if not self.core.healthy:  # belt and braces: on_fatal should have woken us
+                    self._on_fatal(self.core.fatal_error or RuntimeError("the engine core is not healthy"))
+            if self.fatal_error is None:
+                log_event("server.signal", grace_s=grace_s)
+                self.shutdown(grace_s)
+                return 0
+            # Drain: health answers NOT_SERVING (so balancers see it) and every stream
+            # gets its status before the transport closes.
+            time.sleep(min(grace_s, FATAL_DRAIN_S))
+            self._shutdown_bounded(0.0)
+            log_event("server.exit", logging.CRITICAL, code=EXIT_ENGINE_FAILED,
+                      reason="the engine cannot recover; restart the process")
+            return EXIT_ENGINE_FAILED
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+
+    def _shutdown_bounded(self, grace_s: float) -> None:
+        """Shut down, but give up waiting after grace_s + 10 s (a wedged engine thread)."""
+        stopper = threading.Thread(target=self.shutdown, args=(grace_s,), daemon=True)
+        stopper.start()
+        stopper.join(timeout=grace_s + 10.0)

@@ -1,0 +1,506 @@
+"""The model runner: the only place that builds device arrays and calls the jitted step.
+
+One pure step function - merge the NNX graph with the parameters (passed as an
+argument, never baked into the HLO), run the ragged forward, sample on device - is
+compiled ahead of time for every shape bucket (tokens x sequences, plus one
+decode-only bucket per sequence count) at start-up. Serving calls those compiled
+executables only, so it cannot recompile: a shape outside the buckets is an error.
+KV pages and recurrent states are donated and updated in place. With prefix caching,
+the mixed (prefill) executables also take the state checkpoint pool (donated) and a
+fixed number of copy operations: checkpoints into slots before the forward (cache
+hits), slots into checkpoints after it (the state at the end of a chunk). Arrays are placed
+with shardings over a `jax.sharding.Mesh` (one device by default). With tensor
+parallelism (a mesh of N devices, hybrid_jax/tensor_parallel.py) each device holds its
+shard of the parameters (packed per device: one flat buffer per dtype, split along the
+mesh), KV pages by KV head and states by head or channel; the model part of the step
+runs the device-local model under `shard_map` (the kernels see local heads), and the
+step stays one executable with explicit in/out shardings, so nothing is resharded
+between steps. The step functions themselves and the shape buckets live in
+serving/runner/step_fns.py; this module holds the device state, compiles, and dispatches.
+The runner knows nothing of requests or scheduling policy.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+from collections.abc import Callable
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from hybrid_jax import tensor_parallel as tp
+from hybrid_jax.cache import RaggedBatch, init_caches, states_of
+from hybrid_jax.fusion import fuse_projections, kernel_stacks
+from hybrid_jax.layers.linear import reduction_gemv
+from hybrid_jax.model import CausalLM
+from serving.core.schedule import PENDING, StepArrays
+from serving.runner.compile_pool import Job, compile_jobs
+from serving.runner.host_pack import HostLayout, host_layout, host_put
+from serving.runner.packing import pack, pack_host, plan_layout
+from serving.runner.result_buffers import ResultBuffers
+from serving.runner.step_fns import (  # noqa: F401  (Bucket, make_buckets: imported from here too)
+    TOP_LOGPROBS,
+    Bucket,
+    CkptOps,
+    Shardings,
+    _forward_fn,
+    _multi_fn,
+    _sampler_fn,
+    _verify_fn,
+    compile_options,
+    decode_row_floor,
+    make_buckets,
+)
+from serving.sample.penalties import init_token_stats
+from serving.sample.sampling import SamplingArrays
+
+log = logging.getLogger(__name__)
+
+
+def fuse_projections_enabled() -> bool:
+    """Fused projections on the single-device path (hybrid_jax/fusion.py): on unless
+    HYBRID_JAX_FUSE_PROJECTIONS=0 (for A/B measurements; the executable store keys on it).
+    Tensor-parallel runners never fuse (a fused matrix's column shards would mix heads)."""
+    text = os.environ.get("HYBRID_JAX_FUSE_PROJECTIONS", "1")
+    if text not in ("0", "1"):
+        raise ValueError(f"HYBRID_JAX_FUSE_PROJECTIONS={text!r} must be 0 or 1")
+    return text == "1"
+
+
+class StepResult(NamedTuple):
+    tokens: np.ndarray  # [b] int32
+    logprobs: np.ndarray  # [b] f32, of the sampled token
+    top_ids: np.ndarray  # [b, TOP_LOGPROBS]
+    top_logprobs: np.ndarray  # [b, TOP_LOGPROBS]
+
+
+class Pending(NamedTuple):
+    """A dispatched step: device results on their way to the host."""
+
+    num_seqs: int
+    tokens: jax.Array  # [max_seqs] int32
+    logprobs: jax.Array
+    top_ids: jax.Array
+    top_logprobs: jax.Array
+    recycle: int = 0  # the forward's own output buffers (of this many rows): reused once fetched
+
+
+class ModelRunner:
+    """Holds parameters and caches on the mesh; dispatches one padded step per call."""
+
+    def __init__(self, model: CausalLM, *, num_pages: tuple[int, ...], page_size: int,
+                 num_slots: int, ring_widths: tuple[int, ...], max_num_seqs: int,
+                 max_num_batched_tokens: int, mesh: Mesh | None = None,
+                 seq_sizes: tuple[int, ...] | None = None,
+                 token_sizes: tuple[int, ...] | None = None,
+                 state_dtype: jnp.dtype = jnp.float32, num_checkpoints: int = 0,
+                 ckpt_ops: int = 0, spec_q: int = 0, spec_max_seqs: int = 0,
+                 multi_q: int = 0, multi_max_seqs: int = 0):
+        self.cfg = model.cfg
+        self.mesh = mesh or Mesh(np.asarray(jax.devices()[:1]), (tp.AXIS,))
+        self.replicated = NamedSharding(self.mesh, PartitionSpec())
+        self.shardings: Shardings | None = None
+        self.transposed = False
+        self._host_put = host_put(self.replicated)  # the step's inputs to the device
+        n = self.mesh.size
+        # Prefix caching: `ckpt_ops` copies per mixed step into / out of a pool of
+        # `num_checkpoints` state checkpoints (0 for a model without recurrent state).
+        self.ckpt_ops, self.num_checkpoints = ckpt_ops, num_checkpoints
+        self.ckpts = None
+        local = tp.local_config(self.cfg, n)
+        cache_shapes = jax.eval_shape(lambda: init_caches(
+            local, num_pages=num_pages, page_size=page_size, num_slots=num_slots, dtype=model.dtype,
+            state_dtype=state_dtype))
+        ckpt_shapes = jax.eval_shape(lambda: states_of(init_caches(
+            local, num_pages=(1,) * len(num_pages), page_size=page_size,
+            num_slots=max(num_checkpoints, 1), dtype=model.dtype, state_dtype=state_dtype))) \
+            if ckpt_ops else None
+        # HYBRID_JAX_SHARDED_RUNNER=1 runs the tensor-parallel path (packed shards, shard_map,
+        # explicit shardings) on a one-device mesh: the TP step checked on one GPU.
+        if n == 1 and os.environ.get("HYBRID_JAX_SHARDED_RUNNER", "0") != "1":
+            if fuse_projections_enabled():  # one GEMM per shared input (hybrid_jax/fusion.py)
+                model = fuse_projections(model)
+                self.transposed = True  # its layers' Linears held [out, in], fused or not
+            stacks = kernel_stacks(model)
+            self.graphdef, params = nnx.split(model)
+            del model  # a fused copy's concatenated weights go once packed
+            # One flat buffer per dtype (serving/runner/packing.py: hundreds of arguments cost ms per call),
+            # but one each for the stacks a Pallas kernel reads whole (a slice would be copied).
+            self.layout, self.params = pack(jax.device_put(params, self.replicated),
+                                            own=lambda x: tuple(x.shape) in stacks)
+            del params
+            gc.collect()  # the fused copy's concatenations, before the pools are allocated
+            zeros = lambda tree: jax.device_put(
+                jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), tree), self.replicated)
+            self.caches = zeros(cache_shapes)
+            self.ckpts = zeros(ckpt_shapes) if ckpt_ops else None
+        else:
+            self._place_sharded(model, cache_shapes, ckpt_shapes)
+        self.stats = jax.device_put(init_token_stats(num_slots, self.cfg.vocab_size), self.replicated)
+        self.ring_widths = ring_widths
+        self.page_size = page_size
+        self.num_pages, self.num_slots = num_pages, num_slots
+        # A lone sequence decodes in a one-row bucket where its projections are reductions
+        # at 95-102% of copy bandwidth (the fused copy's transposed Linears on a GPU:
+        # hybrid_jax/layers/linear.py), against 67-90% for cuBLAS's padded 8-row GEMMs.
+        self.single_row = self.shardings is None and self.transposed and reduction_gemv()
+        self.buckets = make_buckets(max_num_seqs, max_num_batched_tokens, seq_sizes=seq_sizes,
+                                    token_sizes=token_sizes, min_decode_rows=decode_row_floor(),
+                                    single_row_decode=self.single_row)
+        self.max_seqs = max(b.seqs for b in self.buckets)
+        self.last_tokens = jax.device_put(np.zeros(self.max_seqs, np.int32), self.replicated)
+        self.compiled: dict[Bucket, Callable] = {}
+        self.samplers: dict[int, Callable] = {}  # the full sampler, by sequence count
+        self._host_layouts()
+        # Speculative decoding: verification buckets of b sequences x spec_q tokens, for
+        # the decode ladder's sizes up to spec_max_seqs (speculation is off above it),
+        # each compiled with and without the sampling filters.
+        if spec_q and self.shardings is not None:
+            raise ValueError("speculative decoding does not run tensor-parallel yet "
+                             "(tensor_parallel_size > 1 or HYBRID_JAX_SHARDED_RUNNER=1)")
+        self.spec_q = spec_q
+        self.verify_buckets: list[Bucket] = []
+        self.verify_layouts: dict[Bucket, HostLayout] = {}
+        self.verifiers: dict[tuple[Bucket, bool], Callable] = {}
+        if spec_q:
+            self.verify_buckets = self._q_buckets(spec_q, spec_max_seqs)
+            for bk in self.verify_buckets:
+                batch, sampling = self._dummy(bk)
+                self.verify_layouts[bk] = host_layout((batch, np.zeros(bk.seqs, np.int32), sampling))
+        # Multi-step decoding: buckets of b sequences x multi_q tokens (the pages and
+        # positions of multi_q decode steps), for the decode ladder's sizes up to
+        # multi_max_seqs.
+        if multi_q and self.shardings is not None:
+            raise ValueError("multi-step decoding does not run tensor-parallel yet "
+                             "(tensor_parallel_size > 1 or HYBRID_JAX_SHARDED_RUNNER=1)")
+        self.multi_q = multi_q
+        # A multi-step call's forwards have b rows each: a lone sequence's are one-row
+        # reductions too when the runner has the one-row decode bucket.
+        self.multi_buckets = self._q_buckets(multi_q, multi_max_seqs, self.single_row) if multi_q else []
+        self.multi_layouts: dict[Bucket, HostLayout] = {}
+        for bk in self.multi_buckets:
+            batch, sampling = self._dummy(bk)
+            self.multi_layouts[bk] = host_layout((sampling, batch))
+        self.multisteps: dict[tuple[Bucket, bool], Callable] = {}
+        # The buffers the executables write their results into (serving/runner/result_buffers.py).
+        self.results = ResultBuffers(self.cfg.vocab_size, self.max_seqs, self.replicated)
+
+    def _q_buckets(self, q: int, max_seqs: int, single_row: bool = False) -> list[Bucket]:
+        """Buckets of b sequences x q tokens: the decode ladder's sizes up to max_seqs (the
+        one-row decode bucket only if `single_row`: a verification forward has b x q rows)."""
+        limit = min(max_seqs, self.max_seqs)
+        floor = 1 if single_row else decode_row_floor()
+        sizes = sorted({*(b.seqs for b in self.buckets if b.decode and floor <= b.seqs < limit), limit})
+        return [Bucket(b * q, b, False, True) for b in sizes]
+
+    def _host_tree(self, bucket: Bucket, batch: RaggedBatch, sampling: SamplingArrays,
+                   feed: np.ndarray, ops: CkptOps | None) -> tuple:
+        """A step's host inputs, in buffer order: the sampler's fields first."""
+        tree = (sampling, batch.slot_ids, batch, feed)
+        return tree + (ops,) if bool(self.ckpt_ops) and not bucket.decode else tree
+
+    def _host_layouts(self) -> None:
+        """One host-buffer layout per bucket, padded to one size per sequence count."""
+        layouts: dict[Bucket, HostLayout] = {}
+        for bucket in self.buckets:
+            batch, sampling = self._dummy(bucket)
+            feed = np.full(bucket.tokens, -1, np.int32)
+            layouts[bucket] = host_layout(self._host_tree(bucket, batch, sampling, feed, self._ops(None)))
+        size: dict[int, int] = {}
+        for bk, lay in layouts.items():
+            size[bk.seqs] = max(size.get(bk.seqs, 0), lay.size)
+        self.host_layouts = {bk: lay.padded(size[bk.seqs]) for bk, lay in layouts.items()}
+        self.sampler_layouts: dict[int, HostLayout] = {}
+        for b in size:
+            sampling = SamplingArrays.from_rows([{}] * b)
+            self.sampler_layouts[b] = host_layout((sampling, np.zeros(b, np.int32))).padded(size[b])
+
+    def _place_sharded(self, model: CausalLM, cache_shapes, ckpt_shapes) -> None:
+        """Tensor parallelism: each device's parameter shard, packed on the host and put on
+        that device only; caches and checkpoints created sharded (by head / channel)."""
+        n, mesh = self.mesh.size, self.mesh
+        local = tp.local_abstract_model(self.cfg, n, model.dtype)
+        self.graphdef, local_state = nnx.split(local)
+        self.layout = plan_layout(local_state)
+        state = nnx.state(model)
+        per_device = []
+        for d, dev in enumerate(mesh.devices.flat):
+            bufs = pack_host(self.layout, tp.shard_params(self.cfg, state, n, d, local_state))
+            per_device.append([jax.device_put(b, dev) for b in bufs])
+        split = NamedSharding(mesh, PartitionSpec(tp.AXIS))
+        self.params = tuple(
+            jax.make_array_from_single_device_arrays((n * size,), split, [bufs[i] for bufs in per_device])
+            for i, size in enumerate(self.layout.sizes))
+
+        def sharded_zeros(shapes):
+            axes = tp.cache_axes(shapes)
+            def one(x, axis):
+                shape = tuple(s * n if i == axis else s for i, s in enumerate(x.shape))
+                spec = PartitionSpec(*([None] * axis), tp.AXIS)
+                return jnp.zeros(shape, x.dtype, device=NamedSharding(mesh, spec))
+            return jax.tree.map(one, shapes, axes)
+
+        self.caches = sharded_zeros(cache_shapes)
+        self.ckpts = sharded_zeros(ckpt_shapes) if ckpt_shapes is not None else None
+        sharding = lambda tree: None if tree is None else jax.tree.map(lambda x: x.sharding, tree)
+        self.shardings = Shardings(mesh, split, sharding(self.caches), sharding(self.ckpts))
+
+    @property
+    def param_bytes_per_device(self) -> int:
+        """Bytes of parameters each device holds (its packed shard)."""
+        return sum(x.addressable_shards[0].data.nbytes for x in self.params)
+
+    def compile_all(self, progress: Callable[[int, int, Bucket], None] | None = None,
+                    workers: int | None = None) -> None:
+        """Compile every bucket ahead of serving (the only compilations the runner does).
+
+        Executables found in the executable store (serving/runner/exec_store.py, beside the
+        persistent compilation cache) are loaded without tracing; the others are lowered
+        and compiled in parallel, then stored (serving/runner/compile_pool.py). `self.startup`
+        records the seconds spent loading, lowering and compiling.
+        """
+        from serving.runner.exec_store import default_store, describe_args
+
+        opts = (compile_options() if jax.default_backend() == "gpu" else {}) or None
+        rep = self.replicated if self.shardings is not None else None
+        store = default_store(list(self.mesh.devices.flat))
+        model_key = (repr(self.cfg), str(self.layout.dtypes), repr(self.layout.leaves),
+                     str(self.layout.treedef), repr(self.shardings), repr(sorted((opts or {}).items())))
+        # (key, what to lower: a function of nothing, store key)
+        todo: list[Job] = []
+
+        def add(key, fn: Callable, args: tuple, desc: tuple) -> None:
+            skey = store.key(model_key, desc, describe_args(args)) if store is not None else None
+            todo.append((key, lambda: fn.lower(*args), skey))
+
+        for bucket in self.buckets:
+            host = self.host_layouts[bucket]
+            ckpt = bool(self.ckpt_ops) and not bucket.decode
+            fwd = _forward_fn(self.graphdef, self.layout, bucket.decode, host, ckpt, self.shardings,
+                              max_seqs=self.max_seqs)
+            extra = (self.ckpts,) if ckpt else ()
+            buf = jax.ShapeDtypeStruct((host.size,), jnp.int32)
+            outs = self.results.forward_shapes(bucket.seqs)
+            add(bucket, fwd, (self.params, self.caches, self.stats, buf, self.last_tokens, *extra, outs),
+                ("forward", bucket, ckpt, self.max_seqs, repr(host)))  # max_seqs: the samples' padding
+        for bucket in self.verify_buckets:
+            host = self.verify_layouts[bucket]
+            buf = jax.ShapeDtypeStruct((host.size,), jnp.int32)
+            outs = self.results.sync_shapes("verify", bucket)
+            for filters in (False, True):
+                add((bucket, filters), _verify_fn(self.graphdef, self.layout, self.spec_q, host, filters),
+                    (self.params, self.caches, buf, outs),
+                    ("verify", bucket, filters, self.spec_q, repr(host)))
+        for bucket in self.multi_buckets:
+            host = self.multi_layouts[bucket]
+            buf = jax.ShapeDtypeStruct((host.size,), jnp.int32)
+            outs = self.results.sync_shapes("multi", bucket)
+            for filters in (False, True):
+                fn = _multi_fn(self.graphdef, self.layout, self.multi_q, host, filters)
+                add(("multi", bucket, filters), fn, (self.params, self.caches, self.stats, buf, outs),
+                    ("multi", bucket, filters, self.multi_q, repr(host)))
+        for b in sorted({bk.seqs for bk in self.buckets}):
+            logits = jax.ShapeDtypeStruct((b, self.cfg.vocab_size), jnp.float32, sharding=rep)
+            host = self.sampler_layouts[b]
+            buf = jax.ShapeDtypeStruct((host.size,), jnp.int32)
+            # The plain sampler runs inside each forward executable (`_forward_fn`).
+            add(b, _sampler_fn(self.max_seqs, host, rep), (logits, self.stats, buf),
+                ("sampler", b, self.max_seqs, repr(host)))
+        n = len(todo)
+        built = 0
+
+        def finish(key, exe) -> None:
+            nonlocal built
+            if isinstance(key, Bucket):
+                self.compiled[key] = exe
+            elif isinstance(key, int):
+                self.samplers[key] = exe
+            elif key[0] == "multi":
+                self.multisteps[key[1:]] = exe
+            else:
+                self.verifiers[key] = exe
+            built += 1
+            if progress is not None:
+                progress(built, n, key)
+
+        self.startup = compile_jobs(todo, opts=opts, store=store, done=finish, workers=workers)
+
+    def pick(self, arrays: StepArrays) -> Bucket:
+        b, t = len(arrays.slot_ids), len(arrays.token_ids)
+        decode = arrays.num_decodes == b
+        for bucket in self.buckets:
+            if bucket.decode == decode and bucket.seqs >= b and bucket.tokens >= t:
+                return bucket
+        raise ValueError(f"no bucket holds {t} tokens x {b} sequences (decode={decode})")
+
+    def dispatch(self, arrays: StepArrays, sampling: SamplingArrays, feed: np.ndarray | None = None,
+                 *, full: bool = True) -> Pending:
+        """Pad to a bucket and enqueue the step (caches donated); returns without waiting.
+
+        `feed` [t]: for each token, the row of the previous dispatched step whose sample it
+        is (-1: the token id in `arrays` is real). The results start copying to the host.
+        """
+        bucket = self.pick(arrays)
+        t, bs = bucket.tokens, bucket.seqs
+        batch = self._pad(arrays, bucket)
+        feed = np.full(t, -1, np.int32) if feed is None else _pad_rows(feed.astype(np.int32), t, -1)
+        samp = SamplingArrays(*(_pad_rows(np.asarray(x), bs) for x in sampling))
+        ckpt = bool(self.ckpt_ops) and not bucket.decode
+        if not ckpt and (arrays.restore_slot.size or arrays.save_slot.size):
+            raise ValueError("checkpoint copies in a step without them (decode or caching off)")
+        tree = self._host_tree(bucket, batch, samp, feed, self._ops(arrays) if ckpt else None)
+        # One transfer for every host input of the step (serving/runner/host_pack.py).
+        buf = self._host_put(self.host_layouts[bucket].pack(tree))
+        args = (self.params, self.caches, self.stats, buf, self.last_tokens)
+        exe, outs = self.compiled[bucket], self.results.take(bs, self.last_tokens)
+        if ckpt:
+            self.caches, self.stats, logits, plain, self.ckpts = exe(*args, self.ckpts, outs)
+        else:
+            self.caches, self.stats, logits, plain = exe(*args, outs)
+        self.results.keep_logits(bs, logits)
+        if full:
+            out = self.samplers[bs](logits, self.stats, buf)
+            self.results.recycle(bs, plain)
+        else:
+            out = plain
+        self.last_tokens = out[0]
+        for x in out if full else out[:2]:
+            x.copy_to_host_async()
+        return Pending(len(arrays.slot_ids), *out, recycle=0 if full else bs)
+
+    def verify(self, arrays: StepArrays, sampling: SamplingArrays, num_drafts: np.ndarray, *,
+               filters: bool = True) -> tuple[np.ndarray, np.ndarray]:
+        """Run a verification step and wait: (tokens [b, q], accepted drafts [b]).
+
+        Every sequence of `arrays` has spec_q tokens (its last token, then drafts).
+        Padded rows have zero length for attention (the ragged convention) and run the
+        recurrent path on their padded tokens in the dummy slot 0.
+        """
+        b = len(arrays.slot_ids)
+        bucket = _q_bucket(self.verify_buckets, self.spec_q, arrays, "verification step")
+        bs = bucket.seqs
+        samp = SamplingArrays(*(_pad_rows(np.asarray(x), bs) for x in sampling))
+        tree = (self._pad(arrays, bucket), _pad_rows(num_drafts.astype(np.int32), bs), samp)
+        buf = self._host_put(self.verify_layouts[bucket].pack(tree))
+        outs = self.results.take_sync("verify", bucket)
+        self.caches, out, accepted = self.verifiers[(bucket, filters)](self.params, self.caches, buf, outs)
+        self.results.keep_sync("verify", bucket, (out, accepted))
+        out, accepted = jax.device_get((out, accepted))
+        return out[:b], accepted[:b]
+
+    def multi(self, arrays: StepArrays, sampling: SamplingArrays, *,
+              filters: bool) -> tuple[np.ndarray, np.ndarray]:
+        """Run a multi-step decode call and wait: (tokens [b, q], logprobs [b, q]).
+
+        Every sequence of `arrays` has multi_q tokens: its last sampled token, then
+        placeholders for the q - 1 tokens the loop samples (see `_multi_fn`).
+        `filters`: some row uses top-k / top-p / min-p.
+        """
+        b = len(arrays.slot_ids)
+        bucket = _q_bucket(self.multi_buckets, self.multi_q, arrays, "multi-step call")
+        samp = SamplingArrays(*(_pad_rows(np.asarray(x), bucket.seqs) for x in sampling))
+        buf = self._host_put(self.multi_layouts[bucket].pack((samp, self._pad(arrays, bucket))))
+        exe = self.multisteps[(bucket, filters)]
+        outs = self.results.take_sync("multi", bucket)
+        self.caches, self.stats, out, lps = exe(self.params, self.caches, self.stats, buf, outs)
+        self.results.keep_sync("multi", bucket, (out, lps))
+        out, lps = jax.device_get((out, lps))
+        return out[:b], lps[:b]
+
+    def fetch(self, p: Pending) -> StepResult:
+        """Wait for a dispatched step's results on the host. The step's device arrays may be
+        reused by a later dispatch once this returns (serving/runner/result_buffers.py): read them
+        only here."""
+        b = p.num_seqs
+        if p.recycle:  # the plain sampler's: no top-n logprobs (zeros), not worth a transfer
+            tokens, lps = jax.device_get((p.tokens, p.logprobs))
+            top_ids = np.zeros(p.top_ids.shape, p.top_ids.dtype)
+            top_lps = np.zeros(p.top_logprobs.shape, p.top_logprobs.dtype)
+            self.results.recycle(p.recycle, (p.tokens, p.logprobs, p.top_ids, p.top_logprobs))
+        else:
+            tokens, lps, top_ids, top_lps = jax.device_get(
+                (p.tokens, p.logprobs, p.top_ids, p.top_logprobs))
+        return StepResult(tokens[:b], lps[:b], top_ids[:b], top_lps[:b])
+
+    def run(self, arrays: StepArrays, sampling: SamplingArrays, feed: np.ndarray | None = None,
+            *, full: bool = True) -> StepResult:
+        """Dispatch and wait (the synchronous step)."""
+        return self.fetch(self.dispatch(arrays, sampling, feed, full=full))
+
+    def state_lost(self) -> bool:
+        """Whether the donated device state (caches, statistics) is gone, e.g. a step died mid-call."""
+        try:
+            return any(x.is_deleted() for x in jax.tree.leaves((self.caches, self.stats, self.ckpts)))
+        except Exception:  # the device itself is unusable
+            return True
+
+    def _check_indices(self, a: StepArrays) -> None:
+        """Every index is checked on the host: on device, JAX clamps out-of-range silently."""
+        _within("token_ids", a.token_ids, self.cfg.vocab_size, lo=PENDING)
+        _within("slot_ids", a.slot_ids, self.num_slots)
+        for g, n in enumerate(self.num_pages):
+            _within(f"page_tables[{g}]", a.page_tables[g], n)
+            _within(f"slot_mappings[{g}]", a.slot_mappings[g], n * self.page_size)
+
+    def _ops(self, a: StepArrays | None) -> CkptOps:
+        """A step's checkpoint copies padded to `ckpt_ops` rows (dummy slot and checkpoint 0)."""
+        k = self.ckpt_ops
+        if a is None:
+            return CkptOps(*(np.zeros(k, np.int32) for _ in range(4)))
+        rows = (a.restore_ckpt, a.restore_slot, a.save_slot, a.save_ckpt)
+        hi = (max(self.num_checkpoints, 1), self.num_slots, self.num_slots, max(self.num_checkpoints, 1))
+        for name, x, h in zip(CkptOps._fields, rows, hi, strict=True):
+            _within(name, x, h)
+        return CkptOps(*(_pad_rows(x.astype(np.int32), k) for x in rows))
+
+    def _pad(self, a: StepArrays, bucket: Bucket) -> RaggedBatch:
+        self._check_indices(a)
+        t, bs = bucket.tokens, bucket.seqs
+        b = len(a.slot_ids)
+        cu = np.concatenate([a.cu_seqlens, np.full(bs - b, a.cu_seqlens[-1], np.int32)])
+        return RaggedBatch(
+            tokens=_pad_rows(np.maximum(a.token_ids, 0), t), positions=_pad_rows(a.positions, t),
+            cu_seqlens=cu, lengths=_pad_rows(a.seq_lens, bs), slot_ids=_pad_rows(a.slot_ids, bs),
+            has_initial=_pad_rows(a.has_initial, bs),
+            page_tables=tuple(_pad_rows(p, bs) for p in a.page_tables),
+            slot_mappings=tuple(_pad_rows(m, t) for m in a.slot_mappings),
+            last_token=_pad_rows(a.logits_indices, bs))
+
+    def _dummy(self, bucket: Bucket) -> tuple[RaggedBatch, SamplingArrays]:
+        t, b = bucket.tokens, bucket.seqs
+        z = lambda n: np.zeros(n, np.int32)
+        batch = RaggedBatch(z(t), z(t), z(b + 1), z(b), z(b), np.zeros(b, bool),
+                            tuple(np.zeros((b, w), np.int32) for w in self.ring_widths),
+                            tuple(z(t) for _ in self.ring_widths), z(b))
+        return batch, SamplingArrays.from_rows([{}] * b)
+
+
+def _within(name: str, x: np.ndarray, hi: int, lo: int = 0) -> None:
+    if x.size and not (x.min() >= lo and x.max() < hi):
+        raise AssertionError(f"{name} outside [{lo}, {hi}): {x.min()}..{x.max()}")
+
+
+def _q_bucket(buckets: list[Bucket], q: int, arrays: StepArrays, what: str) -> Bucket:
+    """The smallest bucket of q tokens per sequence that holds the step's sequences."""
+    b = len(arrays.slot_ids)
+    bucket = next((bk for bk in buckets if bk.seqs >= b), None)
+    if bucket is None:
+        raise ValueError(f"no {what} bucket holds {b} sequences")
+    if not np.all(arrays.query_lens == q):
+        raise ValueError(f"a {what} needs {q} tokens per sequence")
+    return bucket
+
+
+def _pad_rows(x: np.ndarray, n: int, fill: int = 0) -> np.ndarray:
+    """Pad the leading axis to n rows (zeros = dummy slot/page 0, greedy, empty)."""
+    if len(x) > n:
+        raise ValueError(f"{len(x)} rows do not fit a bucket of {n}")
+    if len(x) == n:  # a full bucket: nothing to add (the caller packs it, a copy)
+        return x
+    return np.concatenate([x, np.full((n - len(x), *x.shape[1:]), fill, x.dtype)])

@@ -1,0 +1,383 @@
+"""What the device runs each step: the shape buckets and the jitted step functions.
+
+`make_buckets` chooses the padded shapes (decode buckets, mixed buckets); the builders
+return the pure functions `ModelRunner` (serving/runner/runner.py) compiles once per bucket:
+`_forward_fn` (feed the previous samples, the ragged forward, penalty statistics, the
+plain sampler, and with prefix caching the checkpoint copies), `_verify_fn` (speculative
+verification: forward over q tokens, acceptance, state choice), `_multi_fn` (multi-step
+decoding: q decode steps in a loop on the device) and `_sampler_fn` (the full sampler:
+penalties, filters, top-n logprobs, from a step's logits). Parameters are
+an argument, never baked into the HLO; host inputs arrive as one int32 buffer
+(serving/runner/host_pack.py). Nothing here holds device state.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from hybrid_jax import tensor_parallel as tp
+from hybrid_jax.cache import CacheStacks, RaggedBatch, states_of, with_states
+from hybrid_jax.ragged import choose, forward_ragged, forward_verify
+from pallas_kernels.stage_copy import write_into
+from serving.runner.host_pack import HostLayout
+from serving.runner.packing import PackLayout, unpack
+from serving.sample.penalties import TokenStats, apply_penalties, update_token_stats
+from serving.sample.sampling import sample
+from serving.spec_decode.speculative import accept
+
+log = logging.getLogger(__name__)
+
+
+TOP_LOGPROBS = 20  # top-n logprobs computed every step (n <= 20 per request)
+
+
+@dataclass(frozen=True)
+class Bucket:
+    tokens: int
+    seqs: int
+    decode: bool
+    verify: bool = False  # speculative verification: seqs sequences of tokens // seqs each
+
+
+def _geometric(lo: int, hi: int, factor: int) -> list[int]:
+    out, v = [], lo
+    while v < hi:
+        out.append(v)
+        v *= factor
+    return [*out, hi]
+
+
+def _ladder(name: str, sizes: tuple[int, ...] | None, limit: int, lo: int, factor: int) -> list[int]:
+    """Explicit sizes (clamped to the limit, which the memory plan may have lowered) or a
+    geometric ladder lo, lo*factor, ... closed by the limit."""
+    if sizes is None:
+        return _geometric(lo, limit, factor)
+    if max(sizes) > limit:
+        log.warning("%s=%s: sizes above %d (the limit in force) are replaced by it", name, sizes, limit)
+    return sorted({*(min(x, limit) for x in sizes), limit})
+
+
+def make_buckets(max_num_seqs: int, max_num_batched_tokens: int, min_tokens: int = 64,
+                 min_seqs: int = 8, *, seq_sizes: tuple[int, ...] | None = None,
+                 token_sizes: tuple[int, ...] | None = None, min_decode_rows: int = 1,
+                 single_row_decode: bool = False) -> list[Bucket]:
+    """Decode buckets (t == b) and mixed buckets (t tokens, b <= t sequences).
+
+    The ladders are geometric up to the limits (sequences x2 from 8, tokens x4 from 64)
+    unless `seq_sizes` / `token_sizes` give them (fewer buckets: faster start-up, more
+    padding); the limits always close them, and sizes above a limit are clamped to it.
+    Decode buckets have at least `min_decode_rows` rows (padding rows beyond
+    max_num_seqs; see `decode_row_floor`), except a one-row decode bucket added when
+    `single_row_decode` (a model whose one-row projections are reductions at full
+    bandwidth: hybrid_jax/layers/linear.py), which then replaces the padded bucket
+    when max_num_seqs is 1.
+    """
+    seqs = _ladder("seq_buckets", seq_sizes, max_num_seqs, min(min_seqs, max_num_seqs), 2)
+    toks = _ladder("token_buckets", token_sizes, max_num_batched_tokens,
+                   min(min_tokens, max_num_batched_tokens), 4)
+    rows = {max(b, min_decode_rows) for b in seqs if b > 1 or not single_row_decode}
+    out = [Bucket(b, b, True) for b in sorted(rows | ({1} if single_row_decode else set()))]
+    out += [Bucket(t, b, False) for t in toks for b in seqs if b <= t or b == seqs[0]]
+    return out
+
+
+GPU_MIN_DECODE_ROWS = 8
+
+
+def decode_row_floor() -> int:
+    """Rows of the smallest decode bucket: 8 on GPUs, where XLA lowers a decode step's
+    projections with fewer rows to reduction fusions at ~45% of bandwidth and with 8 to
+    GEMMs (H100, native-1b-parallel at batch 1: 4.21 ms per engine step in an 8-row
+    bucket against 5.51 ms in a 1-row one, measured with Triton GEMMs; docs/benchmarks.md). So one sequence
+    (`hybrid-jax generate`, max_num_seqs=1) decodes in padded 8-row steps there.
+
+    The engine also allocates at least this many slots (plus the dummy) when the memory
+    budget allows: with max_num_seqs=1 (2 slots) the overlapped loop's host enqueue of
+    each step took 7.7 ms against 1.3 ms with 9 slots, same executable shape otherwise
+    (H100, native-1b-parallel, one sequence: engine step 10.4 ms against 3.25 ms;
+    `num_slots=9` alone makes the difference, `num_pages` does not). The enqueue then
+    costs what launching the step without CUDA graphs costs (9.6 ms), as if XLA rebuilt
+    the graph on every call; why the slot count decides it is not known."""
+    return GPU_MIN_DECODE_ROWS if jax.default_backend() == "gpu" else 1
+
+
+def compile_options() -> dict[str, object]:
+    """XLA options for the step executables.
+
+    dot-merger (the pass name has a hyphen) is off: it merges the projections that share
+    an input (q/k/v and the Mamba2 in_proj of a hybrid layer) by concatenating their
+    WEIGHTS inside the step, a full copy of them on every call (0.47 ms per step on the
+    H100 for native-1b-parallel at batch 64).
+
+    Triton GEMM fusions are off: XLA then emits the step's matmuls as cuBLAS calls. The
+    Triton kernels were faster (1.40 against 1.82 ms of GEMM time per step), but inside
+    the step's CUDA graph the GPU idled ~8.7 us before each of them (1.9 ms per step for
+    216 GEMMs of native-1b-parallel, H100, batch 64; 0.15 ms idle in the whole step with
+    cuBLAS; `benchmarks/step_anatomy.py` prints the idle time per kernel family).
+    HYBRID_JAX_XLA_OPTIONS (JSON) adds or overrides options, for experiments.
+    """
+    opts: dict[str, object] = {"xla_disable_hlo_passes": "dot-merger", "xla_gpu_enable_triton_gemm": False}
+    extra = os.environ.get("HYBRID_JAX_XLA_OPTIONS")
+    if extra:
+        opts |= json.loads(extra)
+    return {k: v for k, v in opts.items() if v is not None}
+
+
+class CkptOps(NamedTuple):
+    """Checkpoint copies of one step, each [K] int32 (unused rows: 0, the dummies)."""
+
+    restore_ckpt: jax.Array  # checkpoint -> ...
+    restore_slot: jax.Array  # ... slot, before the forward; the slot's statistics restart
+    save_slot: jax.Array  # slot (after the forward) -> ...
+    save_ckpt: jax.Array  # ... checkpoint
+
+
+def _restore(caches: CacheStacks, ckpts: CacheStacks, stats: TokenStats, ops: CkptOps):
+    st = jax.tree.map(lambda x, p: x.at[:, ops.restore_slot].set(p[:, ops.restore_ckpt]),
+                      states_of(caches), ckpts)
+    stats = TokenStats(stats.counts.at[ops.restore_slot].set(0), stats.seen.at[ops.restore_slot].set(False))
+    return with_states(caches, st), stats
+
+
+def _save(ckpts: CacheStacks, caches: CacheStacks, ops: CkptOps) -> CacheStacks:
+    return jax.tree.map(lambda p, x: p.at[:, ops.save_ckpt].set(x[:, ops.save_slot]),
+                        ckpts, states_of(caches))
+
+
+class Shardings(NamedTuple):
+    """Tensor parallelism: the mesh and the specs of what the step splits over it."""
+
+    mesh: Mesh
+    params: NamedSharding  # every packed buffer: split in N equal per-device parts
+    caches: object  # pytree of NamedSharding, like the caches
+    ckpts: object  # pytree of NamedSharding, like the checkpoint pool (None: no pool)
+
+    def specs(self, tree):
+        return jax.tree.map(lambda s: s.spec, tree)
+
+
+def _forward_fn(graphdef: nnx.GraphDef, layout: PackLayout, decode: bool, host: HostLayout,
+                ckpt_ops: bool = False, sh: Shardings | None = None, *, max_seqs: int) -> Callable:
+    """A step: feed the last step's samples, forward, penalty statistics, plain sampling.
+
+    Returns (caches, stats, logits, plain samples[, checkpoints]): the plain sampler
+    (`_sample` with full=False) runs inside the step, so a step whose rows need no
+    penalties, filters or top-n logprobs is one executable call (the host's enqueue of a
+    second one cost ~0.2-0.3 ms per step, on the critical path at small batches); the
+    host runs the full sampler executable on `logits` for the other steps.
+
+    The step's host inputs arrive as one int32 buffer (`host`: sampling arrays, sampler
+    slot ids, the ragged batch, feed rows and, with `ckpt_ops`, the checkpoint copies).
+    `feed[i] >= 0` takes token i from `last_tokens[feed[i]]` (the previous step's samples,
+    still on the device: the overlapped loop never waits for them). Statistics are
+    updated unconditionally (cheap; a lax.cond would read its predicate on the host).
+    With `ckpt_ops` the step also restores and saves state checkpoints (`CkptOps`).
+    With `sh` (tensor parallelism) the model runs per device on its shard under
+    `shard_map`; logits come out replicated, and the step's in/out shardings are fixed.
+
+    `outs` (last argument, donated): buffers shaped as (logits, plain samples) that the
+    results are written into. On a GPU, XLA places temporaries of the whole step inside
+    its output buffers; an output allocated afresh each call has a new address, and the
+    CUDA graph's update then touches every node using those temporaries (~80 per decode
+    step). The logits buffer is the same every call (serving/runner/result_buffers.py), so what
+    XLA puts in it never moves; the sample buffers cycle (the host reads them after the next
+    step is dispatched), and `write_into` (pallas_kernels/stage_copy.py) keeps them free of
+    temporaries by reading them, so only its node is updated when they change
+    (docs/benchmarks.md, seventh pass).
+    """
+
+    def model_forward(params, caches, batch):
+        model = nnx.merge(graphdef, unpack(layout, params))
+        return forward_ragged(model, batch, caches, decode=decode)
+
+    if sh is not None:
+        cache_specs = sh.specs(sh.caches)
+        model_forward = jax.shard_map(model_forward, mesh=sh.mesh,
+                                      in_specs=(PartitionSpec(tp.AXIS), cache_specs, PartitionSpec()),
+                                      out_specs=(PartitionSpec(), cache_specs), check_vma=False)
+    jit = functools.partial(jax.jit, keep_unused=True)  # `outs` is donated, never read
+    if sh is not None:
+        r = NamedSharding(sh.mesh, PartitionSpec())
+        ins = (sh.params, sh.caches, r, r, r) + ((sh.ckpts,) if ckpt_ops else ()) + (r,)
+        outs = (sh.caches, r, r, r) + ((sh.ckpts,) if ckpt_ops else ())
+        jit = functools.partial(jit, in_shardings=ins, out_shardings=outs)
+
+    def model_step(params, caches, stats: TokenStats, batch: RaggedBatch, feed, last_tokens, prompt_len):
+        tokens = jnp.where(feed >= 0, last_tokens[jnp.maximum(feed, 0)], batch.tokens)
+        batch = batch._replace(tokens=tokens)
+        logits, caches = model_forward(params, caches, batch)
+        stats = update_token_stats(stats, tokens, batch.positions, batch.cu_seqlens, batch.slot_ids,
+                                   batch.has_initial, prompt_len, continues=decode)
+        return caches, stats, logits
+
+    def plain(logits, stats, sampling, slot_ids):
+        return _sample(logits, stats, sampling, slot_ids, full=False, max_seqs=max_seqs)
+
+    def results(outs, samples):
+        # The samples go into their donated buffers by `write_into` (single device; see above).
+        return write_into(outs[1], samples) if sh is None else samples
+
+    if not ckpt_ops:
+        def forward(params, caches, stats, buf, last_tokens, outs):
+            sampling, slot_ids, batch, feed = host.unpack(buf, stage=sh is None)
+            caches, stats, logits = model_step(params, caches, stats, batch, feed, last_tokens,
+                                               sampling.prompt_len)
+            return caches, stats, logits, results(outs, plain(logits, stats, sampling, slot_ids))
+
+        return jit(forward, donate_argnums=(1, 2, 5))
+
+    def forward_ckpt(params, caches, stats, buf, last_tokens, ckpts, outs):
+        sampling, slot_ids, batch, feed, ops = host.unpack(buf, stage=sh is None)
+        caches, stats = _restore(caches, ckpts, stats, ops)
+        caches, stats, logits = model_step(params, caches, stats, batch, feed, last_tokens,
+                                           sampling.prompt_len)
+        samples = results(outs, plain(logits, stats, sampling, slot_ids))
+        return caches, stats, logits, samples, _save(ckpts, caches, ops)
+
+    return jit(forward_ckpt, donate_argnums=(1, 2, 5, 6))
+
+
+def _verify_fn(graphdef: nnx.GraphDef, layout: PackLayout, q: int, host: HostLayout,
+               filters: bool) -> Callable:
+    """A verification step: forward over q tokens per sequence, acceptance, state choice.
+
+    One executable: the forward keeps every recurrent state after each of the q
+    positions (candidates), `accept` decides on the device how many drafts each row
+    keeps, and `choose` writes the state after the last accepted position into the
+    slots. Penalty statistics are not updated (rows with penalties are never verified).
+    `filters`: top-k / top-p / min-p (a vocabulary sort per token; off when no row asks).
+    """
+
+    def verify(params, caches, buf, outs):
+        del outs  # donated: the results are written into these buffers (see `_forward_fn`)
+        batch, num_drafts, sampling = host.unpack(buf, stage=True)
+        model = nnx.merge(graphdef, unpack(layout, params))
+        logits, caches, candidates = forward_verify(model, batch, caches, q)
+        b = batch.slot_ids.shape[0]
+        out, accepted = accept(logits.reshape(b, q, -1), batch.tokens.reshape(b, q), num_drafts, sampling,
+                               filters=filters)
+        return choose(caches, candidates, batch.slot_ids, accepted, model.cfg), out, accepted
+
+    return jax.jit(verify, donate_argnums=(1, 3), keep_unused=True)
+
+
+def decode_rows(batch: RaggedBatch, q: int) -> Callable[[jax.Array], RaggedBatch]:
+    """Step j (0 <= j < q) of a multi-step batch, as the host would build a decode step.
+
+    `batch` holds q tokens per real sequence (sequence-major, as a verification step:
+    positions and slot mappings for all q, `lengths` after the q-th); padding rows come
+    last and own no tokens. Returns j -> a batch with one token per row of the bucket:
+    row i's j-th token (the caller substitutes the sampled ids), the lengths after it,
+    and the decode bucket's padding (empty rows, zero lengths, slot and page 0). What
+    does not depend on j is built once, outside the caller's loop.
+    """
+    b = batch.slot_ids.shape[0]
+    real = batch.cu_seqlens[1:] > batch.cu_seqlens[:-1]
+    steps = lambda x: x.reshape(b, q)
+    tokens, positions = steps(batch.tokens), steps(batch.positions)
+    slots = tuple(steps(m) for m in batch.slot_mappings)
+    base = batch._replace(
+        cu_seqlens=jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(real, dtype=jnp.int32)]),
+        last_token=jnp.where(real, jnp.arange(b, dtype=jnp.int32), 0))
+
+    def at(j) -> RaggedBatch:
+        col = lambda x: jax.lax.dynamic_index_in_dim(x, j, axis=1, keepdims=False)
+        return base._replace(tokens=col(tokens), positions=col(positions),
+                             lengths=jnp.where(real, batch.lengths - (q - 1 - j), 0),
+                             slot_mappings=tuple(col(m) for m in slots))
+
+    return at
+
+
+def _multi_fn(graphdef: nnx.GraphDef, layout: PackLayout, q: int, host: HostLayout,
+              filters: bool) -> Callable:
+    """Multi-step decoding: q decode steps of every row in one executable.
+
+    A `lax.fori_loop` runs the decode forward (the same computation as a decode step of
+    this many rows), the penalty statistics and the sampler q times; step j's samples
+    are step j + 1's tokens and fold the key (seed, output index + j), so the tokens
+    equal q ordinary decode steps'. The host reserved pages for all q positions
+    (`decode_rows`). Rows have no penalties and ask for no top-n logprobs (the host
+    sends no others): `_sample` without them, and with `filters` (top-k / top-p / min-p)
+    as the full sampler applies them. Returns (caches, stats, tokens [b, q], logprobs
+    [b, q]); the host keeps each row's tokens up to its stop (later ones were computed,
+    never shown).
+    """
+
+    def multi(params, caches, stats, buf, outs):
+        del outs  # donated: the results are written into these buffers (see `_forward_fn`)
+        sampling, batch = host.unpack(buf, stage=True)
+        model = nnx.merge(graphdef, unpack(layout, params))
+        b = batch.slot_ids.shape[0]
+        rows_at = decode_rows(batch, q)
+
+        def body(j, carry):
+            caches, stats, tok, out, lps = carry
+            rows = rows_at(j)._replace(tokens=tok)
+            logits, caches = forward_ragged(model, rows, caches, decode=True)
+            stats = update_token_stats(stats, tok, rows.positions, rows.cu_seqlens, rows.slot_ids,
+                                       rows.has_initial, sampling.prompt_len, continues=True)
+            nxt, lp, _, _ = _sample(logits, stats, sampling._replace(step=sampling.step + j),
+                                    rows.slot_ids, full=False, filters=filters, max_seqs=b)
+            out = jax.lax.dynamic_update_index_in_dim(out, nxt, j, axis=1)
+            lps = jax.lax.dynamic_update_index_in_dim(lps, lp, j, axis=1)
+            return caches, stats, nxt, out, lps
+
+        init = (caches, stats, rows_at(0).tokens,
+                jnp.zeros((b, q), jnp.int32), jnp.zeros((b, q), jnp.float32))
+        caches, stats, _, out, lps = jax.lax.fori_loop(0, q, body, init)
+        return caches, stats, out, lps
+
+    return jax.jit(multi, donate_argnums=(1, 2, 4), keep_unused=True)
+
+
+def _sample(logits, stats: TokenStats, sampling, slot_ids, *, full: bool, max_seqs: int,
+            filters: bool | None = None):
+    """(tokens padded to max_seqs, logprobs, top ids, top logprobs) of a step's logits;
+    see `_sampler_fn`. `filters` (default: `full`) applies top-k / top-p / min-p."""
+    b = logits.shape[0]
+    shaped = logits
+    if full:
+        shaped = apply_penalties(logits, stats, slot_ids, sampling.repetition,
+                                 sampling.presence, sampling.frequency)
+    tokens, _ = sample(shaped, sampling, filters=full if filters is None else filters)
+    raw = jax.nn.log_softmax(logits, axis=-1)
+    logprobs = jnp.take_along_axis(raw, tokens[:, None], axis=-1)[:, 0]
+    if full:
+        top_lp, top_ids = jax.lax.top_k(raw, TOP_LOGPROBS)
+    else:
+        top_lp, top_ids = jnp.zeros((b, TOP_LOGPROBS), raw.dtype), jnp.zeros((b, TOP_LOGPROBS), jnp.int32)
+    padded = jnp.zeros((max_seqs,), jnp.int32).at[:b].set(tokens)
+    return padded, logprobs, top_ids.astype(jnp.int32), top_lp
+
+
+def _sampler_fn(max_seqs: int, host: HostLayout, replicated: NamedSharding | None = None) -> Callable:
+    """The full sampler of a step's logits: penalties, top-k/p/min-p and top-n logprobs.
+
+    The plain sampler (`_sample` with full=False: none of those) runs inside the forward
+    executable; a row without those features samples the same token either way, so the
+    host calls this one only for a step where some row needs them. Tokens come back
+    padded to `max_seqs` rows: the buffer the next step feeds from. Logprobs (of the
+    sampled token and the top-n) are the model's raw distribution, before penalties and
+    filters. The sampling arrays and slot ids are the leading fields of the step's host
+    buffer.
+    """
+
+    def sampler(logits, stats: TokenStats, buf):
+        sampling, slot_ids = host.unpack(buf)
+        return _sample(logits, stats, sampling, slot_ids, full=True, max_seqs=max_seqs)
+
+    if replicated is None:
+        return jax.jit(sampler)
+    return jax.jit(sampler, in_shardings=replicated, out_shardings=replicated)
