@@ -11,7 +11,7 @@ This module knows nothing of requests.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import jax
 import jax.numpy as jnp
@@ -26,18 +26,40 @@ from serving.sample.penalties import init_token_stats
 log = logging.getLogger(__name__)
 CPU_MEMORY_BYTES = 4 << 30  # budget base when the device reports no memory (CPU)
 MAX_SCHEDULER_STEPS = 64
+# The sizing settings that default by device (None in EngineConfig until the engine starts).
+SIZING = ("max_num_seqs", "max_num_batched_tokens", "max_prefill_chunk", "memory_fraction")
+CPU_SIZING = {"max_num_seqs": 32, "max_num_batched_tokens": 512, "max_prefill_chunk": 256,
+              "memory_fraction": 0.5}
+
+
+def device_sizing(platform: str, device_bytes: int | None) -> dict[str, int | float]:
+    """Default sizing for a device: small on a CPU (tests, development); on a GPU, as
+    vLLM sizes its server: many sequences, large prefill budgets, most of the memory.
+
+    A GPU with at least 40 GiB for the process (an H100 / H200 / A100-80G) runs 256
+    sequences and 8192-token steps; a smaller one 128 and 4096. One prompt takes at
+    most 2048 tokens of a step, so a long prompt never holds the decodes sharing its
+    steps for a full 8192-token step. The memory plan lowers max_num_seqs further
+    when the model's pages and states do not fit (`plan_pools`)."""
+    if platform != "gpu":
+        return dict(CPU_SIZING)
+    big = device_bytes is None or device_bytes >= 40 << 30
+    return {"max_num_seqs": 256 if big else 128, "max_num_batched_tokens": 8192 if big else 4096,
+            "max_prefill_chunk": 2048, "memory_fraction": 0.9}
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    max_num_seqs: int = 32
-    max_num_batched_tokens: int = 512
-    max_prefill_chunk: int = 256
+    # Sizing: None picks a default for the device when the engine starts (`device_sizing`:
+    # 32 / 512 / 256 / 0.5 on a CPU, 256 / 8192 / 2048 / 0.9 on an 80 GB GPU).
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    max_prefill_chunk: int | None = None
     max_model_len: int | None = None  # None: the model's max_position_embeddings, capped at 8192
     page_size: int = 16
     num_pages: int | None = None  # per window group, incl. the dummy page; None: from memory
     num_slots: int | None = None  # incl. the dummy slot; None: max_num_seqs + 1
-    memory_fraction: float = 0.5  # of device memory after weights, for pages + slots
+    memory_fraction: float | None = None  # of device memory after weights, for pages + slots
     dtype: str = "float32"
     # Persistent XLA compilation cache, so a restart skips most of the start-up compile.
     # Used only when the process has not configured one itself; None disables.
@@ -90,13 +112,13 @@ class EngineConfig:
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_prefill_chunk", "page_size",
                      "tensor_parallel_size"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         if self.tensor_parallel_size > 1 and self.speculative_method is not None:
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} with speculative_method="
                              f"{self.speculative_method!r}: speculative decoding does not run "
                              "tensor-parallel yet; use tensor_parallel_size=1 or no speculative_method")
-        if not 0.0 < self.memory_fraction <= 1.0:
+        if self.memory_fraction is not None and not 0.0 < self.memory_fraction <= 1.0:
             raise ValueError(f"memory_fraction={self.memory_fraction} must be in (0, 1]")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len={self.max_model_len} must be >= 2")
@@ -129,7 +151,7 @@ class EngineConfig:
         k = self.num_speculative_tokens
         if not 1 <= k <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"num_speculative_tokens={k} must be in 1..{MAX_SPECULATIVE_TOKENS}")
-        if k + 1 > self.max_prefill_chunk:
+        if self.max_prefill_chunk is not None and k + 1 > self.max_prefill_chunk:
             raise ValueError(f"num_speculative_tokens={k}: a verification computes k + 1 tokens per "
                              f"sequence, more than max_prefill_chunk={self.max_prefill_chunk}")
         if method == "draft" and not self.speculative_model:
@@ -153,7 +175,7 @@ class EngineConfig:
             return
         if self.multi_step_max_seqs < 1:
             raise ValueError(f"multi_step_max_seqs={self.multi_step_max_seqs} must be >= 1")
-        if k > self.max_prefill_chunk:
+        if self.max_prefill_chunk is not None and k > self.max_prefill_chunk:
             raise ValueError(f"num_scheduler_steps={k}: pages for that many tokens per sequence "
                              f"are reserved at once, more than max_prefill_chunk={self.max_prefill_chunk}")
         if self.speculative_method is not None:
@@ -163,6 +185,16 @@ class EngineConfig:
             raise ValueError(f"num_scheduler_steps={k} with tensor_parallel_size="
                              f"{self.tensor_parallel_size}: multi-step decoding does not run "
                              "tensor-parallel yet; use num_scheduler_steps=1")
+
+    def with_device_sizing(self, platform: str, device_bytes: int | None) -> EngineConfig:
+        """This config with every sizing setting left at None chosen for the device
+        (`device_sizing`); explicit settings win. Logs one line with what it chose."""
+        chosen = {k: v for k, v in device_sizing(platform, device_bytes).items() if getattr(self, k) is None}
+        if not chosen:
+            return self
+        log.info("engine sizing for %s (explicit settings win): %s", platform,
+                 " ".join(f"{k}={v}" for k, v in chosen.items()))
+        return replace(self, **chosen)
 
     @property
     def multi_q(self) -> int:
@@ -230,6 +262,7 @@ def plan_pools(model: ModelConfig, cfg: EngineConfig, *, free_bytes: int | None,
     `draft`: the draft model's config and weight bytes (speculative_method="draft"):
     its weights and caches come out of the budget first.
     """
+    cfg = cfg.with_device_sizing(jax.default_backend(), None)  # the engine has done it already
     max_len = cfg.max_model_len or min(model.max_position_embeddings, 8192)
     shard = local_config(model, cfg.tensor_parallel_size)
     page_bytes, slot_bytes = cache_bytes(shard, page_size=cfg.page_size, dtype=dtype,

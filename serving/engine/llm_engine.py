@@ -101,7 +101,9 @@ def _progress(i: int, n: int, key) -> None:
 class LLMEngine:
     def __init__(self, model: str | LoadedModel, config: EngineConfig | None = None, *,
                  seed: int = 0, show_progress: bool = True):
-        self.config = config or EngineConfig()
+        dev = jax.devices()[0]
+        self.config = (config or EngineConfig()).with_device_sizing(
+            dev.platform, (dev.memory_stats() or {}).get("bytes_limit"))
         _use_compilation_cache(self.config.compilation_cache_dir)
         n = self.config.tensor_parallel_size
         mesh = tp.make_mesh(n)  # refuses more devices than the host has, before loading

@@ -90,8 +90,9 @@ GENERATE_DEFAULTS = {"max_tokens": 64, "temperature": 0.6, "top_p": 0.9, "top_k"
 
 # EngineConfig's defaults, written out so that `--help` needs no JAX import
 # (tests/serving/test_server_cli.py checks that they match).
-ENGINE_DEFAULTS = {"max_num_seqs": 32, "max_num_batched_tokens": 512, "max_prefill_chunk": 256,
-                   "page_size": 16, "memory_fraction": 0.5, "prefix_state_stride": 256,
+# The sizing settings are None: chosen for the device at start (engine_config.device_sizing).
+ENGINE_DEFAULTS = {"max_num_seqs": None, "max_num_batched_tokens": None, "max_prefill_chunk": None,
+                   "page_size": 16, "memory_fraction": None, "prefix_state_stride": 256,
                    "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
                    "speculative_disable_by_batch_size": 16, "num_scheduler_steps": 1,
                    "multi_step_max_seqs": 8}
@@ -99,19 +100,22 @@ ENGINE_DEFAULTS = {"max_num_seqs": 32, "max_num_batched_tokens": 512, "max_prefi
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
     d = ENGINE_DEFAULTS
-    g = p.add_argument_group("engine sizing (more sequences and tokens = more compiled buckets)")
+    g = p.add_argument_group(
+        "engine sizing (more sequences and tokens = more compiled buckets; defaults by device: "
+        "32 / 512 / 256 / 0.5 on a CPU, 256 / 8192 / 2048 / 0.9 on a GPU with >= 40 GiB, "
+        "128 / 4096 / 2048 / 0.9 on a smaller one; the server logs what it chose)")
     g.add_argument("--max-num-seqs", type=int, default=d["max_num_seqs"],
-                   help=f"sequences running at once (default {d['max_num_seqs']})")
+                   help="sequences running at once (default: by device)")
     g.add_argument("--max-num-batched-tokens", type=int, default=d["max_num_batched_tokens"],
-                   help=f"tokens per engine step (default {d['max_num_batched_tokens']})")
+                   help="tokens per engine step (default: by device)")
     g.add_argument("--max-prefill-chunk", type=int, default=d["max_prefill_chunk"],
-                   help=f"prompt tokens of one sequence per step (default {d['max_prefill_chunk']})")
+                   help="prompt tokens of one sequence per step (default: by device)")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="prompt + output tokens per request (default: the model's, capped at 8192)")
     g.add_argument("--page-size", type=int, default=d["page_size"],
                    help=f"tokens per KV page (default {d['page_size']})")
     g.add_argument("--memory-fraction", type=float, default=d["memory_fraction"],
-                   help=f"of free device memory for KV pages and states (default {d['memory_fraction']})")
+                   help="of free device memory for KV pages and states (default: by device)")
     g.add_argument("--ssm-state-dtype", default="float32", choices=["float32", "bfloat16"],
                    help="recurrent state dtype (bfloat16 halves state traffic; default float32)")
     g.add_argument("--no-async-scheduling", action="store_true",

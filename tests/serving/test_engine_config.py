@@ -92,3 +92,19 @@ def test_too_many_sequences_are_lowered_with_a_warning(caplog):
 def test_explicit_pages_that_cannot_hold_a_sequence_are_refused():
     with pytest.raises(ValueError, match="num_pages=3"):
         plan(EngineConfig(num_pages=3, max_model_len=256), free=None)
+
+
+def test_sizing_defaults_follow_the_device_and_explicit_settings_win():
+    from serving.engine.engine_config import CPU_SIZING
+
+    cpu = EngineConfig().with_device_sizing("cpu", None)
+    assert {k: getattr(cpu, k) for k in CPU_SIZING} == CPU_SIZING
+    gpu = EngineConfig(max_num_seqs=8).with_device_sizing("gpu", 60 << 30)
+    assert (gpu.max_num_seqs, gpu.max_num_batched_tokens, gpu.max_prefill_chunk, gpu.memory_fraction) \
+        == (8, 8192, 2048, 0.9)
+    small = EngineConfig(memory_fraction=0.3).with_device_sizing("gpu", 20 << 30)
+    assert (small.max_num_seqs, small.max_num_batched_tokens, small.memory_fraction) == (128, 4096, 0.3)
+    # Settings that depend on a sizing one are checked once it is known.
+    EngineConfig(speculative_method="ngram", num_speculative_tokens=8)
+    with pytest.raises(ValueError, match="num_speculative_tokens=8"):
+        EngineConfig(speculative_method="ngram", num_speculative_tokens=8, max_prefill_chunk=4)
