@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from serving.bench.memory import fit_batch, swa_pages
+from serving.entrypoints.bench.memory import fit_batch, swa_pages
 
 from hybrid_jax.presets import load_preset
 from serving.entrypoints.bench.common import LengthDist, parse_ints, summarize

@@ -68,7 +68,7 @@ def test_scaling_reports_whole_batch_decode_and_its_floor(tmp_path):
     # cache and keep their own last 64 (its window), so no in-window page is shared: every
     # sequence holds at least the pages a pure sliding-window model needs. Below 96 + 64
     # tokens, and for the global-attention baseline, the prompts stay distinct.
-    from serving.bench.memory import swa_pages
+    from serving.entrypoints.bench.memory import swa_pages
 
     assert hybrid[160]["shared_prefix"] == 96 and hybrid[160]["prefix_cache_hit_tokens"] == 4 * 96
     assert "shared_prefix" not in hybrid[32] and not any("shared_prefix" in p for p in full.values())
