@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from serving.entrypoints.bench.memory import fit_batch, swa_pages
 
 from hybrid_jax.presets import load_preset
 from serving.entrypoints.bench.common import LengthDist, parse_ints, summarize
 from serving.entrypoints.bench.floor import decode_floor_bytes
+from serving.entrypoints.bench.memory import fit_batch, swa_pages
 
 
 @pytest.mark.parametrize("window", [None, 1, 5, 16, 17, 64])
