@@ -20,7 +20,6 @@ back to back instead, as the engine serves them.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import tempfile
 import time
@@ -29,6 +28,7 @@ import jax
 import numpy as np
 
 from hybrid_jax.loading import load_model
+from serving.bench.common import emit
 from serving.bench.floor import matmul_rate, model_flops
 from serving.bench.trace_report import kernel_totals
 from serving.engine import LLMEngine
@@ -105,10 +105,7 @@ def main() -> None:
         exe = next(e for b, e in engine.runner.compiled.items() if not b.decode)
         with open(a.dump, "w") as f:
             f.write(exe.as_text())
-    print(json.dumps(res))
-    if a.out:
-        with open(a.out, "a") as f:
-            f.write(json.dumps(res) + "\n")
+    emit(a.out, res)
 
 
 if __name__ == "__main__":
