@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Run the serving-path and engine tests on a GPU with the Pallas kernels (default impl there).
 # f32 dots at full precision so the cached path and the full forward agree exactly in argmax.
+# Run from the repository root: bash tests/gpu_engine_check.sh (it is not a pytest module).
 set -uo pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1 JAX_DEFAULT_MATMUL_PRECISION=highest
 export XLA_PYTHON_CLIENT_MEM_FRACTION=0.5
