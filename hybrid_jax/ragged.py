@@ -143,7 +143,7 @@ def _fused_decode(layer: Attention | DepthAttention, kv: KVCache) -> bool:
     """Whether a decode step's attention of this layer runs `paged_attention_decode_fused`:
     RoPE on, no q/k norms, pages exactly as wide as the head, shapes the kernel takes."""
     cfg = layer.cfg
-    return (FUSED_ATTENTION_DECODE and isinstance(layer, Attention) and cfg.rope and not cfg.qk_norm
+    return (isinstance(layer, Attention) and cfg.rope and not cfg.qk_norm
             and decode_fused_fits(cfg.head_dim, cfg.rope_dim, kv.k))
 
 
@@ -219,8 +219,6 @@ def _scan_positions(a: jax.Array, x: jax.Array, states: jax.Array, slot_ids: jax
 
 # Decode through the fused kernel too (see the module doc: measured slower on the H100).
 FUSED_MAMBA_DECODE = False
-# Decode attention of fused layers through `paged_attention_decode_fused` (`_fused_decode`).
-FUSED_ATTENTION_DECODE = True
 
 
 def _mamba_in(layer: Mamba2Mixer, x: jax.Array | None, proj: jax.Array | None,
