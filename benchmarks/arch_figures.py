@@ -5,7 +5,7 @@ For each preset (random bf16 weights, f32 SSM state), one engine with sequence b
 
   prefill   R requests of P prompt tokens (max_tokens=1): prompt tokens / wall time of
             the steps that run them, against the model FLOPs at the bf16 matmul rate
-            measured in the same process (benchmarks/prefill_rate.py's accounting)
+            measured in the same process (serving.entrypoints.bench.floor.model_flops)
   decode    B = 64 and B = 1 sequences at context ~C: median `LLMEngine.step()` over
             steps in which the WHOLE batch decodes (checked on every measured step),
             against the byte floor (serving.entrypoints.bench.floor: weights + in-window K/V +
@@ -24,9 +24,6 @@ Appends one JSON line per figure to --out and prints a table row.
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import json
-import os
 import statistics
 import sys
 import time
@@ -37,20 +34,13 @@ import numpy as np
 from hybrid_jax.loading import load_model
 from serving.engine.engine_config import EngineConfig
 from serving.engine.llm_engine import LLMEngine
-from serving.entrypoints.bench.floor import copy_bandwidth, decode_floor_bytes
-from serving.entrypoints.bench.probe import step_until_whole_batch, whole_batch_steps
+from serving.entrypoints.bench.common import emit
+from serving.entrypoints.bench.floor import copy_bandwidth, decode_floor_bytes, matmul_rate, model_flops
+from serving.entrypoints.bench.probe import decoding_batch
 from serving.sample.sampling_params import SamplingParams
 
 PRESETS = ("gemma-3-1b", "lfm2-1.2b", "granite-4.0-h-micro", "zamba2-2.7b", "nemotron-h-8b",
            "bamba-9b", "gemma-3-4b")
-
-
-def _prefill_rate_module():
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "prefill_rate.py")
-    spec = importlib.util.spec_from_file_location("prefill_rate", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def _prompts(rng, vocab: int, n: int, length: int) -> list[list[int]]:
@@ -75,37 +65,20 @@ def measure_prefill(engine: LLMEngine, requests: int, length: int) -> float:
 
 def measure_decode(engine: LLMEngine, batch: int, context: int, steps: int) -> tuple[float, int]:
     """(median step seconds over full-batch decode steps, batch actually run)."""
-    rng = np.random.default_rng(2)
-    params = SamplingParams(temperature=0.0, max_tokens=steps + 64, ignore_eos=True)
-    ids = [engine.add_request(prompt_token_ids=p, params=params)
-           for p in _prompts(rng, engine.model_config.vocab_size, batch, context)]
-    with whole_batch_steps(engine, batch) as full:
-        step_until_whole_batch(engine, full)  # prefill, then until the whole batch decodes
-        full.clear()
+    with decoding_batch(engine, batch, context, max_tokens=steps + 64) as full:
         times = []
         for _ in range(steps):
             t = time.perf_counter()
             engine.step()
             times.append(time.perf_counter() - t)
-    ok = sum(full)
-    for rid in ids:
-        engine.abort(rid)
-    while engine.has_unfinished():
-        engine.step()
-    if ok != steps or len(full) != steps:
-        raise RuntimeError(f"{ok} of {steps} measured steps decoded the whole batch of {batch} "
-                           f"(max_num_seqs={engine.scheduler.config.max_num_seqs} after the memory plan)")
+        ok = sum(full)
+        if ok != steps or len(full) != steps:
+            raise RuntimeError(f"{ok} of {steps} measured steps decoded the whole batch of {batch} "
+                               f"(max_num_seqs={engine.scheduler.config.max_num_seqs} after the memory plan)")
     return statistics.median(times), batch
 
 
-def emit(out: str | None, row: dict) -> None:
-    print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
-    if out:
-        with open(out, "a") as f:
-            f.write(json.dumps(row) + "\n")
-
-
-def run_preset(name: str, a: argparse.Namespace, bw: float, mm: float, pr) -> None:
+def run_preset(name: str, a: argparse.Namespace, bw: float, mm: float) -> None:
     lm = load_model(name, dtype=a.dtype)
     big = max(a.batch)
     cfg = EngineConfig(max_num_seqs=big, max_num_batched_tokens=a.chunk, max_prefill_chunk=a.chunk,
@@ -120,7 +93,7 @@ def run_preset(name: str, a: argparse.Namespace, bw: float, mm: float, pr) -> No
             "copy_TBps": bw / 1e12, "matmul_TFLOPs": mm / 1e12}
     print(f"{name}: started in {startup:.1f} s; prefill", flush=True)
     rate = measure_prefill(engine, a.requests, a.prompt_len)
-    flops = pr.model_flops(engine, a.prompt_len // 2) * rate
+    flops = model_flops(engine, a.prompt_len // 2) * rate
     emit(a.out, {**base, "figure": "prefill", "requests": a.requests, "prompt_len": a.prompt_len,
                  "chunk": a.chunk, "tok_s": rate, "model_TFLOPs": flops / 1e12, "of_matmul": flops / mm})
     for b in sorted(a.batch, reverse=True):
@@ -168,14 +141,13 @@ def main() -> None:
     if a.smoke:
         a.models, a.dtype, a.batch, a.context, a.steps = "native-tiny", "float32", [4, 1], 40, 3
         a.chunk, a.requests, a.prompt_len, a.long = 64, 2, 64, []
-    pr = _prefill_rate_module()
     bw = copy_bandwidth(64 << 20 if a.smoke else 1 << 30)
-    mm = pr.matmul_rate(256 if a.smoke else 8192)
+    mm = matmul_rate(256 if a.smoke else 8192)
     print(f"devices {jax.devices()}  copy {bw / 1e12:.2f} TB/s  bf16 matmul {mm / 1e12:.0f} TFLOP/s",
           flush=True)
     for name in a.models.split(","):
         try:
-            run_preset(name, a, bw, mm, pr)
+            run_preset(name, a, bw, mm)
         except Exception as e:  # one preset's failure must not lose the others' figures
             print(f"{name}: FAILED {type(e).__name__}: {e}", file=sys.stderr, flush=True)
 

@@ -219,7 +219,7 @@ def bench_ceilings(sh):
 
 
 # First entry = the default tuning in paged_attention.py; the rest are the runners-up
-# and the first-round defaults, kept for comparison (full sweep: docs/benchmarks.md).
+# and the first-round defaults, kept for comparison (full sweep: docs/history/benchmarks-2026.md).
 DECODE_VARIANTS = [
     dict(tile=64, warps=4, stages=1, splits=1),
     dict(tile=64, warps=2, stages=1, splits=1),

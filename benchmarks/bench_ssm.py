@@ -165,7 +165,7 @@ def bench_decode(tab, args):
     for sdt, target in ((F32, 520.0), (BF16, 300.0)):
         default = ssm_decode.DECODE_TUNING[jnp.dtype(sdt).name]
         tuning = [default]
-        if args.variants:  # the wider sweep is benchmarks/ssm_decode_sweep.py
+        if args.variants:  # the wider launch sweep: docs/history/benchmarks-2026.md
             tuning += [dict(default, block_p=bp, num_warps=w)
                        for bp, w in ((16, 1), (16, 2), (32, 2), (64, 4), (64, 8))]
         states = _rand(ks[7], (bsz + 1, h, p, n), sdt)

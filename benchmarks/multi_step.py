@@ -23,11 +23,11 @@ import time
 import jax
 import numpy as np
 
-from benchmarks.step_anatomy import floor_bytes, timed
+from benchmarks.step_anatomy import timed
 from hybrid_jax.loading import load_model
 from serving.engine.engine_config import EngineConfig
 from serving.engine.llm_engine import LLMEngine, freeze_heap
-from serving.entrypoints.bench.floor import copy_bandwidth
+from serving.entrypoints.bench.floor import copy_bandwidth, engine_floor_bytes
 from serving.sample.sampling_params import SamplingParams
 
 
@@ -103,7 +103,7 @@ def measure(lm, a: argparse.Namespace, k: int, bw: float) -> dict:
     full = all(n == a.batch and (k > 1 or d == a.batch) for n, d, _ in calls)
     # Multi-step calls carry k positions per sequence: its last one is the step's context.
     lens = np.stack([x.reshape(a.batch, -1)[:, -1] if k > 1 else x for _, _, x in calls])
-    fb = floor_bytes(engine, lens.mean(axis=0).round().astype(np.int64))
+    fb = engine_floor_bytes(engine, lens.mean(axis=0).round().astype(np.int64))
     while engine.has_unfinished():
         step()
     digest = hashlib.sha256(json.dumps([out[i] for i in ids]).encode()).hexdigest()[:16]

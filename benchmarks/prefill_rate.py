@@ -6,7 +6,8 @@ reports tokens/s and model FLOPs/s over the rate of a large bf16 matmul measured
 the same process. Model FLOPs per token: 2 x (parameters touched per token: every
 weight but the embedding table; the tied head counts once) + attention 4 x heads x
 head_dim x keys in the window + SSD 2 x 3 x heads x head_dim x state (per token,
-chunked form counted at its matmul size) -- written out in `model_flops`.
+chunked form counted at its matmul size) -- written out in
+`serving.entrypoints.bench.floor.model_flops`.
 
   PYTHONPATH=. python benchmarks/prefill_rate.py --prompt-len 8192 --chunk 8192 --requests 4 [--trace]
   PYTHONPATH=. python benchmarks/prefill_rate.py --prompt-len 8192 --chunk 8192 --requests 12 --overlap
@@ -19,67 +20,20 @@ back to back instead, as the engine serves them.
 from __future__ import annotations
 
 import argparse
-import collections
-import json
 import statistics
 import tempfile
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from hybrid_jax.loading import load_model
 from serving.engine.engine_config import EngineConfig
 from serving.engine.llm_engine import LLMEngine
-from serving.entrypoints.bench.trace_report import gpu_kernel_events
+from serving.entrypoints.bench.common import emit
+from serving.entrypoints.bench.floor import matmul_rate, model_flops
+from serving.entrypoints.bench.trace_report import kernel_totals
 from serving.sample.sampling_params import SamplingParams
-
-
-def matmul_rate(n: int = 8192) -> float:
-    a = jax.random.normal(jax.random.key(0), (n, n), jnp.bfloat16)
-    b = jax.random.normal(jax.random.key(1), (n, n), jnp.bfloat16)
-    f = jax.jit(lambda x, y: x @ y)
-    f(a, b).block_until_ready()
-    ts = []
-    for _ in range(5):
-        t = time.perf_counter()
-        for _ in range(10):
-            c = f(a, b)
-        c.block_until_ready()
-        ts.append((time.perf_counter() - t) / 10)
-    return 2 * n**3 / min(ts)
-
-
-def model_flops(engine: LLMEngine, context: int) -> float:
-    """FLOPs per prompt token at mean attention span `context` (see module doc)."""
-    cfg = engine.model_config
-    params = sum(x.size for x in jax.tree.leaves(engine.runner.params))
-    dense = 2 * (params - cfg.vocab_size * cfg.hidden_size * (0 if cfg.tie_embeddings else 1))
-    att = ssm = 0
-    for spec in cfg.layers:
-        if spec.kind.has_attention:
-            a = cfg.attention
-            keys = context if spec.window is None else min(context, spec.window)
-            att += 4 * a.num_heads * a.head_dim * keys
-        if spec.kind.has_mamba2:
-            m = cfg.mamba2
-            ssm += 2 * m.num_heads * m.head_dim * (3 * m.state_size + m.chunk_size)
-    return dense + att + ssm
-
-
-def kernel_totals(directory: str, steps: int, top: int = 25) -> list[tuple[str, float, int]]:
-    """(kernel, ms per step, launches per step) of a trace, by time: where a prefill step goes;
-    first "total", then "gpu_span" (first kernel's start to the last one's end, ms per step)."""
-    by_name: dict[str, list[float]] = collections.defaultdict(list)
-    lo, hi = float("inf"), float("-inf")
-    for _, ev in gpu_kernel_events(directory):
-        by_name[ev.name[:80]].append(ev.duration_ns)
-        lo, hi = min(lo, ev.start_ns), max(hi, ev.end_ns)
-    rows = sorted(((k, sum(v) / 1e6 / steps, len(v) // steps) for k, v in by_name.items()),
-                  key=lambda r: -r[1])
-    return [("total", sum(r[1] for r in rows), sum(r[2] for r in rows)),
-            ("gpu_span", (hi - lo) / 1e6 / steps, 0), *rows[:top]]
 
 
 def main() -> None:
@@ -151,10 +105,7 @@ def main() -> None:
         exe = next(e for b, e in engine.runner.compiled.items() if not b.decode)
         with open(a.dump, "w") as f:
             f.write(exe.as_text())
-    print(json.dumps(res))
-    if a.out:
-        with open(a.out, "a") as f:
-            f.write(json.dumps(res) + "\n")
+    emit(a.out, res)
 
 
 if __name__ == "__main__":

@@ -175,7 +175,7 @@ def _profile(eng: LLMEngine, n: int, tokens: dict[str, list[int]]) -> dict[str, 
 
     verify0 = eng.stats().get("spec_verify_steps", 0)
     t0 = time.perf_counter()
-    kernel_ms, kernels, top = trace_kernels(step, n)
+    kernel_ms, kernels, top, _ = trace_kernels(step, n)
     wall = (time.perf_counter() - t0) / (n + 2)  # trace_kernels runs two warm-up steps
     return {"steps": n, "wall_ms_per_step": 1e3 * wall, "kernel_ms_per_step": kernel_ms,
             "kernels_per_step": kernels,

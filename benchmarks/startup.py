@@ -20,6 +20,7 @@ import jax  # noqa: E402
 
 from serving.engine.engine_config import EngineConfig  # noqa: E402
 from serving.engine.llm_engine import LLMEngine  # noqa: E402
+from serving.entrypoints.bench.common import emit  # noqa: E402
 
 
 def main() -> None:
@@ -74,10 +75,7 @@ def main() -> None:
            "executables_loaded": engine.runner.startup["loaded"],
            **{f"exec_{k}": round(v, 2) for k, v in engine.runner.startup.items() if k.endswith("_s")},
            **{k: round(v, 1) for k, v in phases.items()}}
-    print(json.dumps(res))
-    if a.out:
-        with open(a.out, "a") as f:
-            f.write(json.dumps(res) + "\n")
+    emit(a.out, res)
 
 
 if __name__ == "__main__":

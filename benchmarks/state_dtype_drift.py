@@ -14,11 +14,11 @@ rounding can flip an argmax).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 
 import numpy as np
 
+from serving.entrypoints.bench.common import emit
 from serving.entrypoints.llm import DEFAULT_MODEL, LLM
 from serving.sample.sampling_params import SamplingParams
 
@@ -70,10 +70,7 @@ def main() -> None:
            "first_divergence_median": statistics.median(first), "first_divergence_min": min(first),
            "tokens_equal_share": statistics.mean(same),
            "max_logprob_diff_common_prefix": max(dlp) if dlp else None}
-    print(json.dumps(row))
-    if a.out:
-        with open(a.out, "a") as f:
-            f.write(json.dumps(row) + "\n")
+    emit(a.out, row)
 
 
 if __name__ == "__main__":

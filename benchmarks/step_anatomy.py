@@ -29,41 +29,20 @@ import collections
 import json
 import os
 import statistics
-import tempfile
 import time
 
 import jax
 import numpy as np
 
-from hybrid_jax.cache import states_of
+from configs import switches
 from hybrid_jax.loading import load_model
 from serving.engine.engine_config import EngineConfig
 from serving.engine.llm_engine import LLMEngine, freeze_heap
-from serving.entrypoints.bench.floor import copy_bandwidth
-from serving.entrypoints.bench.trace_report import gpu_kernel_events, host_event_totals
+from serving.entrypoints.bench.floor import copy_bandwidth, engine_floor_bytes
+from serving.entrypoints.bench.probe import step_until_whole_batch, whole_batch_steps
+from serving.entrypoints.bench.trace_report import gpu_kernel_events, host_event_totals, trace_calls
 from serving.runner.runner import fuse_projections_enabled
 from serving.sample.sampling_params import SamplingParams
-
-
-def floor_bytes(engine: LLMEngine, lengths: np.ndarray) -> dict[str, int]:
-    """Weights once, each sequence's in-window K/V once, recurrent state read + written.
-
-    lengths [b]: each sequence's keys in cache in the step (its context). They differ:
-    sequences admitted early have decoded while later ones still prefilled.
-    """
-    cfg, runner = engine.model_config, engine.runner
-    weights = sum(x.nbytes for x in jax.tree.leaves(runner.params))
-    batch = len(lengths)
-    kv = state = 0
-    for window, cache in zip(cfg.windows, runner.caches.kv, strict=True):
-        k = cache.k  # [k, layers, pages, s, e]
-        per_token = 2 * k.shape[0] * k.shape[1] * k.shape[4] * k.dtype.itemsize
-        seen = lengths if window is None else np.minimum(lengths, window)
-        kv += int(seen.sum()) * per_token
-    for x in jax.tree.leaves(states_of(runner.caches)):  # [layers, slots, ...]
-        state += 2 * batch * (x.nbytes // x.shape[1])
-    return {"weights": weights, "kv": kv, "state": state, "total": weights + kv + state}
-
 
 KERNEL_DETAILS: dict[str, str] = {}  # GEMM kernel name -> its launch details in the trace
 
@@ -78,14 +57,9 @@ def kernel_details(ev) -> str:
 def trace_kernels(fn, n: int, keep: int = 150) -> tuple[float, float, list[tuple[str, float, int]], dict]:
     """Run fn() n times under the profiler: (kernel ms per step, kernels per step, top kernels,
     idle time between them: `idle_gaps`)."""
-    d = tempfile.mkdtemp()
     fn()
     jax.block_until_ready(fn())
-    jax.profiler.start_trace(d)
-    for _ in range(n):
-        out = fn()
-    jax.block_until_ready(out)
-    jax.profiler.stop_trace()
+    d = trace_calls(fn, n)
     total, count = 0.0, 0
     by_name: dict[str, list[float]] = collections.defaultdict(list)
     spans: list[tuple[float, float, str]] = []
@@ -185,14 +159,6 @@ def timed(obj, name: str, acc: dict[str, float]) -> None:
 
 
 def run(a: argparse.Namespace) -> dict:
-    if a.fused_mamba_decode:
-        from hybrid_jax import ragged
-        ragged.FUSED_MAMBA_DECODE = True
-        os.environ["HYBRID_JAX_FUSED_MAMBA_DECODE"] = "1"  # keys the executable store apart
-    if a.unfused_attention_decode:
-        from hybrid_jax import ragged
-        ragged.FUSED_ATTENTION_DECODE = False
-        os.environ["HYBRID_JAX_UNFUSED_ATTENTION_DECODE"] = "1"  # keys the executable store apart
     lm = load_model(a.model, dtype=a.dtype)
     # Early sequences decode while later ones prefill: enough tokens that none finishes first.
     extra = 264 + 2 * -(-a.batch * a.prompt_len // max(a.chunk, a.batch))
@@ -215,68 +181,56 @@ def run(a: argparse.Namespace) -> dict:
     started: set[str] = set()
     while len(started) < a.batch:  # prefill until every sequence has its first token
         started |= {d.request_id for d in engine.step()}
-    step_s, ran, lengths = [], [], []
+    step_s, lengths = [], []
     captured = {}
-    orig = engine.runner.dispatch
 
-    def spy(arrays, sampling, *args, **kwargs):
+    def watch(arrays, sampling):
         captured["args"] = (arrays, sampling)
-        ran.append(len(arrays.slot_ids) == arrays.num_decodes == a.batch)
         lengths.append(arrays.seq_lens.copy())
-        return orig(arrays, sampling, *args, **kwargs)
 
-    engine.runner.dispatch = spy
-    for _ in range(200):  # until the whole batch decodes (late prefills and recomputes done)
-        engine.step()
-        if ran[-1]:
-            break
-    ran.clear()
-    lengths.clear()
-    # Host time per measured step by part: schedule (scheduler), _dispatch (flatten, sampling
-    # rows, padding, transfers, enqueue; includes dispatch = the runner's part), fetch
-    # (waiting for the previous step's tokens), update (scheduler), _delta (detokenize, stops).
-    host: dict[str, float] = {}
-    undo = [(engine.scheduler, "schedule"), (engine.scheduler, "update"), (engine, "_dispatch"),
-            (engine, "_delta"), (engine.runner, "fetch"), (engine.runner, "dispatch")]
-    for obj, name in undo:
-        timed(obj, name, host)
-    # Inside the runner's dispatch: host-to-device transfers, and enqueueing the forward
-    # and the sampler executables.
-    timed(jax, "device_put", host)
-    timed(engine.runner, "_host_put", host)  # the step's packed inputs (serving/host_pack.host_put)
-    executables = (engine.runner.compiled, engine.runner.samplers)
-    saved = [dict(d) for d in executables]
-    for d, kind in zip(executables, ("enqueue_forward", "enqueue_sampler"), strict=True):
-        for key, fn in list(d.items()):
-            def wrapped(*args, _fn=fn, _kind=kind):
-                t = time.perf_counter()
-                try:
-                    return _fn(*args)
-                finally:
-                    host[_kind] = host.get(_kind, 0.0) + time.perf_counter() - t
-            d[key] = wrapped
-    for _ in range(a.steps):
-        t = time.perf_counter()
-        engine.step()
-        step_s.append(time.perf_counter() - t)
-    for obj, name in undo:
-        obj.__dict__.pop(name, None)
-    engine.runner._host_put = engine.runner._host_put.__wrapped__
-    jax.device_put = jax.device_put.__wrapped__
-    for d, orig_d in zip(executables, saved, strict=True):
-        d.update(orig_d)
-    engine.runner.dispatch = orig
+    with whole_batch_steps(engine, a.batch, watch) as ran:
+        step_until_whole_batch(engine, ran, limit=200)  # late prefills and recomputes done
+        ran.clear()
+        lengths.clear()
+        # Host time per measured step by part: schedule (scheduler), _dispatch (flatten, sampling
+        # rows, padding, transfers, enqueue; includes dispatch = the runner's part), fetch
+        # (waiting for the previous step's tokens), update (scheduler), _delta (detokenize, stops).
+        host: dict[str, float] = {}
+        undo = [(engine.scheduler, "schedule"), (engine.scheduler, "update"), (engine, "_dispatch"),
+                (engine, "_delta"), (engine.runner, "fetch"), (engine.runner, "dispatch")]
+        for obj, name in undo:
+            timed(obj, name, host)
+        # Inside the runner's dispatch: host-to-device transfers, and enqueueing the forward
+        # and the sampler executables.
+        timed(jax, "device_put", host)
+        timed(engine.runner, "_host_put", host)  # the step's packed inputs (serving/host_pack.host_put)
+        executables = (engine.runner.compiled, engine.runner.samplers)
+        saved = [dict(d) for d in executables]
+        for d, kind in zip(executables, ("enqueue_forward", "enqueue_sampler"), strict=True):
+            for key, fn in list(d.items()):
+                def wrapped(*args, _fn=fn, _kind=kind):
+                    t = time.perf_counter()
+                    try:
+                        return _fn(*args)
+                    finally:
+                        host[_kind] = host.get(_kind, 0.0) + time.perf_counter() - t
+                d[key] = wrapped
+        for _ in range(a.steps):
+            t = time.perf_counter()
+            engine.step()
+            step_s.append(time.perf_counter() - t)
+        for obj, name in undo:
+            obj.__dict__.pop(name, None)
+        engine.runner._host_put = engine.runner._host_put.__wrapped__
+        jax.device_put = jax.device_put.__wrapped__
+        for d, orig_d in zip(executables, saved, strict=True):
+            d.update(orig_d)
     measured_lengths = list(lengths)
     assert all(ran), f"a measured step was not a full-batch decode: {ran} {engine.stats()}"
     engine_gaps = None
     host_events = None
     if a.trace_host:  # where the host's time goes inside engine.step() (TraceMe scopes)
-        d = tempfile.mkdtemp()
-        jax.profiler.start_trace(d)
-        for _ in range(10):
-            engine.step()
-        jax.profiler.stop_trace()
-        host_events = host_event_totals(d, 10, 40)
+        host_events = host_event_totals(trace_calls(engine.step, 10), 10, 40)
         for thread, name, ms, calls in host_events:
             print(f"  host {ms:8.3f} ms/step x{calls:<6} {thread:<28} {name}")
     if a.trace_engine:  # the engine loop's own GPU timeline (idle between kernels and steps)
@@ -333,7 +287,7 @@ def run(a: argparse.Namespace) -> dict:
     bw = copy_bandwidth()
     # The measured steps' real contexts (the floor of their mean step), not the prompt length.
     ctx = np.stack(measured_lengths)  # [steps, b]
-    per_step = [floor_bytes(engine, x) for x in ctx]
+    per_step = [engine_floor_bytes(engine, x) for x in ctx]
     fb = {k: sum(f[k] for f in per_step) // len(per_step) for k in per_step[0]}
     context = round(float(ctx.mean()), 1)
     res = {
@@ -348,10 +302,9 @@ def run(a: argparse.Namespace) -> dict:
         "floor_bytes": fb, "floor_ms": 1e3 * fb["total"] / bw, "top_kernels": top,
         "gemm_kernel_details": dict(KERNEL_DETAILS),
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
-        "xla_options": os.environ.get("HYBRID_JAX_XLA_OPTIONS", ""), "hlo": hlo,
+        "xla_options": switches.xla_options(), "hlo": hlo,
         "host_ms_per_step": {k: 1e3 * v / a.steps for k, v in host.items()},
-        "gaps": gaps, "engine_gaps": engine_gaps, "fused_mamba_decode": a.fused_mamba_decode,
-        "fused_attention_decode": not a.unfused_attention_decode,
+        "gaps": gaps, "engine_gaps": engine_gaps,
         "fuse_projections": fuse_projections_enabled(), "host_events": host_events,
     }
     res["engine_over_floor"] = res["engine_ms"] / res["floor_ms"]
@@ -372,30 +325,12 @@ def main() -> None:
     p.add_argument("--out", default=None)
     p.add_argument("--sync", action="store_true", help="async_scheduling=False (the synchronous loop)")
     p.add_argument("--dump", default=None, help="write the decode executable's optimised HLO here")
-    p.add_argument("--fused-mamba-decode", action="store_true",
-                   help="decode Mamba2 layers with the fused mamba2_step kernel (ragged.FUSED_MAMBA_DECODE)")
-    p.add_argument("--unfused-attention-decode", action="store_true",
-                   help="decode attention through RoPE + write_kv + paged decode in XLA "
-                        "(ragged.FUSED_ATTENTION_DECODE off): the step before 2026-11-24 evening")
     p.add_argument("--trace-host", action="store_true",
                    help="trace 10 engine steps and print the host's TraceMe scopes by time")
     p.add_argument("--trace-engine", action="store_true",
                    help="also trace 10 LLMEngine.step() calls: idle GPU time within and between steps")
     p.add_argument("--top", type=int, default=150, help="kernels kept in the JSON, by time (0: all)")
-    p.add_argument("--split-min-tiles", type=int, default=None,
-                   help="paged decode's MIN_TILES_PER_SPLIT for this run (A/B of the split heuristic)")
-    p.add_argument("--decode-splits", type=int, default=None,
-                   help="paged decode's splits for this run, whatever the batch (A/B of the heuristic)")
     a = p.parse_args()
-    if a.decode_splits is not None:
-        import pallas_kernels.paged_attention as paged_attention
-        paged_attention.default_splits = lambda *_: a.decode_splits
-        os.environ["HYBRID_JAX_BENCH_DECODE_SPLITS"] = str(a.decode_splits)  # keys the store
-    if a.split_min_tiles is not None:
-        import pallas_kernels.paged_decode as paged_decode
-        paged_decode.MIN_TILES_PER_SPLIT = a.split_min_tiles
-        # The executable store keys on HYBRID_JAX_* variables, not on module constants.
-        os.environ["HYBRID_JAX_BENCH_SPLIT_MIN_TILES"] = str(a.split_min_tiles)
     res = run(a)
     cols = ["batch_run", "context", "state_dtype", "loop", "engine_ms", "engine_mean_ms", "compiled_ms",
             "enqueue_ms",

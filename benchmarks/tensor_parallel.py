@@ -25,33 +25,26 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import tempfile
 import time
 
 import jax
-import numpy as np
 
-from benchmarks.arch_figures import _prompts, measure_decode
+from benchmarks.arch_figures import measure_decode
 from hybrid_jax import tensor_parallel as tp
 from hybrid_jax.loading import load_model
 from serving.engine.engine_config import EngineConfig
 from serving.engine.llm_engine import LLMEngine
+from serving.entrypoints.bench.common import emit
 from serving.entrypoints.bench.floor import copy_bandwidth, decode_floor_bytes
-from serving.entrypoints.bench.probe import step_until_whole_batch, whole_batch_steps
-from serving.entrypoints.bench.trace_report import gpu_kernel_events
-from serving.sample.sampling_params import SamplingParams
+from serving.entrypoints.bench.probe import decoding_batch
+from serving.entrypoints.bench.trace_report import gpu_kernel_events, trace_calls
 
 COLLECTIVE = ("nccl", "all-reduce", "allreduce", "all_reduce", "all-gather", "allgather", "all_gather")
 
 
 def trace_steps(engine: LLMEngine, steps: int) -> dict[str, dict[str, float]]:
     """GPU kernel ms per step, per device plane: {'/device:GPU:0': {'kernel_ms', 'collective_ms'}}."""
-    d = tempfile.mkdtemp()
-    jax.profiler.start_trace(d)
-    for _ in range(steps):
-        engine.step()
-    engine.step()  # the last dispatched step resolves
-    jax.profiler.stop_trace()
+    d = trace_calls(engine.step, steps + 1)  # the last dispatched step resolves in the extra call
     out: dict[str, dict[str, float]] = collections.defaultdict(
         lambda: {"kernel_ms": 0.0, "collective_ms": 0.0})
     for plane, ev in gpu_kernel_events(d):
@@ -96,25 +89,8 @@ def run_preset(name: str, n: int, a: argparse.Namespace, bw: float, base_steps: 
 
 def _traced(engine: LLMEngine, batch: int, a: argparse.Namespace) -> dict:
     """Profile a few full-batch decode steps (prefilled first, as in measure_decode)."""
-    rng = np.random.default_rng(3)
-    params = SamplingParams(temperature=0.0, max_tokens=a.trace_steps + 64, ignore_eos=True)
-    ids = [engine.add_request(prompt_token_ids=p, params=params)
-           for p in _prompts(rng, engine.model_config.vocab_size, batch, a.context)]
-    with whole_batch_steps(engine, batch) as full:
-        step_until_whole_batch(engine, full)
-        prof = trace_steps(engine, a.trace_steps)
-    for rid in ids:
-        engine.abort(rid)
-    while engine.has_unfinished():
-        engine.step()
-    return prof
-
-
-def emit(out: str | None, row: dict) -> None:
-    print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
-    if out:
-        with open(out, "a") as f:
-            f.write(json.dumps(row) + "\n")
+    with decoding_batch(engine, batch, a.context, max_tokens=a.trace_steps + 64, seed=3):
+        return trace_steps(engine, a.trace_steps)
 
 
 def main() -> None:

@@ -89,7 +89,7 @@ class CacheStacks(NamedTuple):
     """Every layer's cache, stacked by kind: a few device arrays instead of several per layer.
 
     Each array of an executable call costs the host ~3 us to enqueue (H100 hosts,
-    benchmarks/arg_count_probe.py): per-layer arrays made 96 of a 24-layer decode step's
+    docs/history/benchmarks-2026.md, thirteenth pass): per-layer arrays made 96 of a 24-layer decode step's
     arguments. Stacked, a step takes one K and one V array per window group and one
     array per state field.
 

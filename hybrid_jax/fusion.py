@@ -2,7 +2,7 @@
 
 A decode step's projections are skinny GEMMs whose cost is streaming their weights, and
 cuBLAS streams one wide matrix at a higher share of HBM bandwidth than several narrow
-ones. On the H100 (benchmarks/fused_projections.py, native-1b-parallel's 24 layers, 2.9
+ones. On the H100 (docs/history/benchmarks-2026.md, third pass; native-1b-parallel's 24 layers, 2.9
 GB of bf16 weights, 2026-11-24) the GEMMs of a step took 1.69 / 1.71 / 1.82 / 2.08 ms at
 8 / 64 / 128 / 256 rows as nine per layer and 1.20 / 1.27 / 1.43 / 1.55 ms fused into
 four (58 -> 81% of the copy-bandwidth floor at 8 rows, 57 -> 77% at 64).

@@ -16,7 +16,7 @@ Mamba2 verification runs the layer's whole recurrent core (conv, split, dt, SSM 
 for the q tokens as one fused kernel, `mamba2_step`, when its shapes allow (power-of-2
 head and state dims). Decode (one token) keeps the separate conv and SSM kernels: on
 the H100 the fused kernel plus its conv-state scatter measured ~0.1 ms per step slower
-than conv1d_decode + ssm_decode (native-1b-parallel, batch 1 and 64; docs/benchmarks.md);
+than conv1d_decode + ssm_decode (native-1b-parallel, batch 1 and 64; docs/history/benchmarks-2026.md);
 `FUSED_MAMBA_DECODE` switches decode to it. Prefill uses the separate kernels.
 
 `forward_verify` is the speculative-decoding variant: every sequence has the same q
@@ -33,12 +33,12 @@ token's effect never reaches a slot.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 
+from configs import switches
 from hybrid_jax.cache import (
     CacheStacks,
     KVCache,
@@ -143,7 +143,7 @@ def _fused_decode(layer: Attention | DepthAttention, kv: KVCache) -> bool:
     """Whether a decode step's attention of this layer runs `paged_attention_decode_fused`:
     RoPE on, no q/k norms, pages exactly as wide as the head, shapes the kernel takes."""
     cfg = layer.cfg
-    return (FUSED_ATTENTION_DECODE and isinstance(layer, Attention) and cfg.rope and not cfg.qk_norm
+    return (isinstance(layer, Attention) and cfg.rope and not cfg.qk_norm
             and decode_fused_fits(cfg.head_dim, cfg.rope_dim, kv.k))
 
 
@@ -219,8 +219,6 @@ def _scan_positions(a: jax.Array, x: jax.Array, states: jax.Array, slot_ids: jax
 
 # Decode through the fused kernel too (see the module doc: measured slower on the H100).
 FUSED_MAMBA_DECODE = False
-# Decode attention of fused layers through `paged_attention_decode_fused` (`_fused_decode`).
-FUSED_ATTENTION_DECODE = True
 
 
 def _mamba_in(layer: Mamba2Mixer, x: jax.Array | None, proj: jax.Array | None,
@@ -469,21 +467,21 @@ def _temporal(block: Block, u: jax.Array, batch: RaggedBatch, cache: LayerCache,
 # Decode steps of fused models run the glue between their GEMMs as one launch where XLA
 # took several kernels (pallas_kernels/decode_glue.py): `_merged_decode`, `_glued_residual`.
 # HYBRID_JAX_DECODE_GLUE=0 turns both off (A/B measurements; the executable store keys on it).
-DECODE_GLUE = os.environ.get("HYBRID_JAX_DECODE_GLUE", "1") != "0"
+DECODE_GLUE = switches.decode_glue()
 # Decode steps of at most this many rows launch a merged layer's paged decode and Mamba2
 # state update as one grid (`attention_ssm_decode`). HYBRID_JAX_PARALLEL_DECODE_ROWS=0: apart.
 # H100, native-1b-parallel, the two kernels' time per step apart -> together: 0.226 -> 0.150
 # ms at B = 1, 0.585 -> 0.521 at 8, 2.04 -> 1.92 at 64, 5.05 -> 4.97 at 128; 6.78 -> 6.90 at
-# 256 (docs/benchmarks.md, eleventh pass).
-PARALLEL_DECODE_ROWS = int(os.environ.get("HYBRID_JAX_PARALLEL_DECODE_ROWS", "128"))
+# 256 (docs/history/benchmarks-2026.md, eleventh pass).
+PARALLEL_DECODE_ROWS = switches.parallel_decode_rows()
 # Decode steps of at most this many rows run a merged layer's conv inside the Mamba2 state
 # update's programs (each rolls its x channels' conv state; mixer_merge rolls B's and C's):
 # one launch less per layer. H100, native-1b-parallel, kernel time per step apart ->
 # folded: 1.579 -> 1.538 ms at B = 1, 2.135 -> 2.111 at 8; slower from 16 rows (2.321 ->
 # 2.354 at 16, 3.006 -> 3.078 at 32, 3.79 -> 3.95 at 64: every program convolving B and C
-# costs more than the launch saved; docs/benchmarks.md, twelfth pass).
+# costs more than the launch saved; docs/history/benchmarks-2026.md, twelfth pass).
 # HYBRID_JAX_FOLD_CONV_ROWS=0: conv1d_decode apart.
-FOLD_CONV_ROWS = int(os.environ.get("HYBRID_JAX_FOLD_CONV_ROWS", "8"))
+FOLD_CONV_ROWS = switches.fold_conv_rows()
 
 
 def _merged_decode(block: Block, kv: KVCache | None, decode: bool, q: int) -> bool:

@@ -39,12 +39,6 @@ from pallas_kernels.paged_attention_ref import (
     paged_attention_prefill_reference,
 )
 from pallas_kernels.parallel_decode import attention_ssm_decode
-from pallas_kernels.skinny_gemm import (
-    skinny_config,
-    skinny_fits,
-    skinny_matmul,
-    skinny_matmul_reference,
-)
 from pallas_kernels.ssd import ssd_ragged, ssd_ragged_reference
 from pallas_kernels.ssm_decode import ssm_decode, ssm_decode_packed, ssm_decode_reference
 
@@ -77,10 +71,6 @@ __all__ = [
     "paged_attention_prefill",
     "paged_attention_prefill_reference",
     "resolve_impl",
-    "skinny_config",
-    "skinny_fits",
-    "skinny_matmul",
-    "skinny_matmul_reference",
     "ssd_ragged",
     "ssd_ragged_reference",
     "ssm_decode",

@@ -15,10 +15,11 @@ This module knows nothing of models or scheduling.
 from __future__ import annotations
 
 import functools
-import os
 from typing import Literal
 
 import jax
+
+from configs import switches
 
 Impl = Literal["pallas", "interpret", "reference"]
 IMPLS: tuple[Impl, ...] = ("pallas", "interpret", "reference")
@@ -27,7 +28,7 @@ IMPLS: tuple[Impl, ...] = ("pallas", "interpret", "reference")
 @functools.cache
 def default_impl() -> Impl:
     """The process-wide implementation, chosen once (env var, else by backend)."""
-    env = os.environ.get("HYBRID_JAX_KERNELS")
+    env = switches.kernels()
     if env is not None:
         if env not in IMPLS:
             raise ValueError(f"HYBRID_JAX_KERNELS={env!r} must be one of {IMPLS}")

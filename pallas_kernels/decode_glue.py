@@ -8,9 +8,9 @@ In a decode step each of these was two to five XLA kernels of 1-3 us: the residu
 with its sum of squares, the norm's application; the merge of paged decode's split
 partial results (two), the gated norm's sum and application, the concatenation before
 the fused out-projection. On the H100 a decode step of a 24-layer hybrid ran ~9 such
-kernels per layer at batch 1 (docs/benchmarks.md). Each op here is one Pallas launch of
-one program per (row) or per (row, head / norm group): latency, not bandwidth, is what
-they cost, so they are written for few, short programs.
+kernels per layer at batch 1 (docs/history/benchmarks-2026.md, tenth pass). Each op
+here is one Pallas launch of one program per (row) or per (row, head / norm group):
+latency, not bandwidth, is what they cost, so they are written for few, short programs.
 
 The norm weights are read at row `row` of a stack [L, d] of every layer's weights in
 place (hybrid_jax/fusion.py stacks them): a per-layer slice of the step's packed

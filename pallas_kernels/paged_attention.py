@@ -131,11 +131,11 @@ def paged_attention_decode(
         return paged_attention_prefill_reference(
             q, k_pages, v_pages, cu, lengths, page_table, window=window, softcap=softcap, scale=scale)
     _check_kernel_shapes(k_pages)
-    # Measured on H100 (docs/benchmarks.md): 32 KiB K + V tiles, no cp.async
+    # Measured on H100 (docs/history/benchmarks-2026.md): 32 KiB K + V tiles, no cp.async
     # pipelining (num_stages=1) so several programs share an SM, beat deeper stages.
     # With one to four programs per SM (132 <= batch x KV heads < 528) 16 KiB tiles do
     # better (native-1b-parallel, batch 64, context 612: 55 us against 67 us per layer;
-    # benchmarks/paged_decode_sweep.py); with fewer, splits fill the GPU and they do not
+    # a sweep since removed); with fewer, splits fill the GPU and they do not
     # (batch 8, in the step: 0.58 ms against 0.52 ms).
     cfg, splits = _decode_tuning(k_pages, page_table, b, queries, window, softcap, scale)
     return decode_pallas(
@@ -302,7 +302,7 @@ def _prefill_tuning(k_pages, group: int) -> tuple[int, int, int, int]:
     half-size tiles and 2 stages to stay inside shared memory. 32-bit pools take half
     the rows and 8 warps: with 128 rows (4 warps) the f32 kernel spent 1.17 ms on five
     query tokens of the default model's shape against 83 us so (H100, 2026-11-23:
-    docs/benchmarks.md).
+    docs/history/benchmarks-2026.md).
     """
     wide = k_pages.dtype.itemsize >= 4
     rows = _fit((16384 if wide else 32768) // _row_bytes(k_pages), 16, 128)

@@ -54,7 +54,7 @@ NUM_SMS = 132  # H100 SXM: the launch heuristics' idea of a full GPU
 # beat 4 / 16 (paged_decode 0.313 -> 0.280 ms per step at batch 1, 0.501 -> 0.457 ms at
 # batch 8); since the splits are merged inside decode_glue.mixer_merge, 1 tile per split
 # against 2: paged_decode 0.185 -> 0.143 ms per step at batch 1 (mixer_merge 0.061 ->
-# 0.068 ms; compiled step 1.677 -> 1.646 ms), batch 8 unchanged (docs/benchmarks.md).
+# 0.068 ms; compiled step 1.677 -> 1.646 ms), batch 8 unchanged (docs/history/benchmarks-2026.md, tenth pass).
 MIN_TILES_PER_SPLIT = 1
 MAX_SPLITS = 32
 

@@ -34,7 +34,7 @@ from pallas_kernels.launch import dot, launch
 from pallas_kernels.ragged import chunk_table, pad_tokens
 from pallas_kernels.ssm_common import effective_dt, silu
 
-# Tuned on H100 (docs/benchmarks.md).
+# Tuned on H100 (docs/history/benchmarks-2026.md).
 BLOCK_M = 64  # rows of a chunk per program in step 3 (and per loop step in step 1)
 HEAD_BLOCK = 2  # heads per program in step 3, sharing one C B^T per block
 PASS_BLOCK_P = 16  # state rows per program in step 2

@@ -30,7 +30,7 @@ from pallas_kernels.horizontal import Deferred, Part, launch_parts
 from pallas_kernels.launch import channel_block, is_pow2, launch
 from pallas_kernels.ssm_common import check_mamba_args, effective_dt, silu
 
-# Tuned on H100 (docs/benchmarks.md, benchmarks/ssm_decode_sweep.py), by state dtype:
+# Tuned on H100 (docs/history/benchmarks-2026.md, "SSM kernels"), by state dtype:
 # keyword arguments of `_decode_pallas`. The grid order "phs" (consecutive programs
 # walk one slot's contiguous state) took f32 from ~525 to ~490 us; evict_first on the
 # state load/store helps bf16 (273 -> 259 us), not f32.

@@ -9,7 +9,7 @@ packed host input (page tables, slot ids, lengths: ~80 kernels per decode step o
 24-layer hybrid) reads the parameter's own buffer. That buffer is a fresh host-to-device
 transfer each call, at a new address, and XLA's CUDA-graph runtime updates every graph
 node that reads a buffer whose address changed: ~80 node updates per call, 0.25-0.45 ms
-of host time on an H100 host, measured (docs/benchmarks.md, seventh pass). A custom
+of host time on an H100 host, measured (docs/history/benchmarks-2026.md, seventh pass). A custom
 call is neither removed nor fused, so with this copy first the consumers read the
 copy, which lives in the step's temporary buffer at an address that does not change
 between calls, and only this kernel's node is updated.

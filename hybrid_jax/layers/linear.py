@@ -7,73 +7,36 @@ with a mesh axis name: a row-parallel Linear sums its partial products over the 
 (`gather_axis`), a vocabulary-parallel Embed looks up its own rows and sums
 (`shard_axis`). Unmarked (the default) they are plain single-device layers.
 
-On a GPU, a Linear whose input has few rows (decode: rows = the decode batch) can run the
-Pallas skinny GEMM (pallas_kernels/skinny_gemm.py): cuBLAS streams bf16 weights at
-~55-60% of HBM bandwidth at those sizes, and XLA's own Triton GEMMs, though faster per
-kernel, are disabled in the step executables (the CUDA graph idles ~9 us before each).
-It is OFF by default (HYBRID_JAX_SKINNY_GEMM_MAX_ROWS=0): in the engine's step the
-weights are slices of one flat parameter buffer, and XLA copies each slice into its own
-buffer before a custom call (216 device copies per step for native-1b-parallel:
-compiled step 6.55 ms against 4.85 ms at batch 64 on the H100), and read in place from
-HBM the kernel is no faster than cuBLAS at these shapes (docs/kernels.md).
-The switch is static (shapes are known at trace time) and local to the matmul: under
-tensor parallelism the psum / all_gather that follow are unchanged.
-
 A Linear may hold its kernel transposed, [out, in] (`transposed`; the serving engine's
 fused copy of a model does, hybrid_jax/fusion.py). Its products contract both operands'
 last axes (cuBLAS's TN case, as fast as [in, out] at 8-128 rows on the H100). With one
 row on a GPU (a batch-1 decode step) the product is a multiply and a sum over each
 kernel row, which XLA emits as one reduction fusion reading the weights once at
 95-102% of copy bandwidth, against 67-90% for cuBLAS's GEMV kernels (17% for one
-shape: benchmarks/gemm_layout.py --gemv). `REDUCTION_GEMV` (env
-HYBRID_JAX_REDUCTION_GEMV, default on) turns that off; `REDUCTION_GEMV_ANY_BACKEND` lets
+shape; H100, docs/history/benchmarks-2026.md, ninth pass). `REDUCTION_GEMV_ANY_BACKEND` lets
 tests run it on the CPU.
+
+A Pallas skinny GEMM for few-row products was tried and removed: read in place it
+streamed weights no faster than cuBLAS (docs/history/benchmarks-2026.md, second pass).
 """
 
 from __future__ import annotations
 
 import math
-import os
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from pallas_kernels.backend import Impl
-from pallas_kernels.skinny_gemm import skinny_fits, skinny_matmul
+from configs import switches
 from pallas_kernels.stream_gemm import StreamConfig, stream_glu
 
-
-def _max_rows_from_env() -> int:
-    text = os.environ.get("HYBRID_JAX_SKINNY_GEMM_MAX_ROWS", "0")
-    try:
-        rows = int(text)
-    except ValueError:
-        rows = -1
-    if rows < 0:
-        raise ValueError(f"HYBRID_JAX_SKINNY_GEMM_MAX_ROWS={text!r} must be an integer >= 0")
-    return rows
-
-
-# Inputs with at most this many rows (all leading axes flattened) take the skinny GEMM on
-# a GPU; 0 (the default, see the module docstring) turns it off. The kernel itself takes
-# at most 256 rows.
-SKINNY_GEMM_MAX_ROWS = _max_rows_from_env()
-# None: the skinny GEMM on GPU backends only, with the process-wide kernel impl. Tests set
-# "interpret" to run it (interpret mode) on any backend.
-SKINNY_GEMM_IMPL: Impl | None = None
-# bf16 only: f32 weights keep XLA's dot (the kernel's exact-f32 products run on CUDA cores,
-# compute-bound well below 256 rows).
-SKINNY_GEMM_DTYPES = (jnp.dtype(jnp.bfloat16),)
-
-
-REDUCTION_GEMV = os.environ.get("HYBRID_JAX_REDUCTION_GEMV", "1") != "0"
 REDUCTION_GEMV_ANY_BACKEND = False  # tests: the one-row reduction on any backend
 
 
 # Decode products whose consumer sums depth parts (`Linear.partials`); env
 # HYBRID_JAX_SPLIT_K=0 turns it off. SPLIT_K_ANY_BACKEND: tests run it on the CPU.
-SPLIT_K = os.environ.get("HYBRID_JAX_SPLIT_K", "1") != "0"
+SPLIT_K = switches.split_k()
 SPLIT_K_ANY_BACKEND = False
 
 
@@ -81,10 +44,11 @@ SPLIT_K_ANY_BACKEND = False
 # weight-streaming GEMM (pallas_kernels/stream_gemm.stream_glu, `Linear.glu`) for decode
 # steps of STREAM_GEMM_ROWS rows, reading the layer's rows of the gate/up kernels' stack
 # (hybrid_jax/fusion.py) in place. H100, native-1b-parallel: 0.03-0.05 ms less kernel
-# time per step at B = 8, 0.02-0.03 ms at B = 64 (docs/benchmarks.md, fifteenth pass). Env
+# time per step at B = 8, 0.02-0.03 ms at B = 64 (docs/history/benchmarks-2026.md, fifteenth
+# pass). Env
 # HYBRID_JAX_STREAM_GEMM=0 turns it off. STREAM_GEMM_IMPL: None runs it on Hopper GPUs
 # only; tests set "reference" to take the same path through XLA on any backend.
-STREAM_GEMM = os.environ.get("HYBRID_JAX_STREAM_GEMM", "1") != "0"
+STREAM_GEMM = switches.stream_gemm()
 STREAM_GEMM_IMPL: str | None = None
 STREAM_GEMM_ROWS = (8, 16, 32, 64)
 STREAM_GEMM_MIN_N = 2048  # gate/up outputs per half: narrower MLPs stay with cuBLAS
@@ -97,13 +61,9 @@ def glu_config(rows: int, n: int, k: int) -> StreamConfig | None:
     0.034 ms per step for 24 layers on the H200)."""
     if rows not in STREAM_GEMM_ROWS or n < STREAM_GEMM_MIN_N or k % 128:
         return None
-    override = os.environ.get("HYBRID_JAX_STREAM_GEMM_CONFIG")  # "tn,tk,stages,swap": experiments
+    override = switches.stream_gemm_config()  # tuning experiments
     if override:
-        try:
-            tn, tk, stages, swap = (int(v) for v in override.split(","))
-        except ValueError:
-            raise ValueError(f"HYBRID_JAX_STREAM_GEMM_CONFIG={override!r}: expected four integers "
-                             "tn,tk,stages,swap") from None
+        tn, tk, stages, swap = override
         cfg = StreamConfig(tn=tn, tk=tk, stages=stages, splits=1, swap=bool(swap))
     else:
         cfg = StreamConfig(tn=64, tk=128, stages=4, splits=1, swap=rows != 64)
@@ -124,13 +84,13 @@ def stream_gemm_active() -> bool:
 
 def reduction_gemv() -> bool:
     """Whether one-row products of transposed kernels are reductions here (module doc)."""
-    return REDUCTION_GEMV and (REDUCTION_GEMV_ANY_BACKEND or jax.default_backend() == "gpu")
+    return REDUCTION_GEMV_ANY_BACKEND or jax.default_backend() == "gpu"
 
 
 def matmul(x: jax.Array, kernel: jax.Array, transposed: bool = False) -> jax.Array:
     """x [..., i] @ kernel [i, o] (or kernel [o, i] contracted on its last axis when
-    `transposed`) in the kernel's dtype, f32 accumulation: the skinny GEMM or the one-row
-    reduction where they apply (module doc), else XLA's dot."""
+    `transposed`) in the kernel's dtype, f32 accumulation: the one-row reduction where it
+    applies (module doc), else XLA's dot."""
     rows = math.prod(x.shape[:-1])
     if transposed:
         x = x.astype(kernel.dtype)
@@ -138,16 +98,7 @@ def matmul(x: jax.Array, kernel: jax.Array, transposed: bool = False) -> jax.Arr
             y = jnp.sum(x.astype(jnp.float32)[..., None, :] * kernel.astype(jnp.float32), axis=-1)
             return y.astype(kernel.dtype)
         return jax.lax.dot_general(x, kernel, (((x.ndim - 1,), (1,)), ((), ())))
-    skinny = (
-        (SKINNY_GEMM_IMPL is not None or jax.default_backend() == "gpu")
-        and rows <= SKINNY_GEMM_MAX_ROWS
-        and jnp.dtype(kernel.dtype) in SKINNY_GEMM_DTYPES
-        and skinny_fits(rows, *kernel.shape)
-    )
-    if not skinny:
-        return jnp.dot(x.astype(kernel.dtype), kernel)
-    y = skinny_matmul(x.reshape(rows, x.shape[-1]), kernel, impl=SKINNY_GEMM_IMPL)
-    return y.reshape(*x.shape[:-1], kernel.shape[1])
+    return jnp.dot(x.astype(kernel.dtype), kernel)
 
 
 class Linear(nnx.Module):
@@ -213,7 +164,7 @@ class Linear(nnx.Module):
     def split_k_parts(self, rows: int) -> int:
         """How many depth parts `partials` should use for `rows` rows: 2 for a transposed,
         bias-free plain kernel with at most 2048 outputs at 2-64 rows on a GPU, else 1
-        (benchmarks/gemm_layout.py --split-k, H100: the out- and down-projections of
+        (H100, docs/history/benchmarks-2026.md, tenth pass: the out- and down-projections of
         native-1b-parallel 58-67% -> 64-74% of copy bandwidth; wider outputs lose)."""
         kernel = self.weight()
         ok = (SPLIT_K and (SPLIT_K_ANY_BACKEND or jax.default_backend() == "gpu") and self.transposed

@@ -8,9 +8,9 @@ HYBRID_JAX_DEBUG=1 shows the traceback.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
+from configs import switches
 from hybrid_jax.train.cli import add_train_args, run_train
 
 
@@ -22,7 +22,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m hybrid_jax.train"
     try:
         return run_train(args)
     except (ValueError, OSError) as err:
-        if os.environ.get("HYBRID_JAX_DEBUG"):
+        if switches.debug():
             raise
         print(f"{prog}: error: {err}", file=sys.stderr)
         return 2

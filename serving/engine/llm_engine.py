@@ -70,7 +70,7 @@ def freeze_heap() -> None:
     For a process that serves one engine for its life (the CLI, the server): after
     start-up the heap holds millions of long-lived objects (JAX, the model, the
     executables), and each full collection walks them all, which stalls one step by
-    100-200 ms every few hundred steps at batch 256 (benchmarks/host_step.py). Frozen,
+    100-200 ms every few hundred steps at batch 256 (docs/history/benchmarks-2026.md). Frozen,
     a full collection walks only what was made after start-up. An object frozen here
     is never collected as part of a reference cycle later, so a process that builds
     and drops engines (tests, notebooks) should not call this.

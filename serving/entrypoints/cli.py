@@ -23,7 +23,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from configs import DEFAULT_MODEL, resolve_model_name
+from configs import DEFAULT_MODEL, resolve_model_name, switches
 from serving.entrypoints.cli_support import add_client_args, check_bindable, prepare_model, run_user_command
 
 EPILOG = """examples:
@@ -206,7 +206,7 @@ def _parser() -> argparse.ArgumentParser:
     sec = serve.add_argument_group("security and limits")
     sec.add_argument("--tls-cert", metavar="PEM", help="serve TLS with this certificate chain (+ --tls-key)")
     sec.add_argument("--tls-key", metavar="PEM", help="the private key of --tls-cert")
-    sec.add_argument("--api-key", default=os.environ.get("HYBRID_JAX_API_KEY"),
+    sec.add_argument("--api-key", default=switches.api_key(),
                      help="require 'authorization: Bearer KEY' on every call but health checks "
                           "(default: $HYBRID_JAX_API_KEY; prefer it to the flag, which ps shows)")
     sec.add_argument("--max-request-bytes", type=int, default=None,

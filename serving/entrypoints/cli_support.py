@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import socket
 import sys
@@ -27,6 +26,7 @@ from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
 
+from configs import switches
 from serving.entrypoints.hub import is_repo_id, resolve_model
 
 USER_ERRORS = (ValueError, OSError)
@@ -44,7 +44,7 @@ def run_user_command(command: Callable[[argparse.Namespace], int], args: argpars
         print(f"hybrid-jax {args.command}: interrupted", file=sys.stderr)
         return 130
     except USER_ERRORS as err:
-        if os.environ.get("HYBRID_JAX_DEBUG"):
+        if switches.debug():
             raise
         print(f"hybrid-jax {args.command}: error: {user_message(err, args)}", file=sys.stderr)
         return EXIT_USER_ERROR
@@ -172,7 +172,7 @@ def add_client_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--request-id", default="", help="request id for the server logs (default: generated)")
     p.add_argument("--tls", action="store_true", help="connect with TLS, trusting the system's CAs")
     p.add_argument("--tls-ca", metavar="PEM", help="connect with TLS, trusting this CA certificate")
-    p.add_argument("--api-key", default=os.environ.get("HYBRID_JAX_API_KEY"),
+    p.add_argument("--api-key", default=switches.api_key(),
                    help="sent as 'authorization: Bearer KEY' (default: $HYBRID_JAX_API_KEY)")
     p.add_argument("--usage", action="store_true", help="print finish reason and usage to stderr")
     p.add_argument("--info", action="store_true", help="print the server's model info as JSON and exit")

@@ -34,6 +34,8 @@ from pathlib import Path
 
 import jax
 
+from configs import switches
+
 log = logging.getLogger(__name__)
 _PACKAGES = ("hybrid_jax", "pallas_kernels", "serving")
 VERSION = 1  # bump to orphan every stored executable
@@ -52,7 +54,6 @@ def source_digest() -> str:
     return h.hexdigest()
 
 
-_NOT_KEYED = ("KEY", "SECRET", "TOKEN", "PASSWORD", "DEBUG", "EXECUTABLE_STORE")
 # jax settings that change what a function traces or lowers to.
 _JAX_FLAGS = ("jax_enable_x64", "jax_default_matmul_precision", "jax_threefry_partitionable",
               "jax_default_prng_impl", "jax_numpy_dtype_promotion")
@@ -63,8 +64,8 @@ def _environment(devices) -> str:
     import jaxlib
 
     backend = jax.devices()[0].client
-    env = sorted((k, v) for k, v in os.environ.items()
-                 if k == "XLA_FLAGS" or (k.startswith("HYBRID_JAX_") and not any(w in k for w in _NOT_KEYED)))
+    xla_flags = [(k, v) for k, v in os.environ.items() if k == "XLA_FLAGS"]
+    env = sorted([*switches.keyed_environment(), *xla_flags])
     flags = [(f, str(getattr(jax.config, f, None))) for f in _JAX_FLAGS]
     return repr((VERSION, source_digest(), jax.__version__, jaxlib.__version__, flax.__version__,
                  backend.platform, backend.platform_version,
@@ -89,8 +90,7 @@ class ExecutableStore:
     def __init__(self, directory: str | os.PathLike, devices, max_bytes: int | None = None) -> None:
         self.dir = Path(directory)
         if max_bytes is None:
-            gb = os.environ.get("HYBRID_JAX_EXECUTABLE_STORE_MAX_GB")
-            max_bytes = int(float(gb) * 2**30) if gb else DEFAULT_MAX_BYTES
+            max_bytes = switches.executable_store_max_bytes(DEFAULT_MAX_BYTES)
         self.max_bytes = max_bytes
         self.context = _environment(devices)
         self.hits = self.misses = self.errors = 0
@@ -170,7 +170,7 @@ def default_store(devices) -> ExecutableStore | None:
     can deserialize without some of their fused functions ("NOT_FOUND: Function ...
     not found" at the first call), and CPU start-up is not what the store is for."""
     base = jax.config.jax_compilation_cache_dir
-    switch = os.environ.get("HYBRID_JAX_EXECUTABLE_STORE")
+    switch = switches.executable_store()
     if not base or switch == "0" or (switch != "1" and jax.default_backend() != "gpu"):
         return None
     return ExecutableStore(Path(os.path.expanduser(base)) / "hybrid-jax-executables", devices)

@@ -4,7 +4,7 @@ Why: a step runs as a CUDA graph, and before each launch XLA updates every graph
 that uses a buffer whose address changed since the last call. XLA places the step's
 temporaries inside its output buffers (and inside donated parameters it never reads),
 so results allocated afresh each call made ~80 nodes of a decode step change, 0.3-0.7
-ms of host time per call on an H100 host (docs/benchmarks.md, seventh pass). Buffers
+ms of host time per call on an H100 host (docs/history/benchmarks-2026.md, seventh pass). Buffers
 kept here keep their addresses:
 
 - logits [b, vocab] f32, one buffer per row count, reused every call: the host never

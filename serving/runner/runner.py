@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import os
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -34,6 +33,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from configs import switches
 from hybrid_jax import tensor_parallel as tp
 from hybrid_jax.cache import RaggedBatch, init_caches, states_of
 from hybrid_jax.fusion import fuse_projections, kernel_stacks
@@ -67,10 +67,7 @@ def fuse_projections_enabled() -> bool:
     """Fused projections on the single-device path (hybrid_jax/fusion.py): on unless
     HYBRID_JAX_FUSE_PROJECTIONS=0 (for A/B measurements; the executable store keys on it).
     Tensor-parallel runners never fuse (a fused matrix's column shards would mix heads)."""
-    text = os.environ.get("HYBRID_JAX_FUSE_PROJECTIONS", "1")
-    if text not in ("0", "1"):
-        raise ValueError(f"HYBRID_JAX_FUSE_PROJECTIONS={text!r} must be 0 or 1")
-    return text == "1"
+    return switches.fuse_projections()
 
 
 class StepResult(NamedTuple):
@@ -123,7 +120,7 @@ class ModelRunner:
             if ckpt_ops else None
         # HYBRID_JAX_SHARDED_RUNNER=1 runs the tensor-parallel path (packed shards, shard_map,
         # explicit shardings) on a one-device mesh: the TP step checked on one GPU.
-        if n == 1 and os.environ.get("HYBRID_JAX_SHARDED_RUNNER", "0") != "1":
+        if n == 1 and not switches.sharded_runner():
             if fuse_projections_enabled():  # one GEMM per shared input (hybrid_jax/fusion.py)
                 model = fuse_projections(model)
                 self.transposed = True  # its layers' Linears held [out, in], fused or not

@@ -14,9 +14,7 @@ an argument, never baked into the HLO; host inputs arrive as one int32 buffer
 from __future__ import annotations
 
 import functools
-import json
 import logging
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -26,6 +24,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from configs import switches
 from hybrid_jax import tensor_parallel as tp
 from hybrid_jax.cache import CacheStacks, RaggedBatch, states_of, with_states
 from hybrid_jax.ragged import choose, forward_ragged, forward_verify
@@ -99,7 +98,8 @@ def decode_row_floor() -> int:
     """Rows of the smallest decode bucket: 8 on GPUs, where XLA lowers a decode step's
     projections with fewer rows to reduction fusions at ~45% of bandwidth and with 8 to
     GEMMs (H100, native-1b-parallel at batch 1: 4.21 ms per engine step in an 8-row
-    bucket against 5.51 ms in a 1-row one, measured with Triton GEMMs; docs/benchmarks.md). So one sequence
+    bucket against 5.51 ms in a 1-row one, measured with Triton GEMMs;
+    docs/history/benchmarks-2026.md). So one sequence
     (`hybrid-jax generate`, max_num_seqs=1) decodes in padded 8-row steps there.
 
     The engine also allocates at least this many slots (plus the dummy) when the memory
@@ -128,9 +128,7 @@ def compile_options() -> dict[str, object]:
     HYBRID_JAX_XLA_OPTIONS (JSON) adds or overrides options, for experiments.
     """
     opts: dict[str, object] = {"xla_disable_hlo_passes": "dot-merger", "xla_gpu_enable_triton_gemm": False}
-    extra = os.environ.get("HYBRID_JAX_XLA_OPTIONS")
-    if extra:
-        opts |= json.loads(extra)
+    opts |= switches.xla_options()
     return {k: v for k, v in opts.items() if v is not None}
 
 
@@ -194,7 +192,7 @@ def _forward_fn(graphdef: nnx.GraphDef, layout: PackLayout, decode: bool, host: 
     XLA puts in it never moves; the sample buffers cycle (the host reads them after the next
     step is dispatched), and `write_into` (pallas_kernels/stage_copy.py) keeps them free of
     temporaries by reading them, so only its node is updated when they change
-    (docs/benchmarks.md, seventh pass).
+    (docs/history/benchmarks-2026.md, seventh pass).
     """
 
     def model_forward(params, caches, batch):

@@ -92,6 +92,14 @@ def write_json(out: Path, mode: str, data: dict) -> Path:
     return path
 
 
+def emit(out: str | None, row: dict) -> None:
+    """Print one figure as a JSON line (floats rounded) and append it, unrounded, to `out`."""
+    print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
+    if out:
+        with open(out, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
 def _jsonable(x: object) -> object:
     if isinstance(x, np.generic):
         return x.item()

@@ -6,8 +6,11 @@ attention layer and write the new token's K/V, and read and write every recurren
 state once. Those bytes over the device's copy bandwidth (a large device-to-device
 copy timed in the same run, counting bytes read plus bytes written) are the floor;
 a measured step over it is the gap. Activations and logits are not counted (they are
-small next to the rest at these shapes). Computed from the model config alone,
-independently of the engine's own allocation arithmetic.
+small next to the rest at these shapes). `decode_floor_bytes` computes it from the model
+config alone, independently of the engine's own allocation arithmetic;
+`engine_floor_bytes` from an engine's caches at each sequence's real context (the step
+anatomy's floor). A prefill step is judged by its model FLOPs (`model_flops`) against
+the rate of a large bf16 matmul measured in the same process (`matmul_rate`).
 """
 
 from __future__ import annotations
@@ -17,7 +20,9 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from hybrid_jax.cache import states_of
 from hybrid_jax.config import LayerKind, ModelConfig
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
@@ -76,3 +81,60 @@ def floor_report(cfg: ModelConfig, *, batch: int, context: int, weight_bytes: in
     floor_s = b["total"] / bandwidth
     return {"floor_bytes": b["total"], "floor_weights_bytes": b["weights"], "floor_kv_bytes": b["kv"],
             "floor_state_bytes": b["state"], "floor_ms": 1e3 * floor_s, "gap_x": step_s / floor_s}
+
+
+def engine_floor_bytes(engine, lengths: np.ndarray) -> dict[str, int]:
+    """Weights once, each sequence's in-window K/V once, recurrent state read + written,
+    from the engine's own parameters and caches.
+
+    lengths [b]: each sequence's keys in cache in the step (its context). They differ:
+    sequences admitted early have decoded while later ones still prefilled.
+    """
+    cfg, runner = engine.model_config, engine.runner
+    weights = sum(x.nbytes for x in jax.tree.leaves(runner.params))
+    batch = len(lengths)
+    kv = state = 0
+    for window, cache in zip(cfg.windows, runner.caches.kv, strict=True):
+        k = cache.k  # [k, layers, pages, s, e]
+        per_token = 2 * k.shape[0] * k.shape[1] * k.shape[4] * k.dtype.itemsize
+        seen = lengths if window is None else np.minimum(lengths, window)
+        kv += int(seen.sum()) * per_token
+    for x in jax.tree.leaves(states_of(runner.caches)):  # [layers, slots, ...]
+        state += 2 * batch * (x.nbytes // x.shape[1])
+    return {"weights": weights, "kv": kv, "state": state, "total": weights + kv + state}
+
+
+def matmul_rate(n: int = 8192) -> float:
+    """FLOP/s of an [n, n] x [n, n] bf16 matmul (the best of 5 samples of 10 calls)."""
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.bfloat16)
+    b = jax.random.normal(jax.random.key(1), (n, n), jnp.bfloat16)
+    f = jax.jit(lambda x, y: x @ y)
+    f(a, b).block_until_ready()
+    ts = []
+    for _ in range(5):
+        t = time.perf_counter()
+        for _ in range(10):
+            c = f(a, b)
+        c.block_until_ready()
+        ts.append((time.perf_counter() - t) / 10)
+    return 2 * n**3 / min(ts)
+
+
+def model_flops(engine, context: int) -> float:
+    """FLOPs per prompt token at mean attention span `context`: 2 x the parameters touched
+    per token (every weight but the embedding table; a tied head counts once) + attention
+    4 x heads x head_dim x keys in the window + SSD 2 x heads x head_dim x (3 x state +
+    chunk) (the chunked form counted at its matmul size)."""
+    cfg = engine.model_config
+    params = sum(x.size for x in jax.tree.leaves(engine.runner.params))
+    dense = 2 * (params - cfg.vocab_size * cfg.hidden_size * (0 if cfg.tie_embeddings else 1))
+    att = ssm = 0
+    for spec in cfg.layers:
+        if spec.kind.has_attention:
+            a = cfg.attention
+            keys = context if spec.window is None else min(context, spec.window)
+            att += 4 * a.num_heads * a.head_dim * keys
+        if spec.kind.has_mamba2:
+            m = cfg.mamba2
+            ssm += 2 * m.num_heads * m.head_dim * (3 * m.state_size + m.chunk_size)
+    return dense + att + ssm

@@ -3,7 +3,8 @@
 `measure_decode` submits a batch, steps until every sequence is past its prefill
 (each has its first token), then times steps in which the whole batch decodes: a
 step counts only if every request of the batch got exactly one new token from it
-and none finished. `trace_scopes` names the engine's phases in a jax.profiler trace
+and none finished. `decoding_batch` and `whole_batch_steps` do the same for scripts
+that time or trace steps their own way. `trace_scopes` names the engine's phases in a jax.profiler trace
 by wrapping the engine's methods where they exist (the engine's own code is not
 changed). Only the public engine API is relied on: add_request, step, abort, stats.
 """
@@ -14,7 +15,7 @@ import contextlib
 import functools
 import statistics
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import jax
@@ -194,14 +195,18 @@ def _wrap(owner: object, method: str, scope: str, patched: list) -> None:
 
 
 @contextlib.contextmanager
-def whole_batch_steps(engine, batch: int) -> Iterator[list[bool]]:
+def whole_batch_steps(engine, batch: int,
+                      watch: Callable[..., None] | None = None) -> Iterator[list[bool]]:
     """Record, per step the runner dispatches, whether all `batch` sequences decode in it
     (wraps `engine.runner.dispatch`; restored on exit). Benchmarks count or trace only
-    the steps where this is True."""
+    the steps where this is True. `watch(arrays, sampling)`, if given, sees each step's
+    host arrays first (their contexts, or the step itself to replay)."""
     full: list[bool] = []
     orig = engine.runner.dispatch
 
     def spy(arrays, sampling, *args, **kwargs):
+        if watch is not None:
+            watch(arrays, sampling)
         full.append(len(arrays.slot_ids) == arrays.num_decodes == batch)
         return orig(arrays, sampling, *args, **kwargs)
 
@@ -218,3 +223,26 @@ def step_until_whole_batch(engine, full: list[bool], limit: int = 10_000) -> Non
         engine.step()
         if full and full[-1]:
             return
+
+
+@contextlib.contextmanager
+def decoding_batch(engine, batch: int, context: int, max_tokens: int,
+                   seed: int = 2) -> Iterator[list[bool]]:
+    """Serve `batch` random prompts of `context` tokens (greedy, EOS ignored), step until
+    the whole batch decodes, and yield `whole_batch_steps`' record (cleared) for the
+    steps the caller runs; on exit abort the requests and drain the engine."""
+    rng = np.random.default_rng(seed)
+    vocab = engine.model_config.vocab_size
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    ids = [engine.add_request(prompt_token_ids=rng.integers(3, vocab, context).tolist(), params=params)
+           for _ in range(batch)]
+    try:
+        with whole_batch_steps(engine, batch) as full:
+            step_until_whole_batch(engine, full)  # prefill, then until the whole batch decodes
+            full.clear()
+            yield full
+    finally:
+        for rid in ids:
+            engine.abort(rid)
+        while engine.has_unfinished():
+            engine.step()

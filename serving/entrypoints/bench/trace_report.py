@@ -6,6 +6,11 @@ update), the count and mean duration, and, per device lane (a GPU stream, or XLA
 module and op lanes), the busy time per traced engine step. On a GPU the stream lanes'
 busy time per step is the kernel time a step costs; engine_step minus that is the
 time the device waits for the host or between kernels.
+
+The benchmarks in `benchmarks/` read the binary xplane trace through jax.profiler's
+ProfileData instead: `trace_calls` records one around n calls of a function,
+`gpu_kernel_events` yields its GPU kernels, `kernel_totals` sums them by name and
+`host_event_totals` sums the host's TraceMe scopes.
 """
 
 from __future__ import annotations
@@ -88,3 +93,34 @@ def host_event_totals(directory: str | Path, steps: int, top: int = 30) -> list[
     rows = sorted(totals.items(), key=lambda kv: -kv[1][0])[:top]
     return [[thread, name, round(ns / 1e6 / steps, 4), round(n / steps, 2)]
             for (thread, name), (ns, n) in rows]
+
+
+def kernel_totals(directory: str, steps: int, top: int = 25) -> list[tuple[str, float, int]]:
+    """(kernel, ms per step, launches per step) of a trace, by time: where a prefill step goes;
+    first "total", then "gpu_span" (first kernel's start to the last one's end, ms per step)."""
+    by_name: dict[str, list[float]] = defaultdict(list)
+    lo, hi = float("inf"), float("-inf")
+    for _, ev in gpu_kernel_events(directory):
+        by_name[ev.name[:80]].append(ev.duration_ns)
+        lo, hi = min(lo, ev.start_ns), max(hi, ev.end_ns)
+    rows = sorted(((k, sum(v) / 1e6 / steps, len(v) // steps) for k, v in by_name.items()),
+                  key=lambda r: -r[1])
+    return [("total", sum(r[1] for r in rows), sum(r[2] for r in rows)),
+            ("gpu_span", (hi - lo) / 1e6 / steps, 0), *rows[:top]]
+
+
+def trace_calls(fn, n: int) -> str:
+    """Call fn() n times under jax.profiler (waiting for the last result); the trace's
+    directory, for gpu_kernel_events and the summaries above."""
+    import tempfile
+
+    import jax
+
+    directory = tempfile.mkdtemp()
+    jax.profiler.start_trace(directory)
+    out = None
+    for _ in range(n):
+        out = fn()
+    jax.block_until_ready(out)
+    jax.profiler.stop_trace()
+    return directory
