@@ -149,7 +149,8 @@ class ModelRunner:
         self.single_row = self.shardings is None and self.transposed and reduction_gemv()
         self.buckets = make_buckets(max_num_seqs, max_num_batched_tokens, seq_sizes=seq_sizes,
                                     token_sizes=token_sizes, min_decode_rows=decode_row_floor(),
-                                    single_row_decode=self.single_row)
+                                    single_row_decode=self.single_row,
+                                    coarse_mixed=jax.default_backend() == "gpu")
         self.max_seqs = max(b.seqs for b in self.buckets)
         self.last_tokens = jax.device_put(np.zeros(self.max_seqs, np.int32), self.replicated)
         self.compiled: dict[Bucket, Callable] = {}

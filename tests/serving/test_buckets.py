@@ -78,3 +78,17 @@ def test_one_sequence_in_an_eight_row_decode_bucket_equals_a_one_row_bucket(monk
     multi, used_m = serve(8, single_row=True, steps=4)  # multi-step calls of one-row forwards
     jax.clear_caches()
     assert Bucket(4, 1, False, True) in used_m and multi == plain
+
+
+def test_coarse_mixed_ladder_keeps_decode_buckets_and_thins_mixed_ones():
+    fine = make_buckets(256, 8192, min_decode_rows=8)
+    coarse = make_buckets(256, 8192, min_decode_rows=8, coarse_mixed=True)
+    assert [b for b in coarse if b.decode] == [b for b in fine if b.decode]
+    mixed = [(b.tokens, b.seqs) for b in coarse if not b.decode]
+    assert mixed == [(t, s) for t in (256, 1024, 4096, 8192) for s in (16, 64, 256)]
+    # Every mixed step the fine ladder serves has a coarse bucket that holds it.
+    for b in fine:
+        assert any(c.tokens >= b.tokens and c.seqs >= b.seqs and c.decode == b.decode for c in coarse)
+    # Explicit ladders are kept as given.
+    assert make_buckets(64, 512, seq_sizes=(8, 64), token_sizes=(128, 512), coarse_mixed=True) == \
+        make_buckets(64, 512, seq_sizes=(8, 64), token_sizes=(128, 512))
