@@ -102,8 +102,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     d = ENGINE_DEFAULTS
     g = p.add_argument_group(
         "engine sizing (more sequences and tokens = more compiled buckets; defaults by device: "
-        "32 / 512 / 256 / 0.5 on a CPU, 256 / 8192 / 2048 / 0.9 on a GPU with >= 40 GiB, "
-        "128 / 4096 / 2048 / 0.9 on a smaller one; the server logs what it chose)")
+        "32 / 512 / 256 / 0.5 on a CPU, 256 / 8192 / 2048 / 0.5 on a GPU with >= 40 GiB, "
+        "128 / 4096 / 2048 / 0.5 on a smaller one; the server logs what it chose)")
     g.add_argument("--max-num-seqs", type=int, default=d["max_num_seqs"],
                    help="sequences running at once (default: by device)")
     g.add_argument("--max-num-batched-tokens", type=int, default=d["max_num_batched_tokens"],

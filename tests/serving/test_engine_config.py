@@ -101,7 +101,7 @@ def test_sizing_defaults_follow_the_device_and_explicit_settings_win():
     assert {k: getattr(cpu, k) for k in CPU_SIZING} == CPU_SIZING
     gpu = EngineConfig(max_num_seqs=8).with_device_sizing("gpu", 60 << 30)
     assert (gpu.max_num_seqs, gpu.max_num_batched_tokens, gpu.max_prefill_chunk, gpu.memory_fraction) \
-        == (8, 8192, 2048, 0.9)
+        == (8, 8192, 2048, 0.5)
     small = EngineConfig(memory_fraction=0.3).with_device_sizing("gpu", 20 << 30)
     assert (small.max_num_seqs, small.max_num_batched_tokens, small.memory_fraction) == (128, 4096, 0.3)
     # Settings that depend on a sizing one are checked once it is known.
