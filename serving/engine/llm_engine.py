@@ -146,6 +146,8 @@ class LLMEngine:
             self.config.multi_q, multi_seqs, self._multi_eligible, lambda work: [[0] * n for _, n in work])
         self.multi_calls = 0  # multi-step executable calls (stats: multi_step_calls)
         self.runner.compile_all(_progress if show_progress else None)
+        if jax.default_backend() == "gpu":  # first runs' one-time costs before any request
+            self.runner.warmup()
         if self.drafter is not None and hasattr(self.drafter, "compile_all"):
             self.drafter.compile_all()
         self.requests: dict[str, Request] = {}

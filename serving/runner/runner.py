@@ -353,6 +353,31 @@ class ModelRunner:
         if not ckpt and (arrays.restore_slot.size or arrays.save_slot.size):
             raise ValueError("checkpoint copies in a step without them (decode or caching off)")
         tree = self._host_tree(bucket, batch, samp, feed, self._ops(arrays) if ckpt else None)
+        return self._launch(bucket, tree, len(arrays.slot_ids), full)
+
+    def warmup(self) -> None:
+        """Run every step executable and full sampler once, on an all-padding batch, and wait.
+
+        A GPU executable's first run pays one-time costs (its CUDA graph captured, kernels
+        loaded): a request that first needs a bucket waited ~100 ms for it (H100, TTFT of
+        the first requests and TPOT of those decoding when a new mixed bucket first ran).
+        Every row of the batch is padding: it reads and writes only the dummy page 0 and
+        slot 0, so no sequence's state changes.
+        """
+        pending = []
+        for bucket in self.buckets:
+            batch, sampling = self._dummy(bucket)
+            feed = np.full(bucket.tokens, -1, np.int32)
+            tree = self._host_tree(bucket, batch, sampling, feed, self._ops(None))
+            pending.append(self._launch(bucket, tree, 0, full=True))
+        for p in pending:
+            self.fetch(p)
+        self.last_tokens = jax.device_put(np.zeros(self.max_seqs, np.int32), self.replicated)
+
+    def _launch(self, bucket: Bucket, tree: tuple, num_seqs: int, full: bool) -> Pending:
+        """Enqueue `bucket`'s executable on a padded step's host inputs (caches donated)."""
+        bs = bucket.seqs
+        ckpt = bool(self.ckpt_ops) and not bucket.decode
         # One transfer for every host input of the step (serving/runner/host_pack.py).
         buf = self._host_put(self.host_layouts[bucket].pack(tree))
         args = (self.params, self.caches, self.stats, buf, self.last_tokens)
@@ -370,7 +395,7 @@ class ModelRunner:
         self.last_tokens = out[0]
         for x in out if full else out[:2]:
             x.copy_to_host_async()
-        return Pending(len(arrays.slot_ids), *out, recycle=0 if full else bs)
+        return Pending(num_seqs, *out, recycle=0 if full else bs)
 
     def verify(self, arrays: StepArrays, sampling: SamplingArrays, num_drafts: np.ndarray, *,
                filters: bool = True) -> tuple[np.ndarray, np.ndarray]:

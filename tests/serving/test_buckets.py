@@ -92,3 +92,29 @@ def test_coarse_mixed_ladder_keeps_decode_buckets_and_thins_mixed_ones():
     # Explicit ladders are kept as given.
     assert make_buckets(64, 512, seq_sizes=(8, 64), token_sizes=(128, 512), coarse_mixed=True) == \
         make_buckets(64, 512, seq_sizes=(8, 64), token_sizes=(128, 512))
+
+
+def test_warmup_runs_every_bucket_and_changes_no_output():
+    cfg = EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, max_prefill_chunk=16,
+                       max_model_len=96, page_size=8)
+    engine = LLMEngine("native-tiny", cfg, show_progress=False)
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    prompts = [[1, 5, 9, 13, 7, 22, 3, 40, 41, 2, 8, 30, 31, 17, 19, 23, 6], [4, 4, 2], [9, 1]]
+
+    def generate() -> list[list[int]]:
+        ids = [engine.add_request(prompt_token_ids=p, params=params) for p in prompts]
+        out: dict[str, list[int]] = {i: [] for i in ids}
+        while engine.has_unfinished():
+            for d in engine.step():
+                out[d.request_id].extend(d.token_ids)
+        return [out[i] for i in ids]
+
+    before = generate()
+    launched = []
+    launch = engine.runner._launch
+    engine.runner._launch = lambda bucket, *a, **k: launched.append(bucket) or launch(bucket, *a, **k)
+    engine.runner.warmup()
+    assert launched == engine.runner.buckets and {b.decode for b in launched} == {True, False}
+    stats = engine.stats()
+    assert set(stats["pages_in_use"].values()) == {0} and stats["slots_in_use"] == 0
+    assert generate() == before
