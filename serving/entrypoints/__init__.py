@@ -1,0 +1,1 @@
+"""Entry points: the servers and command line over the engine (the core never imports them)."""
