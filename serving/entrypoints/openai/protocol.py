@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
 INT32 = 2**31 - 1
 Int32 = Annotated[int, Field(ge=-INT32 - 1, le=INT32)]
@@ -152,8 +152,14 @@ class ChatCompletionResponse(BaseModel):
 
 
 class ChatDelta(BaseModel):
+    """A stream chunk's message delta; absent fields are left out, as OpenAI does."""
+
     role: Literal["assistant"] | None = None
     content: str | None = None
+
+    @model_serializer
+    def _present(self) -> dict:
+        return {k: v for k, v in (("role", self.role), ("content", self.content)) if v is not None}
 
 
 class ChatChunkChoice(BaseModel):

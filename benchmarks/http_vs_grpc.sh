@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# TTFT and TPOT through the OpenAI HTTP API against gRPC, from one server process
+# (issue 40 target: HTTP within 10% of gRPC at 16 and 32 req/s, no failures).
+# One `hybrid-jax serve` with both fronts; the load generator runs in another process,
+# the same Poisson arrivals and prompts for both backends, alternating backends per rate.
+# Run from the repository root on the GPU host:
+#   bash benchmarks/http_vs_grpc.sh [OUT_DIR]      (default bench_http_vs_grpc)
+# Writes OUT/{grpc,openai}-{16,32}/serving.{json,png} and prints the summaries.
+set -eu
+export PYTHONPATH=.
+OUT=${1:-bench_http_vs_grpc}
+MODEL=${MODEL:-native-1b-parallel}
+N=${N:-960}            # requests per run: 60 s at 16 req/s, 30 s at 32 req/s
+python -m serving.cli serve --model "$MODEL" --dtype bfloat16 --port 50051 --http-port 8000 \
+    --metrics-port -1 --max-num-seqs 64 --max-num-batched-tokens 2048 --max-prefill-chunk 512 \
+    --memory-fraction 0.9 --max-waiting 1024 --log-level warning 2> "$OUT.server.log" &
+SERVER=$!
+trap 'kill -TERM $SERVER; wait $SERVER' EXIT
+until curl -sf localhost:8000/health > /dev/null; do
+    kill -0 $SERVER || { echo "the server died; see $OUT.server.log"; exit 1; }
+    sleep 2
+done
+LOAD="--num-requests $N --input-len 512 --output-len 128 --len-dist uniform --range-ratio 0.5 --seed 0"
+# one warm-up run per backend (first-request effects, connection set-up), not recorded
+python -m serving.cli bench serving --server localhost:50051 $LOAD --num-requests 64 --request-rate 16 \
+    --out "$OUT/warmup-grpc" > /dev/null
+python -m serving.cli bench serving --backend openai --server http://localhost:8000 $LOAD \
+    --num-requests 64 --request-rate 16 --out "$OUT/warmup-openai" > /dev/null
+for RATE in 16 32; do
+    python -m serving.cli bench serving --server localhost:50051 $LOAD --request-rate $RATE \
+        --out "$OUT/grpc-$RATE"
+    python -m serving.cli bench serving --backend openai --server http://localhost:8000 $LOAD \
+        --request-rate $RATE --out "$OUT/openai-$RATE"
+done
+python - "$OUT" <<'PY'
+import json, sys
+out = sys.argv[1]
+print(f"{'run':>10} {'sent':>5} {'fail':>5} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} {'TPOT p99':>9} {'tok/s':>7}")
+for rate in (16, 32):
+    for b in ("grpc", "openai"):
+        r = json.load(open(f"{out}/{b}-{rate}/serving.json"))
+        t, p = r["ttft_ms"], r["tpot_ms"]
+        print(f"{b + '-' + str(rate):>10} {r['sent']:>5} {r['failed']:>5} {t['p50']:>9.1f} {t['p99']:>9.1f} "
+              f"{p['p50']:>9.2f} {p['p99']:>9.2f} {r['output_tok_s']:>7.0f}")
+PY
