@@ -246,17 +246,17 @@ def _http_args(p: argparse.ArgumentParser) -> None:
                         "chat_template_kwargs sets them, e.g. '{\"enable_thinking\": false}'")
 
 
-def _http_config(args: argparse.Namespace, model: str):
-    """The HTTP front's settings from the flags (checked before the engine loads), or None."""
+def _http_config(args: argparse.Namespace):
+    """The HTTP front's settings from the flags (checked before the model loads), or None."""
     import json
+    from pathlib import Path
 
     if args.http_port is None:
         for flag in ("chat_template", "default_chat_template_kwargs"):
             if getattr(args, flag) is not None:
                 raise ValueError(f"--{flag.replace('_', '-')} needs --http-port")
         return None
-    from serving.entrypoints.openai.api_server import OpenAIConfig, model_dir_of
-    from serving.entrypoints.openai.chat_template import ChatTemplate
+    from serving.entrypoints.openai.api_server import OpenAIConfig
 
     if args.http_port < 0:
         raise ValueError(f"--http-port={args.http_port} must be >= 0 (0 = any free port)")
@@ -266,11 +266,22 @@ def _http_config(args: argparse.Namespace, model: str):
             kwargs = json.loads(args.default_chat_template_kwargs)
         except json.JSONDecodeError as err:
             raise ValueError(f"--default-chat-template-kwargs: not JSON ({err})") from err
-    config = OpenAIConfig(port=args.http_port, model_name=args.served_model_name or args.model,
-                          model_dir=model_dir_of(model), chat_template=args.chat_template,
-                          default_chat_template_kwargs=kwargs)
-    ChatTemplate.from_model_dir(config.model_dir, config.chat_template)  # a bad template fails now
-    return config
+    if args.chat_template is not None and not Path(args.chat_template).is_file():
+        raise FileNotFoundError(f"--chat-template {args.chat_template}: no such file")
+    return OpenAIConfig(port=args.http_port, model_name=args.served_model_name or args.model,
+                        chat_template=args.chat_template, default_chat_template_kwargs=kwargs)
+
+
+def _with_model_dir(http, model: str):
+    """The HTTP settings with the model's directory (its chat template, checked now), or None."""
+    if http is None:
+        return None
+    from serving.entrypoints.openai.api_server import model_dir_of
+    from serving.entrypoints.openai.chat_template import ChatTemplate
+
+    http.model_dir = model_dir_of(model)
+    ChatTemplate.from_model_dir(http.model_dir, http.chat_template)  # a bad template fails before loading
+    return http
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -343,9 +354,10 @@ def _serve(args: argparse.Namespace) -> int:
     if args.http_port is not None and args.http_port >= 0:
         check_bindable(args.host, args.http_port, "--http-port")
     limits = _request_limits(args)
+    http = _http_config(args)
     model = prepare_model(resolve_model_name(args.model), needs_tokenizer=False,
                           announce=lambda msg: log_event("server.loading", message=msg))
-    return _serve_model(args, model, tls, limits, _http_config(args, model))
+    return _serve_model(args, model, tls, limits, _with_model_dir(http, model))
 
 
 def _request_limits(args: argparse.Namespace):

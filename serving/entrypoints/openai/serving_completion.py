@@ -33,6 +33,7 @@ from serving.entrypoints.openai.serving_common import (
 from serving.outputs import RequestDelta
 
 DONE = "data: [DONE]\n\n"
+MAX_CHOICES = 1024  # prompts x n of one request (each is an engine request, checked on the event loop)
 
 
 def sse(model) -> str:
@@ -73,6 +74,9 @@ async def create_completion(front: Front, body: CompletionRequest, gone: Callabl
     _check_unsupported(body)
     prompts = _prompts(body.prompt)
     rid, n = new_id("cmpl"), body.n
+    if len(prompts) * n > MAX_CHOICES:
+        raise ApiError(400, f"prompt: {len(prompts)} prompts x n={n} choices; at most {MAX_CHOICES} per "
+                       "request", "prompt")
     names = Names("prompt")
     reqs = [engine_request(p, body, request_id=f"{rid}-{i}-{j}", seed=choice_seed(body.seed, j),
                            max_tokens=body.max_tokens, logprobs=body.logprobs, names=names,
