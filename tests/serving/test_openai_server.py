@@ -274,6 +274,22 @@ def test_no_template_queue_full_and_api_key(served, client):
     _idle(served)
 
 
+def test_disconnect_while_waiting_for_a_whole_answer_frees_the_slot(served):
+    finished = served.metrics.requests
+    aborted, lengths = finished.labels("abort")._value.get(), finished.labels("length")._value.get()
+    conn = http.client.HTTPConnection("127.0.0.1", served.http_port, timeout=60)
+    conn.request("POST", "/v1/chat/completions", body=json.dumps(
+        {"model": MODEL, "messages": MESSAGES, "max_tokens": 60, "ignore_eos": True}),
+        headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    wait_for(lambda: served.core.stats()["slots_in_use"] == 1, what="the request to run")
+    conn.sock.close()  # gone before the answer
+    conn.close()
+    wait_for(lambda: served.core.num_live() == 0, timeout=10, what="the request to be aborted")
+    assert served.core.stats()["slots_in_use"] == 0
+    assert finished.labels("abort")._value.get() == aborted + 1
+    assert finished.labels("length")._value.get() == lengths
+
+
 def test_disconnect_mid_stream_frees_the_slot(served):
     finished = served.metrics.requests
     aborted, lengths = finished.labels("abort")._value.get(), finished.labels("length")._value.get()

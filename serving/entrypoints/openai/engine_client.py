@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import queue
+import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
@@ -95,6 +96,7 @@ class Watch:
         self.client, self.streams = client, streams
         self.live = set(range(len(streams)))
         self.event = asyncio.Event()
+        self._asked = time.monotonic()  # when `gone` was last asked
         for s in streams:
             client._events[s.request_id] = self.event
 
@@ -122,18 +124,19 @@ class Watch:
     async def next(self, gone: Callable[[], Awaitable[bool]] | None = None
                    ) -> list[tuple[int, RequestDelta]] | None:
         """The next deltas (index in `streams`, delta), waiting for them; None once the
-        client is gone (checked each POLL_S while nothing arrives)."""
+        client is gone (`gone()` is asked at most every POLL_S, deltas flowing or not)."""
         while True:
+            if gone is not None and time.monotonic() - self._asked > POLL_S:
+                self._asked = time.monotonic()
+                if await gone():
+                    return None
             self.event.clear()  # before draining: a wake-up after the drain is not lost
             got = self._drain()
             if got or self.done:
                 return got
-            try:
+            with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(POLL_S):
                     await self.event.wait()
-            except TimeoutError:
-                if gone is not None and await gone():
-                    return None
 
     def close(self) -> None:
         for s in self.streams:
