@@ -221,6 +221,12 @@ def test_chat_renders_as_transformers_and_equals_python_api(client, refs, hf_tok
     assert [c for c in streamed if c.choices][-1].choices[0].finish_reason == "length"
     assert streamed[-1].usage.prompt_tokens == len(refs["chat_ids"])
     assert streamed[-1].usage.completion_tokens == 12
+    def prompt_tokens(content) -> int:
+        return client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}],
+                                              max_tokens=1, temperature=0).usage.prompt_tokens
+
+    parts = [{"type": "text", "text": "Say"}, {"type": "text", "text": "hi"}]
+    assert prompt_tokens(parts) == prompt_tokens("Say\nhi") == prompt_tokens("Sayhi") + 1  # joined by "\n"
 
 
 def test_error_bodies_name_the_field(served, client):
@@ -246,6 +252,8 @@ def test_error_bodies_name_the_field(served, client):
     status, raw = _raw(served, "POST", "/v1/completions", b"x" * (served.limits.max_request_bytes + 1))
     assert status == 413
     assert _raw(served, "GET", "/v1/nothing")[0] == 404
+    status, raw = _raw(served, "GET", "/v1/completions")
+    assert status == 405 and json.loads(raw)["error"]["code"] == 405
     with pytest.raises(openai.BadRequestError) as err:  # the SDK sees the same body
         client.completions.create(model=MODEL, prompt="x", presence_penalty=3)
     assert err.value.body["param"] == "presence_penalty"

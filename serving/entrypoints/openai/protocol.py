@@ -65,10 +65,23 @@ class CompletionRequest(SamplingRequest):
     suffix: str | None = None  # only absent
 
 
+class TextPart(Strict):
+    type: Literal["text"]
+    text: str
+
+
 class ChatMessage(Strict):
+    """A message; content given as text parts is joined with newlines (as vLLM does for
+    templates that take a string)."""
+
     role: Literal["system", "user", "assistant", "developer"]
-    content: str
+    content: str | list[TextPart]
     name: str | None = None
+
+    def for_template(self) -> dict:
+        content = self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
+        named = {"name": self.name} if self.name is not None else {}
+        return {"role": self.role, "content": content, **named}
 
 
 class ResponseFormat(Strict):

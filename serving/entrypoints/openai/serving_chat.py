@@ -51,7 +51,7 @@ def chat_prompt(front: Front, body: ChatCompletionRequest) -> list[int]:
         raise ApiError(400, "this model has no tokenizer; use /v1/completions with token ids", "messages",
                        "no_tokenizer")
     kwargs = {**front.default_chat_template_kwargs, **(body.chat_template_kwargs or {})}
-    messages = [m.model_dump(exclude_none=True) for m in body.messages]
+    messages = [m.for_template() for m in body.messages]
     try:
         text = front.chat_template.render(messages, kwargs)
     except TemplateError as err:

@@ -30,7 +30,8 @@ from serving.validation import EngineRequest, InvalidRequest, RequestLimits, to_
 # HTTP status -> (OpenAI error type, the gRPC code name the metrics count it under)
 ERRORS = {400: ("invalid_request_error", "INVALID_ARGUMENT"),
           401: ("authentication_error", "UNAUTHENTICATED"),
-          404: ("invalid_request_error", "NOT_FOUND"), 413: ("invalid_request_error", "INVALID_ARGUMENT"),
+          404: ("invalid_request_error", "NOT_FOUND"), 405: ("invalid_request_error", "UNIMPLEMENTED"),
+          413: ("invalid_request_error", "INVALID_ARGUMENT"),
           429: ("rate_limit_error", "RESOURCE_EXHAUSTED"), 500: ("server_error", "INTERNAL"),
           503: ("service_unavailable_error", "UNAVAILABLE")}
 _SCALARS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
