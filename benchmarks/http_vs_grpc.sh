@@ -12,26 +12,31 @@ export PYTHONPATH=.
 OUT=${1:-bench_http_vs_grpc}
 MODEL=${MODEL:-native-1b-parallel}
 N=${N:-960}            # requests per run: 60 s at 16 req/s, 30 s at 32 req/s
-python -m serving.cli serve --model "$MODEL" --dtype bfloat16 --port 50051 --http-port 8000 \
-    --metrics-port 9464 --max-num-seqs 64 --max-num-batched-tokens 2048 --max-prefill-chunk 512 \
-    --memory-fraction 0.9 --max-waiting 1024 --log-level warning 2> "$OUT.server.log" &
+RATES=${RATES:-16 32}
+LENGTHS=${LENGTHS:---input-len 512 --output-len 128}
+# a CPU smoke run of this script: MODEL=native-tiny N=24 RATES=8 LENGTHS="--input-len 40 --output-len 8"
+#   SIZING="--dtype float32 --max-num-seqs 4 --max-num-batched-tokens 64 --max-prefill-chunk 32 --max-model-len 256"
+SIZING=${SIZING:---dtype bfloat16 --max-num-seqs 64 --max-num-batched-tokens 2048 --max-prefill-chunk 512 --memory-fraction 0.9}
+mkdir -p "$OUT"
+python -m serving.cli serve --model "$MODEL" $SIZING --port 50051 --http-port 8000 --metrics-port 9464 \
+    --max-waiting 1024 --log-level warning 2> "$OUT.server.log" &
 SERVER=$!
 trap 'kill -TERM $SERVER; wait $SERVER' EXIT
 until curl -sf localhost:8000/health > /dev/null; do
     kill -0 $SERVER || { echo "the server died; see $OUT.server.log"; exit 1; }
     sleep 2
 done
-LOAD="--num-requests $N --input-len 512 --output-len 128 --len-dist uniform --range-ratio 0.5 --seed 0"
+LOAD="--num-requests $N $LENGTHS --len-dist uniform --range-ratio 0.5 --seed 0"
 # one warm-up run per backend (first-request effects, connection set-up), not recorded
-python -m serving.cli bench serving --server localhost:50051 $LOAD --num-requests 64 --request-rate 16 \
+python -m serving.cli bench serving --server localhost:50051 $LOAD --num-requests 16 --request-rate 16 \
     --out "$OUT/warmup-grpc" > /dev/null
 python -m serving.cli bench serving --backend openai --server http://localhost:8000 $LOAD \
-    --num-requests 64 --request-rate 16 --out "$OUT/warmup-openai" > /dev/null
+    --num-requests 16 --request-rate 16 --out "$OUT/warmup-openai" > /dev/null
 # the engine's own step time (sum, count of hybrid_jax_engine_step_seconds) around each run:
 # whether the front slows the step loop, seen from the server
 steps() { curl -s localhost:9464/metrics |
     awk '/^hybrid_jax_engine_step_seconds_sum / {s=$2} /^hybrid_jax_engine_step_seconds_count / {c=$2} END {print s, c}'; }
-for RATE in 16 32; do
+for RATE in $RATES; do
     echo "$(steps)" > "$OUT.steps.grpc-$RATE"
     python -m serving.cli bench serving --server localhost:50051 $LOAD --request-rate $RATE \
         --out "$OUT/grpc-$RATE"
@@ -41,12 +46,12 @@ for RATE in 16 32; do
         --request-rate $RATE --out "$OUT/openai-$RATE"
     echo "$(steps)" >> "$OUT.steps.openai-$RATE"
 done
-python - "$OUT" <<'PY'
+python - "$OUT" $RATES <<'PY'
 import json, sys
-out = sys.argv[1]
+out, rates = sys.argv[1], sys.argv[2:]
 print(f"{'run':>10} {'sent':>5} {'fail':>5} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} {'TPOT p99':>9} "
       f"{'tok/s':>7} {'step ms':>8}")
-for rate in (16, 32):
+for rate in rates:
     for b in ("grpc", "openai"):
         r = json.load(open(f"{out}/{b}-{rate}/serving.json"))
         t, p = r["ttft_ms"], r["tpot_ms"]
