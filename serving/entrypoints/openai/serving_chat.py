@@ -143,6 +143,8 @@ async def _stream(front: Front, call: Call, rid: str, logprobs: int | None, prom
             for i, delta in await watch.next():
                 call.record(i, delta)
                 if (err := failure(delta)) is not None:
+                    watch.close()
+                    call.finish()
                     yield error_event(err)
                     yield DONE
                     return
@@ -154,6 +156,8 @@ async def _stream(front: Front, call: Call, rid: str, logprobs: int | None, prom
                                              finish_reason=delta.finish_reason if delta.finished else None)])
         if include_usage:
             yield chunk([], call.usage(prompt_lens))
+        watch.close()
+        call.finish()
         yield DONE
     finally:
         watch.close()

@@ -133,6 +133,7 @@ class Call:
     timings: list[RequestTiming] = field(default_factory=list)
     reasons: list[str | None] = field(default_factory=list)
     outputs: list[int] = field(default_factory=list)  # output tokens, final when finished
+    finished: bool = False
 
     async def submit(self) -> None:
         """Queue every request, or none: on a refusal the queued ones are aborted (ApiError)."""
@@ -173,7 +174,12 @@ class Call:
             self.reasons[i] = delta.finish_reason or "stop"
 
     def finish(self) -> None:
-        """Count every request once: its finish reason, or "abort" when the client left."""
+        """Count every request once: its finish reason, or "abort" when the client left.
+        Idempotent; a stream calls it before its last event, so that a client that has
+        seen the end finds the requests counted (as a gRPC status follows the servicer)."""
+        if self.finished:
+            return
+        self.finished = True
         now = time.monotonic()
         for req, timing, reason in zip(self.requests, self.timings, self.reasons, strict=False):
             if reason is None:

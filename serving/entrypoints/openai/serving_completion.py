@@ -175,6 +175,8 @@ async def _stream(front: Front, call: Call, out: _Output, prompt_lens: list[int]
             for i, delta in await watch.next():
                 call.record(i, delta)
                 if (err := failure(delta)) is not None:
+                    watch.close()
+                    call.finish()
                     yield error_event(err)
                     yield DONE
                     return
@@ -185,6 +187,8 @@ async def _stream(front: Front, call: Call, out: _Output, prompt_lens: list[int]
         if include_usage:
             yield sse(CompletionResponse(id=out.rid, created=out.created, model=front.model_name, choices=[],
                                          usage=call.usage(prompt_lens)))
+        watch.close()
+        call.finish()
         yield DONE
     finally:
         watch.close()
