@@ -14,6 +14,7 @@ import http.client
 import json
 import shutil
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from importlib import resources
 
 import openai
@@ -317,3 +318,34 @@ def test_disconnect_mid_stream_frees_the_slot(served):
     # aborted by the disconnect, not run to its length
     assert finished.labels("abort")._value.get() == aborted + 1
     assert finished.labels("length")._value.get() == lengths
+
+
+def test_a_request_the_engine_fails_gets_500_and_the_others_go_on(served, server_engine, client, refs):
+    poison = server_engine.tokenizer.encode("Poison", add_bos=True)
+    dispatch = server_engine.runner.dispatch
+
+    def faulty(arrays, *args, **kwargs):  # every step holding the poisoned prompt raises
+        slots = arrays.slot_ids.tolist()
+        if any(r.seq.prompt_token_ids == poison and r.seq.slot in slots
+               for r in list(server_engine.requests.values())):
+            raise RuntimeError("injected fault")
+        return dispatch(arrays, *args, **kwargs)
+
+    server_engine.runner.dispatch = faulty
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            good = pool.submit(client.completions.create, model=MODEL, prompt=PROMPT, max_tokens=12,
+                               temperature=0, extra_body={"ignore_eos": True})
+            status, err = _error(served, "/v1/completions",
+                                 {"model": MODEL, "prompt": "Poison", "max_tokens": 4})
+            status_s, raw = _raw(served, "POST", "/v1/completions",
+                                 {"model": MODEL, "prompt": "Poison", "max_tokens": 4, "stream": True})
+            assert good.result(timeout=120).choices[0].text == refs["text"].text
+    finally:
+        server_engine.runner.dispatch = dispatch
+    assert status == 500 and err["type"] == "server_error" and "failed in the engine" in err["message"]
+    events = [e.removeprefix("data: ") for e in raw.decode().split("\n\n") if e]
+    assert status_s == 200 and events[-1] == "[DONE]"
+    assert json.loads(events[-2])["error"]["code"] == 500
+    assert served.is_serving()
+    _idle(served)
