@@ -70,6 +70,31 @@ def test_port_in_use_is_refused_before_anything_loads(free_port):
     assert out.returncode == 2 and f"--metrics-port {free_port}" in _one_error_line(out.stderr, "serve")
 
 
+def test_http_flags_are_checked_before_anything_loads(free_port, tmp_path):
+    out, seconds = _cli("serve", "--port", "0", "--metrics-port", "-1", "--http-port", str(free_port))
+    line = _one_error_line(out.stderr, "serve")
+    assert out.returncode == 2 and f"--http-port {free_port}" in line and "in use" in line
+    assert seconds < 15
+    from serving.entrypoints.cli import _http_config
+
+    def check(*flags: str) -> None:
+        _http_config(_parser().parse_args(["serve", *flags]))
+
+    with pytest.raises(ValueError, match="--chat-template needs --http-port"):
+        check("--chat-template", str(tmp_path / "t.jinja"))
+    with pytest.raises(ValueError, match="--default-chat-template-kwargs: not JSON"):
+        check("--http-port", "0", "--default-chat-template-kwargs", "{enable_thinking: false}")
+    with pytest.raises(ValueError, match="must be a JSON object"):
+        check("--http-port", "0", "--default-chat-template-kwargs", "[1]")
+    with pytest.raises(FileNotFoundError, match="missing.jinja: no such file"):
+        check("--http-port", "0", "--chat-template", str(tmp_path / "missing.jinja"))
+    (tmp_path / "t.jinja").write_text("{{ messages }}")
+    config = _http_config(_parser().parse_args(["serve", "--model", "native-tiny", "--http-port", "0",
+                                                "--chat-template", str(tmp_path / "t.jinja"),
+                                                "--default-chat-template-kwargs", '{"a": false}']))
+    assert config.model_name == "native-tiny" and config.default_chat_template_kwargs == {"a": False}
+
+
 def test_tls_flags_are_checked_before_anything_loads(tmp_path):
     out, _ = _cli("serve", "--port", "0", "--tls-cert", str(tmp_path / "c.pem"))
     assert out.returncode == 2 and "--tls-key go together" in _one_error_line(out.stderr, "serve")

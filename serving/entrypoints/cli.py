@@ -1,7 +1,8 @@
 """The `hybrid-jax` command line: generate, serve, client, presets.
 
   generate  one prompt through the engine in this process, streamed to the terminal
-  serve     a gRPC server (+ Prometheus metrics) on the continuous-batching engine
+  serve     a gRPC server (+ Prometheus metrics, + the OpenAI HTTP API with --http-port) on the
+            continuous-batching engine
   client    stream one prompt from a running server to the terminal
   presets   list the model presets
   train     train a model (hybrid_jax.train): optax AdamW, orbax checkpoints, exact resume
@@ -40,6 +41,10 @@ EPILOG = """examples:
   hybrid-jax client --server localhost:50051 --temperature 0.8 --top-p 0.9 --seed 1 "Hi"
   hybrid-jax client --server localhost:50051 --info          # model facts as JSON
   curl -s localhost:9464/metrics | grep hybrid_jax_
+  # the OpenAI API beside gRPC (off unless --http-port is given)
+  hybrid-jax serve --model ./my-hf-chat-model --http-port 8000 --served-model-name chat
+  curl -s localhost:8000/v1/chat/completions -H 'Content-Type: application/json' \
+      -d '{"model": "chat", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 16}'
 
 run `hybrid-jax COMMAND --help` for each command's options.
 """
@@ -194,10 +199,12 @@ def _parser() -> argparse.ArgumentParser:
     serve = _sub(sub, "serve", "serve a model over gRPC, with Prometheus metrics", SERVE_EPILOG)
     _model_args(serve)
     serve.add_argument("--host", default="127.0.0.1",
-                       help="address for gRPC and metrics (default 127.0.0.1; 0.0.0.0 or [::] to expose)")
+                       help="address for gRPC, HTTP and metrics (default 127.0.0.1; 0.0.0.0 or [::] "
+                            "to expose)")
     serve.add_argument("--port", type=int, default=50051, help="gRPC port (default 50051; 0 = any free)")
     serve.add_argument("--metrics-port", type=int, default=9464,
                        help="Prometheus /metrics HTTP port (default 9464; -1 = off)")
+    _http_args(serve)
     serve.add_argument("--max-waiting", type=int, default=128,
                        help="requests allowed to wait for a slot; beyond: RESOURCE_EXHAUSTED (default 128)")
     serve.add_argument("--shutdown-grace", type=float, default=30.0,
@@ -207,7 +214,8 @@ def _parser() -> argparse.ArgumentParser:
     sec.add_argument("--tls-cert", metavar="PEM", help="serve TLS with this certificate chain (+ --tls-key)")
     sec.add_argument("--tls-key", metavar="PEM", help="the private key of --tls-cert")
     sec.add_argument("--api-key", default=switches.api_key(),
-                     help="require 'authorization: Bearer KEY' on every call but health checks "
+                     help="require 'authorization: Bearer KEY' on every gRPC call and HTTP request but "
+                          "health checks "
                           "(default: $HYBRID_JAX_API_KEY; prefer it to the flag, which ps shows)")
     sec.add_argument("--max-request-bytes", type=int, default=None,
                      help="largest request message (default 1 MiB + 8 bytes per max-model-len token)")
@@ -224,6 +232,60 @@ def _parser() -> argparse.ArgumentParser:
     bench_args.add_args(_sub(sub, "bench", "benchmarks that write OUT/MODE.json and OUT/MODE.png",
                              bench_args.BENCH_EPILOG))
     return p
+
+
+def _http_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("OpenAI-compatible HTTP API (docs/serving.md)")
+    g.add_argument("--http-port", type=int, default=None,
+                   help="serve /v1/completions, /v1/chat/completions, /v1/models and /health on this "
+                        "port beside gRPC (default: off; 8000 is the usual port, 0 = any free)")
+    g.add_argument("--served-model-name", default=None, metavar="NAME",
+                   help="the model id clients send and /v1/models and GetModelInfo report "
+                        "(default: the --model value)")
+    g.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="a Jinja chat template file for /v1/chat/completions (default: the model "
+                        "directory's chat_template.jinja or tokenizer_config.json's chat_template)")
+    g.add_argument("--default-chat-template-kwargs", default=None, metavar="JSON",
+                   help="variables every chat template rendering sees unless a request's "
+                        "chat_template_kwargs sets them, e.g. '{\"enable_thinking\": false}'")
+
+
+def _http_config(args: argparse.Namespace):
+    """The HTTP front's settings from the flags (checked before the model loads), or None."""
+    import json
+    from pathlib import Path
+
+    if args.http_port is None:
+        for flag in ("chat_template", "default_chat_template_kwargs"):
+            if getattr(args, flag) is not None:
+                raise ValueError(f"--{flag.replace('_', '-')} needs --http-port")
+        return None
+    from serving.entrypoints.openai.api_server import OpenAIConfig
+
+    if args.http_port < 0:
+        raise ValueError(f"--http-port={args.http_port} must be >= 0 (0 = any free port)")
+    kwargs = {}
+    if args.default_chat_template_kwargs is not None:
+        try:
+            kwargs = json.loads(args.default_chat_template_kwargs)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"--default-chat-template-kwargs: not JSON ({err})") from err
+    if args.chat_template is not None and not Path(args.chat_template).is_file():
+        raise FileNotFoundError(f"--chat-template {args.chat_template}: no such file")
+    return OpenAIConfig(port=args.http_port, model_name=args.served_model_name or args.model,
+                        chat_template=args.chat_template, default_chat_template_kwargs=kwargs)
+
+
+def _with_model_dir(http, model: str):
+    """The HTTP settings with the model's directory (its chat template, checked now), or None."""
+    if http is None:
+        return None
+    from serving.entrypoints.openai.api_server import model_dir_of
+    from serving.entrypoints.openai.chat_template import ChatTemplate
+
+    http.model_dir = model_dir_of(model)
+    ChatTemplate.from_model_dir(http.model_dir, http.chat_template)  # a bad template fails before loading
+    return http
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -293,10 +355,13 @@ def _serve(args: argparse.Namespace) -> int:
     check_bindable(args.host, args.port, "--port")
     if args.metrics_port >= 0:
         check_bindable(args.host, args.metrics_port, "--metrics-port")
+    if args.http_port is not None and args.http_port >= 0:
+        check_bindable(args.host, args.http_port, "--http-port")
     limits = _request_limits(args)
+    http = _http_config(args)
     model = prepare_model(resolve_model_name(args.model), needs_tokenizer=False,
                           announce=lambda msg: log_event("server.loading", message=msg))
-    return _serve_model(args, model, tls, limits)
+    return _serve_model(args, model, tls, limits, _with_model_dir(http, model))
 
 
 def _request_limits(args: argparse.Namespace):
@@ -309,7 +374,7 @@ def _request_limits(args: argparse.Namespace):
     return RequestLimits(max_request_bytes=args.max_request_bytes)
 
 
-def _serve_model(args: argparse.Namespace, model: str, tls, limits) -> int:
+def _serve_model(args: argparse.Namespace, model: str, tls, limits, http) -> int:
     from hybrid_jax.loading import load_model
     from serving.engine.engine_config import EngineConfig
     from serving.engine.llm_engine import LLMEngine, freeze_heap
@@ -326,10 +391,11 @@ def _serve_model(args: argparse.Namespace, model: str, tls, limits) -> int:
     host = _sharded_loading(args.tensor_parallel_size)
     engine = LLMEngine(load_model(model, dtype=args.dtype, seed=args.weights_seed, device=host), cfg)
     freeze_heap()  # one engine for the process's life: no full GC walks of the start-up heap
-    server = GenerationServer(engine, model_name=args.model, host=args.host, port=args.port,
+    server = GenerationServer(engine, model_name=args.served_model_name or args.model, host=args.host,
+                              port=args.port,
                               metrics_port=None if args.metrics_port < 0 else args.metrics_port,
                               max_waiting=args.max_waiting, limits=limits, tls=tls,
-                              api_key=args.api_key).start()
+                              api_key=args.api_key, http=http).start()
     code = server.run_until_signal(grace_s=args.shutdown_grace)
     if code:  # the engine cannot recover: leave now, even if a thread is wedged
         logging.shutdown()

@@ -1,6 +1,6 @@
 """`hybrid-jax bench MODE --smoke --out DIR` end to end on CPU: each mode writes DIR/MODE.json
 with the batch and lengths actually run, and DIR/MODE.png; the serving load generator runs
-against a real local gRPC server and its counts equal the server's own."""
+against a real local gRPC server (and its OpenAI HTTP API) and its counts equal the server's own."""
 
 from __future__ import annotations
 
@@ -50,6 +50,22 @@ def test_serving_counts_exactly_the_requests_it_sent(tmp_path):
         s = res[key]
         assert s["count"] > 0 and s["p50"] <= s["p90"] <= s["p99"]
     assert res["ttft_ms"]["p50"] <= res["e2e_ms"]["p50"]
+
+
+def test_serving_over_the_openai_api_counts_what_it_sent(tmp_path):
+    res = _run("serving", tmp_path, "--backend", "openai")
+    server = res["server_counted"]
+    assert res["backend"] == "openai" and res["sent"] == 12
+    assert sum(v for k, v in server.items() if k.startswith(("finished_", "rejected_"))) == 12
+    too_long = [p + m > res["max_model_len"]
+                for p, m in zip(res["input_lens"], res["max_tokens"], strict=True)]
+    assert 0 < sum(too_long) < 12
+    assert res["failures_by_code"] == {"HTTP_400": sum(too_long)}
+    assert server["finished_length"] == res["completed"]
+    assert server["generation_tokens"] == res["output_tokens"]
+    assert [o for o, bad in zip(res["output_lens"], too_long, strict=True) if not bad] == \
+        [m for m, bad in zip(res["max_tokens"], too_long, strict=True) if not bad]
+    assert res["tpot_ms"]["count"] > 0 and res["ttft_ms"]["p50"] <= res["e2e_ms"]["p50"]
 
 
 def test_scaling_reports_whole_batch_decode_and_its_floor(tmp_path):

@@ -45,7 +45,17 @@ def _throughput(p: argparse.ArgumentParser) -> None:
 
 def _serving_mode(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("serving")
-    g.add_argument("--server", default=None, help="HOST:PORT of a running server (default: start one here)")
+    g.add_argument("--server", default=None,
+                   help="HOST:PORT of a running server, or http://HOST:PORT with --backend openai "
+                        "(default: start one here)")
+    g.add_argument("--backend", default="grpc", choices=["grpc", "openai"],
+                   help="grpc: the Generate RPC; openai: streamed /v1/completions with token-id prompts, "
+                        "against this server's --http-port or any OpenAI-compatible one (default grpc)")
+    g.add_argument("--served-model-name", default=None,
+                   help="openai: the model id to send (default: the first of GET /v1/models)")
+    g.add_argument("--vocab-size", type=int, default=None,
+                   help="openai: vocabulary of the random prompts when /v1/models does not report it")
+    g.add_argument("--api-key", default=None, help="openai: sent as 'Authorization: Bearer KEY'")
     g.add_argument("--request-rate", type=float, default=math.inf,
                    help="requests/s, Poisson arrivals (default inf: all at once)")
     g.add_argument("--concurrency", type=int, default=None,
@@ -91,6 +101,9 @@ BENCH_EPILOG = """examples (docs/benchmarks.md has the measured results):
   hybrid-jax serve --model native-1b-parallel --dtype bfloat16 --port 50051 &
   hybrid-jax bench serving --server localhost:50051 --request-rate 8 --num-requests 200 --duration 120
   hybrid-jax bench serving --server localhost:50051 --concurrency 32 --num-requests 200
+  hybrid-jax serve --model native-1b-parallel --dtype bfloat16 --port 50051 --http-port 8000 &
+  hybrid-jax bench serving --backend openai --server http://localhost:8000 --request-rate 16 \
+      --num-requests 400 --input-len 512 --output-len 128 --len-dist uniform --range-ratio 0.5
   hybrid-jax bench scaling --models native-1b-parallel,native-1b-full-attention --batches 1,64 \\
       --contexts 1k,4k,16k,128k,1020k --memory-fraction 0.9 --profile /tmp/trace
   hybrid-jax bench sweep --windows 512,2048 --state-sizes 64,128 --sweep-batch 16

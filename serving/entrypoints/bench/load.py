@@ -1,4 +1,5 @@
-"""A gRPC load generator for `hybrid-jax serve`, in the manner of vLLM's benchmark_serving.
+"""A load generator for `hybrid-jax serve` (gRPC here; the OpenAI HTTP API in `openai_load`),
+in the manner of vLLM's benchmark_serving.
 
 Requests leave at Poisson arrivals of a given rate (or all at once with rate inf),
 with at most `concurrency` in flight; each streams its tokens back and is timed on
@@ -6,8 +7,8 @@ the client: TTFT (send -> first token), TPOT ((last - first token) / (tokens - 1
 the first token excluded), ITL (gaps between token-bearing messages) and E2E (send ->
 stream end). The loop is bounded in count (the request list) and in time (no request
 is sent after `duration_s`; each has a deadline of `timeout_s`). Failures are
-counted by gRPC status code. This module imports no JAX and knows nothing of the
-engine: it only speaks the proto.
+counted by status code. `drive` is the arrival loop that both transports share. This
+module imports no JAX and knows nothing of the engine: it only speaks the proto.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import math
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -72,42 +74,54 @@ def arrival_offsets(n: int, rate: float, rng: np.random.Generator) -> np.ndarray
 
 def run_load(target: str, prompts: list[list[int]], max_tokens: list[int], spec: LoadSpec,
              sampling: dict | None = None) -> tuple[list[Record], float]:
-    """Send the requests to `target`; returns the records of those SENT and the wall time."""
+    """Send the requests to `target` over gRPC; returns the records of those SENT and the wall time."""
+    channel = grpc.insecure_channel(target)
+    stub = pb_grpc.GenerationStub(channel)
+
+    def send(prompt: list[int], n: int, rec: Record) -> None:
+        request = make_request(prompt, max_tokens=n, ignore_eos=True, **(sampling or {}))
+        try:
+            for msg in stub.Generate(request, timeout=spec.timeout_s):
+                if msg.token_ids:
+                    rec.token_times.append(time.perf_counter())
+                    rec.output_tokens += len(msg.token_ids)
+        except grpc.RpcError as err:
+            rec.code = err.code().name
+
+    try:
+        return drive(send, prompts, max_tokens, spec)
+    finally:
+        channel.close()
+
+
+def drive(send: Callable[[list[int], int, Record], None], prompts: list[list[int]], max_tokens: list[int],
+          spec: LoadSpec) -> tuple[list[Record], float]:
+    """The arrival loop of any transport: `send(prompt, max_tokens, record)` runs one request to
+    its end in a client thread, filling the record (a failure sets `record.code`)."""
     if len(prompts) != len(max_tokens):
         raise ValueError(f"max_tokens: {len(max_tokens)} lengths for {len(prompts)} prompts")
     offsets = arrival_offsets(len(prompts), spec.rate, np.random.default_rng(spec.seed))
     slots = threading.BoundedSemaphore(spec.concurrency or len(prompts) or 1)
     records: list[Record] = []
-    channel = grpc.insecure_channel(target)
-    stub = pb_grpc.GenerationStub(channel)
     workers = min(len(prompts), spec.concurrency or len(prompts), MAX_THREADS) or 1
     start = time.perf_counter()
-    try:
-        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="load") as pool:
-            for prompt, n, at in zip(prompts, max_tokens, offsets, strict=True):
-                if at > spec.duration_s:
-                    break
-                time.sleep(max(0.0, start + at - time.perf_counter()))
-                if not slots.acquire(timeout=max(0.0, start + spec.duration_s - time.perf_counter())):
-                    break
-                rec = Record(len(prompt), n)
-                records.append(rec)
-                request = make_request(prompt, max_tokens=n, ignore_eos=True, **(sampling or {}))
-                pool.submit(_one, stub, request, rec, spec.timeout_s, slots)
-    finally:
-        channel.close()
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="load") as pool:
+        for prompt, n, at in zip(prompts, max_tokens, offsets, strict=True):
+            if at > spec.duration_s:
+                break
+            time.sleep(max(0.0, start + at - time.perf_counter()))
+            if not slots.acquire(timeout=max(0.0, start + spec.duration_s - time.perf_counter())):
+                break
+            rec = Record(len(prompt), n)
+            records.append(rec)
+            pool.submit(_one, send, prompt, n, rec, slots)
     return records, time.perf_counter() - start
 
 
-def _one(stub, request, rec: Record, timeout_s: float, slots: threading.BoundedSemaphore) -> None:
+def _one(send, prompt: list[int], n: int, rec: Record, slots: threading.BoundedSemaphore) -> None:
     rec.sent = time.perf_counter()
     try:
-        for msg in stub.Generate(request, timeout=timeout_s):
-            if msg.token_ids:
-                rec.token_times.append(time.perf_counter())
-                rec.output_tokens += len(msg.token_ids)
-    except grpc.RpcError as err:
-        rec.code = err.code().name
+        send(prompt, n, rec)
     except Exception as err:  # a client-side bug must still count as a failure, not vanish
         rec.code = f"CLIENT_{type(err).__name__}"
     finally:

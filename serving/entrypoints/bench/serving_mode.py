@@ -1,5 +1,9 @@
 """`hybrid-jax bench serving`: latency under load against a running `hybrid-jax serve`.
 
+`--backend grpc` (default) drives the Generate RPC; `--backend openai` drives streamed
+/v1/completions (`serving.entrypoints.bench.openai_load`), of this server's --http-port or of any
+OpenAI-compatible server (vLLM, SGLang, ...), with the same prompts and arrivals.
+
 With `--server HOST:PORT` the load goes to that server (run it in its own process for
 figures you report). Without it, a server for `--model` is started in this process on
 a free localhost port (for smoke runs: client and server then share one Python
@@ -14,6 +18,7 @@ from __future__ import annotations
 import argparse
 import math
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -28,19 +33,27 @@ def run(args: argparse.Namespace, out: Path) -> dict:
         args.len_dist, args.range_ratio = "uniform", 0.9
     spec = LoadSpec(rate=args.request_rate, concurrency=args.concurrency, duration_s=args.duration,
                     timeout_s=args.request_timeout, seed=args.seed)
-    server = None if args.server else _local_server(args)
-    target = args.server or f"127.0.0.1:{server.port}"
+    openai = args.backend == "openai"
+    server = None if args.server else _local_server(args, http=openai)
+    local = f"127.0.0.1:{server.http_port if openai else server.port}" if server else None
+    target = args.server or local
     try:
-        info = _model_info(target)
+        info = _openai_info(target, args) if openai else _model_info(target)
         rng = np.random.default_rng(args.seed)
         n = args.num_requests
         ins = common.LengthDist(args.input_len, args.len_dist, args.range_ratio).sample(n, rng)
         outs = common.LengthDist(args.output_len, args.len_dist, args.range_ratio).sample(n, rng)
         prompts = common.random_prompts(ins, info.vocab_size, rng)
-        records, wall = run_load(target, prompts, outs, spec, sampling={"temperature": 0.0})
-        res = {"mode": "serving", "model": info.model, "dtype": info.dtype, **common.environment(),
-               "server": args.server or "in-process", "max_num_seqs": info.max_num_seqs,
-               "max_model_len": info.max_model_len,
+        if openai:
+            from serving.entrypoints.bench.openai_load import Target, run_load_openai
+
+            records, wall = run_load_openai(Target.parse(target, args.api_key), info.model, prompts, outs,
+                                            spec, sampling={"temperature": 0.0})
+        else:
+            records, wall = run_load(target, prompts, outs, spec, sampling={"temperature": 0.0})
+        res = {"mode": "serving", "backend": args.backend, "model": info.model, "dtype": info.dtype,
+               **common.environment(), "server": args.server or "in-process",
+               "max_num_seqs": info.max_num_seqs, "max_model_len": info.max_model_len,
                "request_rate": None if math.isinf(spec.rate) else spec.rate,
                "concurrency": spec.concurrency, "duration_limit_s": spec.duration_s,
                "num_requests": args.num_requests, "len_dist": args.len_dist, "range_ratio": args.range_ratio,
@@ -67,15 +80,17 @@ def _timeline(records) -> dict[str, list]:
             "end_s": [r.end - t0 for r in records]}
 
 
-def _local_server(args: argparse.Namespace):
+def _local_server(args: argparse.Namespace, http: bool = False):
     from serving.entrypoints.bench.engine_setup import build_engine, load, smoke_buckets
     from serving.entrypoints.grpc.server import GenerationServer
+    from serving.entrypoints.openai.api_server import OpenAIConfig
 
     lm, _ = load(args.model, args.dtype, args.seed)
     max_len = args.max_model_len or 2 * (args.input_len + args.output_len)
     engine = build_engine(lm, args, max_model_len=max_len, **smoke_buckets(args))
     return GenerationServer(engine, model_name=args.model, host="127.0.0.1", port=0, metrics_port=None,
-                            max_waiting=max(128, args.num_requests)).start()
+                            max_waiting=max(128, args.num_requests),
+                            http=OpenAIConfig(port=0, model_name=args.model) if http else None).start()
 
 
 def _model_info(target: str):
@@ -83,6 +98,18 @@ def _model_info(target: str):
 
     with GenerationClient(target) as c:
         return c.model_info(timeout=60)
+
+
+def _openai_info(target: str, args: argparse.Namespace) -> SimpleNamespace:
+    """What the load needs from an OpenAI-compatible server (GetModelInfo's fields it can give)."""
+    from serving.entrypoints.bench.openai_load import Target, served_model
+
+    served = served_model(Target.parse(target, args.api_key), args.served_model_name)
+    vocab = args.vocab_size or served.vocab_size
+    if vocab is None:
+        raise ValueError(f"{target} does not report its vocabulary size; give --vocab-size")
+    return SimpleNamespace(model=served.model, vocab_size=vocab, max_model_len=served.max_model_len,
+                           dtype=None, max_num_seqs=None)
 
 
 def server_counts(server) -> dict[str, int]:

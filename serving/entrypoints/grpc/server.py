@@ -11,6 +11,8 @@ streams are full), the `Generation` servicer, the standard `grpc.health.v1` serv
 server reflection, and the Prometheus endpoint. It binds 127.0.0.1 unless told
 otherwise, and the metrics endpoint binds the same host as gRPC. Optional TLS
 (`tls`) and a shared API key (`api_key`, see `serving.entrypoints.grpc.security`; health stays open).
+With `http` (an `OpenAIConfig`) the OpenAI-compatible HTTP API
+(`serving.entrypoints.openai`) is served on the same host from the same engine core.
 `run_until_signal` is what `hybrid-jax serve` runs: it blocks until SIGTERM or
 SIGINT, then shuts down gracefully and returns 0 (the process exits 0), or until
 the engine core reports a fault it cannot recover from, and then returns
@@ -39,6 +41,7 @@ from serving.engine.llm_engine import LLMEngine
 from serving.entrypoints.grpc.grpc_service import SERVICE, GenerationServicer, add_to_server
 from serving.entrypoints.grpc.security import ApiKeyInterceptor
 from serving.entrypoints.metrics import ServerMetrics
+from serving.entrypoints.openai.api_server import OpenAIConfig, OpenAIServer
 from serving.entrypoints.request_log import log_event
 from serving.entrypoints.validation import RequestLimits, default_request_bytes
 
@@ -64,7 +67,7 @@ class GenerationServer:
     def __init__(self, engine: LLMEngine, *, model_name: str, host: str = "127.0.0.1", port: int = 0,
                  metrics_port: int | None = None, max_waiting: int = 128, max_streams: int | None = None,
                  limits: RequestLimits | None = None, tls: grpc.ServerCredentials | None = None,
-                 api_key: str | None = None):
+                 api_key: str | None = None, http: OpenAIConfig | None = None):
         self.core = EngineCore(engine, max_waiting=max_waiting)
         self.metrics = ServerMetrics(self.core.stats)
         self.core.on_step.append(self.metrics.on_step)
@@ -93,6 +96,13 @@ class GenerationServer:
         self._wake = threading.Event()  # a signal or a fatal engine fault: run_until_signal returns
         self.fatal_error: BaseException | None = None
         self.core.on_fatal.append(self._on_fatal)  # the engine cannot recover
+        self._serving = False
+        # The OpenAI HTTP front: same host, engine core, metrics, limits and API key; its
+        # /health answers from is_serving() (the rule gRPC health follows too).
+        self.http = None if http is None else OpenAIServer(
+            self.core, self.metrics, http, host=host, limits=self.limits, api_key=api_key,
+            health=self.is_serving)
+        self.http_port = None if self.http is None else self.http.port
 
     def _bind(self, host: str, port: int, tls: grpc.ServerCredentials | None) -> int:
         addr = f"{host}:{port}"
@@ -111,9 +121,12 @@ class GenerationServer:
         if self._metrics_port_arg is not None:
             self.metrics_port = self.metrics.start_http(self._metrics_port_arg, addr=self.host)
         self._grpc.start()
+        if self.http is not None:
+            self.http.start()
+        self._serving = True
         self._set_health(health_pb2.HealthCheckResponse.SERVING)
         log_event("server.started", model=self.model_name, host=self.host, port=self.port,
-                  metrics_port=self.metrics_port)
+                  metrics_port=self.metrics_port, http_port=self.http_port)
         return self
 
     def shutdown(self, grace_s: float = 30.0) -> None:
@@ -127,10 +140,13 @@ class GenerationServer:
         self._stopped.set()
         live = self.core.num_live()
         log_event("server.stopping", in_flight=live, grace_s=grace_s)
+        self._serving = False
         self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         t0 = time.monotonic()
         self.core.shutdown(grace_s)  # stop accepting, wait up to grace_s, abort the rest
         self._grpc.stop(grace=5.0).wait()
+        if self.http is not None:
+            self.http.stop()
         self.metrics.stop_http()
         log_event("server.stopped", in_flight_at_signal=live, seconds=round(time.monotonic() - t0, 3))
 
@@ -143,8 +159,14 @@ class GenerationServer:
         if self.fatal_error is None:
             self.fatal_error = err
             log_event("server.fatal", logging.CRITICAL, error=repr(err))
+        self._serving = False
         self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         self._wake.set()
+
+    def is_serving(self) -> bool:
+        """True while the engine serves: started, not shutting down, no unrecoverable fault.
+        HTTP /health answers 200 exactly while this holds (503 otherwise)."""
+        return self._serving and self.core.healthy and not self._stopped.is_set()
 
     def _unauthenticated(self, method: str, token_given: bool) -> None:
         self.metrics.rejected.labels("UNAUTHENTICATED", "unauthenticated").inc()
