@@ -143,7 +143,7 @@ class LLMEngine:
         self._multi = None if not self.config.multi_q else SpecPlan(
             self.config.multi_q, multi_seqs, self._multi_eligible, lambda work: [[0] * n for _, n in work])
         self.multi_calls = 0  # multi-step executable calls (stats: multi_step_calls)
-        self.runner.compile_all(_progress if show_progress else None)
+        self.runner.compile_all(_progress if show_progress else None, config_key=self.config.store_key())
         if self.drafter is not None and hasattr(self.drafter, "compile_all"):
             self.drafter.compile_all()
         self.requests: dict[str, Request] = {}

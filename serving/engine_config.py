@@ -11,7 +11,7 @@ This module knows nothing of requests.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import jax
 import jax.numpy as jnp
@@ -163,6 +163,11 @@ class EngineConfig:
             raise ValueError(f"num_scheduler_steps={k} with tensor_parallel_size="
                              f"{self.tensor_parallel_size}: multi-step decoding does not run "
                              "tensor-parallel yet; use num_scheduler_steps=1")
+
+    def store_key(self) -> str:
+        """This configuration as a part of an executable store key (serving/exec_store.py),
+        less where the store lives."""
+        return repr(replace(self, compilation_cache_dir=None))
 
     @property
     def multi_q(self) -> int:
