@@ -44,7 +44,10 @@ EPILOG = """examples:
 run `hybrid-jax COMMAND --help` for each command's options.
 """
 
-SERVE_EPILOG = """The server stops on SIGTERM or Ctrl-C: health turns NOT_SERVING, new requests get
+SERVE_EPILOG = """Before health reports SERVING, one internal request runs through the engine; if it
+fails, the start fails (one error line, exit 1). Health turns NOT_SERVING after
+--unhealthy-after consecutive requests failed in the engine, SERVING again when one
+succeeds. The server stops on SIGTERM or Ctrl-C: health turns NOT_SERVING, new requests get
 UNAVAILABLE, requests in flight get --shutdown-grace seconds to finish, the rest are
 aborted (UNAVAILABLE), and the process exits 0. Logs are JSON lines on stderr.
 
@@ -87,6 +90,8 @@ def _model_args(p: argparse.ArgumentParser) -> None:
 # run. --temperature 0 gives greedy decoding.
 GENERATE_DEFAULTS = {"max_tokens": 64, "temperature": 0.6, "top_p": 0.9, "top_k": -1, "seed": 0}
 
+
+UNHEALTHY_AFTER = 3  # serving.server.UNHEALTHY_AFTER, written out for --help without JAX
 
 # EngineConfig's defaults, written out so that `--help` needs no JAX import
 # (tests/serving/test_server_cli.py checks that they match).
@@ -199,6 +204,9 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--shutdown-grace", type=float, default=30.0,
                        help="seconds in-flight requests get after SIGTERM (default 30)")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    serve.add_argument("--unhealthy-after", type=int, default=UNHEALTHY_AFTER, metavar="N",
+                       help="health turns NOT_SERVING after N consecutive requests failed in the "
+                            f"engine, SERVING again when one succeeds (default {UNHEALTHY_AFTER}; 0 = never)")
     sec = serve.add_argument_group("security and limits")
     sec.add_argument("--tls-cert", metavar="PEM", help="serve TLS with this certificate chain (+ --tls-key)")
     sec.add_argument("--tls-key", metavar="PEM", help="the private key of --tls-cert")
@@ -290,6 +298,8 @@ def _serve(args: argparse.Namespace) -> int:
     if args.metrics_port >= 0:
         check_bindable(args.host, args.metrics_port, "--metrics-port")
     limits = _request_limits(args)
+    if args.unhealthy_after < 0:
+        raise ValueError(f"--unhealthy-after={args.unhealthy_after} must be >= 0")
     model = prepare_model(resolve_model_name(args.model), needs_tokenizer=False,
                           announce=lambda msg: log_event("server.loading", message=msg))
     return _serve_model(args, model, tls, limits)
@@ -309,7 +319,8 @@ def _serve_model(args: argparse.Namespace, model: str, tls, limits) -> int:
     from hybrid_jax.loading import load_model
     from serving.engine import LLMEngine, freeze_heap
     from serving.engine_config import EngineConfig
-    from serving.server import GenerationServer
+    from serving.engine_core import SelfTestFailed
+    from serving.server import EXIT_ENGINE_FAILED, GenerationServer
 
     cfg = EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                        max_prefill_chunk=args.max_prefill_chunk, max_model_len=args.max_model_len,
@@ -325,7 +336,12 @@ def _serve_model(args: argparse.Namespace, model: str, tls, limits) -> int:
     server = GenerationServer(engine, model_name=args.model, host=args.host, port=args.port,
                               metrics_port=None if args.metrics_port < 0 else args.metrics_port,
                               max_waiting=args.max_waiting, limits=limits, tls=tls,
-                              api_key=args.api_key).start()
+                              api_key=args.api_key, unhealthy_after=args.unhealthy_after)
+    try:
+        server.start()  # the self-test request runs first: a broken engine never reports SERVING
+    except SelfTestFailed as err:
+        print(f"hybrid-jax serve: error: {err}", file=sys.stderr, flush=True)
+        return EXIT_ENGINE_FAILED
     code = server.run_until_signal(grace_s=args.shutdown_grace)
     if code:  # the engine cannot recover: leave now, even if a thread is wedged
         logging.shutdown()

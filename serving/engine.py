@@ -254,6 +254,11 @@ class LLMEngine:
         self.requests.pop(request_id, None)
         return self.scheduler.abort(request_id) is not None
 
+    @property
+    def last_fault(self) -> str | None:
+        """The exception of the last step that failed (one line), None if none has."""
+        return self._faults.last_error
+
     def fail(self, request_id: str) -> RequestDelta | None:
         """Finish a live request with finish_reason "error" (a fault pinned on it)."""
         req = self.requests.pop(request_id, None)
