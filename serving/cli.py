@@ -117,6 +117,12 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help=f"tokens per KV page (default {d['page_size']})")
     g.add_argument("--memory-fraction", type=float, default=d["memory_fraction"],
                    help=f"of free device memory for KV pages and states (default {d['memory_fraction']})")
+    g.add_argument("--seq-buckets", default=None, metavar="N,N,...",
+                   help="sequence counts to compile step shapes for (default: powers of 2 up to "
+                        "--max-num-seqs); fewer buckets: faster start-up, more padding")
+    g.add_argument("--token-buckets", default=None, metavar="N,N,...",
+                   help="token counts to compile step shapes for (default: powers of 2 up to "
+                        "--max-num-batched-tokens)")
     g.add_argument("--ssm-state-dtype", default="float32", choices=["float32", "bfloat16"],
                    help="recurrent state dtype (bfloat16 halves state traffic; default float32)")
     g.add_argument("--no-async-scheduling", action="store_true",
@@ -300,6 +306,7 @@ def _serve(args: argparse.Namespace) -> int:
     limits = _request_limits(args)
     if args.unhealthy_after < 0:
         raise ValueError(f"--unhealthy-after={args.unhealthy_after} must be >= 0")
+    _ints(args.seq_buckets, "--seq-buckets"), _ints(args.token_buckets, "--token-buckets")  # checked early
     model = prepare_model(resolve_model_name(args.model), needs_tokenizer=False,
                           announce=lambda msg: log_event("server.loading", message=msg))
     return _serve_model(args, model, tls, limits)
@@ -329,7 +336,9 @@ def _serve_model(args: argparse.Namespace, model: str, tls, limits) -> int:
                        enable_prefix_caching=args.enable_prefix_caching,
                        prefix_state_stride=args.prefix_state_stride,
                        prefix_state_checkpoints=args.prefix_state_checkpoints,
-                       tensor_parallel_size=args.tensor_parallel_size, **_spec_kwargs(args))
+                       tensor_parallel_size=args.tensor_parallel_size, seq_buckets=_ints(args.seq_buckets,
+                       "--seq-buckets"), token_buckets=_ints(args.token_buckets, "--token-buckets"),
+                       **_spec_kwargs(args))
     host = _sharded_loading(args.tensor_parallel_size)
     engine = LLMEngine(load_model(model, dtype=args.dtype, seed=args.weights_seed, device=host), cfg)
     freeze_heap()  # one engine for the process's life: no full GC walks of the start-up heap
@@ -347,6 +356,19 @@ def _serve_model(args: argparse.Namespace, model: str, tls, limits) -> int:
         logging.shutdown()
         os._exit(code)
     return code
+
+
+def _ints(text: str | None, flag: str) -> tuple[int, ...] | None:
+    """A comma-separated list of positive ints (None stays None)."""
+    if text is None:
+        return None
+    try:
+        values = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise ValueError(f"{flag}={text!r} must be comma-separated integers, e.g. 1,4,16") from None
+    if not values or min(values) < 1:
+        raise ValueError(f"{flag}={text!r} must list integers >= 1")
+    return values
 
 
 def _to_stderr(message: str) -> None:

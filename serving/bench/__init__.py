@@ -2,7 +2,8 @@
 
   throughput  offline: N requests through the Python API; tokens/s and requests/s
   serving     a gRPC load generator (Poisson rate or fixed concurrency) against
-              `hybrid-jax serve`; TTFT, TPOT, ITL, E2E percentiles, failures by code
+              `hybrid-jax serve` (--server, or a child process it starts and stops);
+              TTFT, TPOT, ITL, E2E percentiles, failures by code
   scaling     decode step, tokens/s and memory vs context, a hybrid against its
               full-attention baseline, at several batches; largest batch that fits
   sweep       window x SSM state size x short/long prompts of a native hybrid, with
@@ -47,6 +48,8 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _print_summary(res: dict) -> None:
+    if res.get("note"):
+        print(f"note: {res['note']}")
     keys = ("requests_per_s", "output_tok_s", "total_tok_s", "sent", "completed", "failures_by_code",
             "ttft_ms", "tpot_ms", "itl_ms", "e2e_ms", "all_pages_match")
     for k in keys:
