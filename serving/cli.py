@@ -30,7 +30,7 @@ EPILOG = """examples:
   hybrid-jax presets
   hybrid-jax generate "def fibonacci(n):"           # the shipped default model
   echo "import os" | hybrid-jax generate --temperature 0.8 --top-p 0.95 --seed 1
-  hybrid-jax generate --model native-tiny "Hello"
+  hybrid-jax generate --model native-tiny "Hello"   # a preset: random weights, noise
   hybrid-jax generate --model ./my-hf-model --max-tokens 64 --dtype bfloat16 "Once upon"
 
   # a server on :50051 with metrics on :9464, sized small for a CPU
@@ -56,6 +56,26 @@ example (CPU-sized):
       --max-num-seqs 4 --max-num-batched-tokens 32 --max-model-len 256 --max-waiting 64
 """
 
+GENERATE_EPILOG = """The prompt is printed, then its continuation as it streams. Sampled by default
+(temperature 0.6, top-p 0.9, seed 0: the same text on every run); --temperature 0 is
+greedy. Presets (`hybrid-jax presets`) have random weights: their output is noise.
+
+examples:
+  hybrid-jax generate "def fibonacci(n):"           # the shipped default model
+  echo "import os" | hybrid-jax generate --temperature 0.8 --top-p 0.95 --seed 1
+  hybrid-jax generate --max-tokens 128 --temperature 0 "class Stack:"
+  hybrid-jax generate --model ./my-hf-model --max-tokens 64 --dtype bfloat16 "Once upon"
+  hybrid-jax generate --model native-tiny "Hello"   # a preset: random weights, noise
+"""
+
+PRESETS_EPILOG = """Presets are model shapes (configs/models/*.json) with random weights: use one with
+--model to try the engine or measure speed; its output is noise, not text.
+
+example:
+  hybrid-jax presets
+  hybrid-jax generate --model native-tiny --max-tokens 8 "Hello"
+"""
+
 CLIENT_EPILOG = """examples:
   hybrid-jax client --server localhost:50051 "Hello"
   hybrid-jax client --server localhost:50051 --max-tokens 64 --temperature 0.7 --seed 3 "Hi"
@@ -66,7 +86,7 @@ gRPC status (e.g. INVALID_ARGUMENT naming the field).
 """
 
 
-def _sub(sub, name: str, help: str, epilog: str = EPILOG) -> argparse.ArgumentParser:
+def _sub(sub, name: str, help: str, epilog: str) -> argparse.ArgumentParser:
     p = sub.add_parser(name, help=help, description=help, epilog=epilog,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.set_defaults(_subparser=p)  # error messages name this subcommand's flags (cli_support)
@@ -76,8 +96,11 @@ def _sub(sub, name: str, help: str, epilog: str = EPILOG) -> argparse.ArgumentPa
 def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL,
                    help="HF dir, native dir, preset name or HF repo id org/name (default: 'default', "
-                        "the shipped hybrid trained on Python source; docs/training.md)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+                        "the shipped hybrid trained on Python source; docs/training.md). Presets "
+                        "(`hybrid-jax presets`) have random weights: their output is noise, not text")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="dtype of the weights and activations (default float32; bfloat16 halves "
+                        "weight and KV memory and is the fast choice on a GPU)")
     p.add_argument("--weights-seed", type=int, default=0,
                    help="seed for a preset's random weights (default 0)")
     p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
@@ -183,7 +206,8 @@ def _parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 description="Serve and run hybrid SSM + sliding-window models.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    gen = _sub(sub, "generate", "generate a continuation of a prompt in this process (streams)")
+    gen = _sub(sub, "generate", "generate a continuation of a prompt in this process (streams)",
+               GENERATE_EPILOG)
     gen.add_argument("prompt", nargs="?", help="prompt text (default: read from stdin)")
     _model_args(gen)
     gen.add_argument("--max-tokens", type=int, default=GENERATE_DEFAULTS["max_tokens"],
@@ -225,7 +249,7 @@ def _parser() -> argparse.ArgumentParser:
 
     client = _sub(sub, "client", "stream a prompt's continuation from a running server", CLIENT_EPILOG)
     add_client_args(client)
-    _sub(sub, "presets", "list the model presets")
+    _sub(sub, "presets", "list the model presets (random weights)", PRESETS_EPILOG)
     # `train` is parsed by hybrid_jax.train (main() hands it the arguments), which imports
     # JAX; listed here for `hybrid-jax --help`.
     _sub(sub, "train", "train a model on .py/text files (run `hybrid-jax train --help`)", "")
@@ -308,7 +332,8 @@ def _serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--unhealthy-after={args.unhealthy_after} must be >= 0")
     _ints(args.seq_buckets, "--seq-buckets"), _ints(args.token_buckets, "--token-buckets")  # checked early
     model = prepare_model(resolve_model_name(args.model), needs_tokenizer=False,
-                          announce=lambda msg: log_event("server.loading", message=msg))
+                          announce=lambda msg: log_event("server.loading", message=msg),
+                          warn=lambda msg: log_event("server.model", logging.WARNING, message=msg))
     return _serve_model(args, model, tls, limits)
 
 
