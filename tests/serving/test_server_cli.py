@@ -117,7 +117,7 @@ def test_start_up_stderr_is_the_servers_own_lines(server):
     assert len(notes) == 1 and notes[0]["level"] == "warning" and "random weights" in notes[0]["message"]
     names = [e.get("event") for e in records]
     assert names.index("server.self_test") < names.index("server.started")
-    other = [line for line in server.raw[:len(server.raw)] if not line.startswith("{")]
+    other = [line for line in server.raw if not line.startswith("{")]
     assert all("compiling step executables" in line for line in other if line.strip()), other
 
 
