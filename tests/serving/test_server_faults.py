@@ -127,6 +127,11 @@ def _fail_one(port: int, prompt: str) -> None:
     assert code == grpc.StatusCode.INTERNAL
 
 
+def _finished_total(server) -> float:
+    return sum(s.value for fam in server.metrics.registry.collect() if fam.name == "hybrid_jax_requests"
+               for s in fam.samples if s.name.endswith("_total"))
+
+
 def test_consecutive_failed_requests_turn_health_off_until_one_succeeds(server_engine, expected):
     """NOT_SERVING after `unhealthy_after` requests in a row failed in the engine; SERVING
     again when a client's request succeeds, or the core's own probe while idle."""
@@ -144,8 +149,10 @@ def test_consecutive_failed_requests_turn_health_off_until_one_succeeds(server_e
             finally:
                 undo()
             if recover_by_probe:
+                before = _finished_total(server)
                 server.core.probe_interval_s = 0.0  # the idle core probes itself
                 wait_for(lambda: _health(server.port) == serving, what="health SERVING after a probe")
+                assert _finished_total(server) == before  # a probe is no one's request
             else:
                 with grpc.insecure_channel(f"127.0.0.1:{server.port}") as ch:
                     got = collect(pb_grpc.GenerationStub(ch), request_for(PROMPTS[0], PARAMS))
