@@ -125,8 +125,13 @@ def main() -> None:
 
     def tensor_parallel_then_another_model_twice() -> None:
         # B over both devices fills the store first; A then starts twice on device 0.
-        serve(engine(MODEL_B, str(cache), tp=2))
+        sharded = engine(MODEL_B, str(cache), tp=2)
+        tokens = serve(sharded)
         assert stores[-1].devices == tuple(jax.devices()[:2])
+        again = engine(MODEL_B, str(cache), tp=2)  # a tensor-parallel warm start loads everything
+        assert again.runner.startup["loaded"] == sharded.runner.startup["executables"]
+        assert serve(again) == tokens
+        del sharded, again
         first = engine(MODEL_A, str(cache))
         n = first.runner.startup["executables"]
         assert first.runner.startup["loaded"] == 0 and stores[-1].misses == n

@@ -144,8 +144,9 @@ def two_device_results(tmp_path_factory) -> dict[str, str]:
 
 @pytest.mark.parametrize("check", ["mismatch_is_a_miss", "tensor_parallel_then_another_model_twice"])
 def test_store_on_a_host_of_two_devices(two_device_results, check):
-    """A stored executable runs on exactly the engine's devices: a TP=1 engine on a
-    2-device host starts twice from one store (the second loads every executable) and
-    serves the full forward's tokens both times, after a TP=2 engine of another model
-    of the same vocabulary stored its own; one that does not fit is a miss."""
+    """A stored executable runs on exactly the engine's devices: a TP=2 engine starts
+    twice from one store (the second loads everything, same tokens); then a TP=1 engine
+    of another model of the same vocabulary on the same 2-device host starts twice (the
+    second loads every executable) and serves the full forward's tokens both times; an
+    executable that does not fit the engine is a miss."""
     assert two_device_results[check] == "ok", two_device_results[check]
