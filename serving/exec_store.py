@@ -159,6 +159,8 @@ def mismatch(compiled, recorded: tuple, args, devices) -> str | None:
         return "its arguments are not the ones the engine passes"
     for i, (s, x) in enumerate(zip(ins, leaves, strict=True)):
         passed = getattr(x, "sharding", None)
+        if s is None:  # an argument the executable does not take (pruned): nothing to place
+            continue
         if not set(_sharding_devices(s)) <= set(want):
             return f"argument {i} lives on devices outside the engine's"
         if passed is not None and not (_sharding_devices(s) == _sharding_devices(passed)
