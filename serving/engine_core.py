@@ -258,8 +258,11 @@ class EngineCore:
     def _probe(self) -> None:
         """While degraded and idle: an internal request (no stream) whose outcome counts."""
         self._last_probe = time.monotonic()
-        self.engine.add_request(prompt_token_ids=self._probe_prompt(), params=PROBE_PARAMS,
-                                request_id=f"health-probe-{next(self._probes)}")
+        try:
+            self.engine.add_request(prompt_token_ids=self._probe_prompt(), params=PROBE_PARAMS,
+                                    request_id=f"health-probe-{next(self._probes)}")
+        except Exception:  # the loop must go on: a client's success restores health too
+            log.exception("health probe not submitted")
 
     def _die(self, err: Exception) -> None:
         """Called with the lock held: refuse new work, fail every live stream, run on_fatal."""
