@@ -30,7 +30,12 @@ __all__ = ["MODES", "add_args", "main"]
 def main(args: argparse.Namespace) -> int:
     import importlib
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    from serving.request_log import OwnLevelFilter
+
+    root = logging.getLogger()
+    if not root.handlers:  # (a caller that set up logging keeps its own)
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+        root.handlers[0].addFilter(OwnLevelFilter(logging.INFO))  # others' INFO lines are internals
     args.model = args.model or ("native-tiny" if args.smoke else "native-1b-parallel")
     args.dtype = args.dtype or ("float32" if args.smoke else "bfloat16")
     if args.smoke:  # one engine shape for all modes, so a compilation cache serves the later ones
