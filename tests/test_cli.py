@@ -13,6 +13,9 @@ def test_generate_prints_the_greedy_continuation(capsys):
     captured = capsys.readouterr()
     out, err = captured.out, captured.err
     assert err.startswith("loading model native-tiny\n")  # said before the first compile
+    assert [line for line in err.splitlines() if "random weights" in line] == [  # once, on stderr
+        "native-tiny is a preset with random weights (untrained): its output is noise, not text; "
+        "for real text use the default model or a trained checkpoint directory"]
     lm = load_model("native-tiny")
     tokens = greedy_generate(lm.model, lm.tokenizer.encode("Hi", add_bos=True), 6,
                              eos_ids=lm.config.eos_token_ids)
@@ -56,3 +59,42 @@ def test_generate_needs_no_grpc():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.startswith("Hi")
+
+
+def test_each_subcommand_shows_its_own_examples(capsys):
+    import pytest
+
+    helps = {}
+    for command in (["generate"], ["presets"], ["serve"], ["client"], ["bench"], []):
+        with pytest.raises(SystemExit):
+            main([*command, "--help"])
+        helps[" ".join(command)] = capsys.readouterr().out
+    gen = helps["generate"]
+    assert "hybrid-jax client" not in gen and "hybrid-jax serve" not in gen  # not the top-level list
+    assert "random weights" in gen and "hybrid-jax generate" in gen.split("examples:")[1]
+    dtype_help = " ".join(gen.split("  --dtype {float32,bfloat16}\n")[1].split()[:6])
+    assert dtype_help.startswith("dtype of the weights and activations"), dtype_help
+    assert "random weights" in helps["presets"] and "hybrid-jax client" not in helps["presets"]
+    for command in ("serve", "client", "bench"):
+        assert "hybrid-jax generate" not in helps[command]
+    assert len(set(helps.values())) == len(helps)
+
+
+def test_serve_logging_shows_other_libraries_from_warning_up_only():
+    """`serve --log-level info`: this project's info lines, JAX's / absl's backend probes and
+    orbax internals (INFO) hidden, their warnings kept; at --log-level debug likewise."""
+    import logging
+
+    from serving.entrypoints.request_log import OwnLevelFilter
+
+    def passes(level: str, name: str, levelno: int) -> bool:
+        record = logging.LogRecord(name, levelno, __file__, 1, "m", None, None)
+        return OwnLevelFilter(logging.getLevelName(level.upper())).filter(record)
+
+    assert passes("info", "serving.requests", logging.INFO)
+    assert not passes("info", "jax._src.xla_bridge", logging.INFO)  # "Unable to initialize backend 'tpu'"
+    assert not passes("info", "absl", logging.INFO)  # orbax's checkpoint internals
+    assert passes("info", "absl", logging.WARNING) and passes("info", "jax", logging.ERROR)
+    assert passes("debug", "hybrid_jax.loading", logging.DEBUG) and not passes("debug", "jax", logging.INFO)
+    assert not passes("error", "serving.engine.llm_engine", logging.WARNING)
+    assert not passes("error", "jax", logging.WARNING) and passes("error", "jax", logging.ERROR)

@@ -200,6 +200,11 @@ class EngineConfig:
                  " ".join(f"{k}={v}" for k, v in chosen.items()))
         return replace(self, **chosen)
 
+    def store_key(self) -> str:
+        """This configuration as a part of an executable store key (serving/runner/exec_store.py),
+        less where the store lives."""
+        return repr(replace(self, compilation_cache_dir=None))
+
     @property
     def multi_q(self) -> int:
         """Decode steps per multi-step call, 0 when multi-step decoding is off."""

@@ -9,10 +9,19 @@ waiting for it (submit, abort, stats) gets it between two steps, because the loo
 which would otherwise take it back at once (Python's lock has no queue), yields
 to waiting callers first. A bounded waiting queue makes `submit`
 raise `QueueFull` when too many requests wait; accepted requests are never dropped.
+
+Health (what a server reports): `self_test` runs one internal request through the
+engine before serving, so a broken executable set fails the start. While serving, the
+core is *degraded* after `unhealthy_after` consecutive requests failed in the engine
+(finish_reason "error") and healthy again when a request succeeds; while degraded and
+idle it sends itself an internal probe request every `probe_interval_s`, so a server
+that balancers stopped sending traffic to can still recover. `on_health(ok)` callbacks
+hear each change. An unrecoverable fault (`healthy` False, `on_fatal`) is final.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import queue
 import threading
@@ -32,6 +41,14 @@ class QueueFull(Exception):
 
 class EngineStopped(Exception):
     """The engine core is shut down and accepts no requests."""
+
+
+class SelfTestFailed(RuntimeError):
+    """The start-up request failed in the engine: the server must not report SERVING."""
+
+
+PROBE_PARAMS = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+SELF_TEST_MAX_STEPS = 64  # a 2-token request needs a handful of steps; more means a wedged engine
 
 
 class RequestStream:
@@ -102,7 +119,9 @@ class _FairLock:
 
 class EngineCore:
     def __init__(self, engine: LLMEngine, *, max_waiting: int | None = None,
-                 idle_sleep_s: float = 0.001):
+                 idle_sleep_s: float = 0.001, unhealthy_after: int = 3, probe_interval_s: float = 5.0):
+        if unhealthy_after < 0:
+            raise ValueError(f"{unhealthy_after=} must be >= 0 (0: never degraded)")
         self.engine = engine
         self.max_waiting = max_waiting
         self.idle_sleep_s = idle_sleep_s
@@ -120,10 +139,48 @@ class EngineCore:
         self.healthy = True
         self.fatal_error: BaseException | None = None
         self.on_fatal: list = []
+        # Degraded: the last `unhealthy_after` requests all failed in the engine (module doc).
+        self.unhealthy_after, self.probe_interval_s = unhealthy_after, probe_interval_s
+        self.consecutive_failures = 0
+        self.degraded = False
+        # callbacks(ok: bool) on each change, on the loop thread with the lock held (so a
+        # client that saw its request fail then sees the new health); must not call the core
+        self.on_health: list = []
+        self._probes = itertools.count()
+        self._last_probe = 0.0
 
     def start(self) -> EngineCore:
         self._thread.start()
         return self
+
+    def self_test(self) -> None:
+        """Run one internal request (a short prompt, 2 greedy tokens: a prefill and a
+        decode step, with their samplers) through the engine before the loop starts.
+        Raises SelfTestFailed, one line, if it fails in the engine or does not finish."""
+        assert not self._thread.is_alive(), "self_test runs before start()"
+        eng = self.engine
+        try:
+            rid = eng.add_request(prompt_token_ids=self._probe_prompt(), params=PROBE_PARAMS,
+                                  request_id="self-test")
+            for _ in range(SELF_TEST_MAX_STEPS):
+                if not eng.has_unfinished():
+                    break
+                for d in eng.step():
+                    if d.request_id == rid and d.finish_reason == "error":
+                        raise SelfTestFailed(eng.last_fault or "the engine failed it")
+            else:
+                raise SelfTestFailed(f"not finished after {SELF_TEST_MAX_STEPS} steps")
+        except SelfTestFailed as err:
+            raise SelfTestFailed(f"start-up self-test request failed: {err}") from None
+        except Exception as err:
+            raise SelfTestFailed(f"start-up self-test request failed: {type(err).__name__}: "
+                                 f"{' '.join(str(err).split())}") from err
+
+    def _probe_prompt(self) -> list[int]:
+        """A short prompt (less than a page: nothing enters the prefix cache)."""
+        sc = self.engine.plan.scheduler
+        n = max(1, min(4, sc.page_size - 1, sc.max_model_len - PROBE_PARAMS.max_tokens))
+        return [1 + i % (self.engine.model_config.vocab_size - 1) for i in range(n)]
 
     # -- callers (any thread) -------------------------------------------------------
 
@@ -199,12 +256,19 @@ class EngineCore:
                         return
                     dt = time.perf_counter() - t0
                     self.step_times = [*self.step_times[-255:], dt]
+                    health = self._count_outcomes(deltas)
+                    if health is not None:  # before the streams see the deltas (lock held)
+                        for cb in self.on_health:
+                            cb(health)
                     for d in deltas:
                         stream = self._streams.get(d.request_id)
                         if stream is not None:
                             stream._put(d)
                             if d.finished:
                                 del self._streams[d.request_id]
+                elif (self.degraded and self._accepting
+                      and time.monotonic() - self._last_probe >= self.probe_interval_s):
+                    self._probe()
             self._lock.yield_to_waiters()
             if busy:
                 for cb in self.on_step:
@@ -212,6 +276,35 @@ class EngineCore:
             else:
                 self._wake.wait(timeout=0.05)
                 self._wake.clear()
+
+    def _count_outcomes(self, deltas: list[RequestDelta]) -> bool | None:
+        """Count consecutive requests failed in the engine; the new health if it changed."""
+        was = self.degraded
+        for d in deltas:
+            if not d.finished or d.finish_reason == "abort":
+                continue
+            if d.finish_reason == "error":
+                self.consecutive_failures += 1
+            else:
+                self.consecutive_failures = 0
+        self.degraded = bool(self.unhealthy_after) and self.consecutive_failures >= self.unhealthy_after
+        if self.degraded == was:
+            return None
+        if self.degraded:
+            log.warning("engine degraded: %d consecutive requests failed in the engine",
+                        self.consecutive_failures)
+        else:
+            log.warning("engine serving again: a request succeeded")
+        return not self.degraded
+
+    def _probe(self) -> None:
+        """While degraded and idle: an internal request (no stream) whose outcome counts."""
+        self._last_probe = time.monotonic()
+        try:
+            self.engine.add_request(prompt_token_ids=self._probe_prompt(), params=PROBE_PARAMS,
+                                    request_id=f"health-probe-{next(self._probes)}")
+        except Exception:  # the loop must go on: a client's success restores health too
+            log.exception("health probe not submitted")
 
     def _die(self, err: Exception) -> None:
         """Called with the lock held: refuse new work, fail every live stream, run on_fatal."""

@@ -44,6 +44,7 @@ class FaultIsolator:
         self.consecutive = 0
         self.num_faults = 0  # steps that raised, cumulative
         self.num_failed_requests = 0  # requests finished with "error", cumulative
+        self.last_error: str | None = None  # the last failed step's exception, one line
 
     def succeeded(self, schedule: Schedule) -> None:
         self.consecutive = 0
@@ -56,6 +57,7 @@ class FaultIsolator:
         """Roll the step back, pin the fault if it can be, and return deltas of failed requests."""
         self.num_faults += 1
         self.consecutive += 1
+        self.last_error = " ".join(f"{type(err).__name__}: {err}".split())
         lost = self.state_lost()
         requeued = self.scheduler.rollback(schedule)
         ids = [s.request_id for s in requeued]

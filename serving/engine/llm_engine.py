@@ -145,7 +145,7 @@ class LLMEngine:
         self._multi = None if not self.config.multi_q else SpecPlan(
             self.config.multi_q, multi_seqs, self._multi_eligible, lambda work: [[0] * n for _, n in work])
         self.multi_calls = 0  # multi-step executable calls (stats: multi_step_calls)
-        self.runner.compile_all(_progress if show_progress else None)
+        self.runner.compile_all(_progress if show_progress else None, config_key=self.config.store_key())
         if jax.default_backend() == "gpu":  # first runs' one-time costs before any request
             self.runner.warmup()
         if self.drafter is not None and hasattr(self.drafter, "compile_all"):
@@ -259,6 +259,11 @@ class LLMEngine:
         """Abort a request now (pages and slot freed at once). False if it is not live."""
         self.requests.pop(request_id, None)
         return self.scheduler.abort(request_id) is not None
+
+    @property
+    def last_fault(self) -> str | None:
+        """The exception of the last step that failed (one line), None if none has."""
+        return self._faults.last_error
 
     def fail(self, request_id: str) -> RequestDelta | None:
         """Finish a live request with finish_reason "error" (a fault pinned on it)."""

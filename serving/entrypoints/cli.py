@@ -31,7 +31,7 @@ EPILOG = """examples:
   hybrid-jax presets
   hybrid-jax generate "def fibonacci(n):"           # the shipped default model
   echo "import os" | hybrid-jax generate --temperature 0.8 --top-p 0.95 --seed 1
-  hybrid-jax generate --model native-tiny "Hello"
+  hybrid-jax generate --model native-tiny "Hello"   # a preset: random weights, noise
   hybrid-jax generate --model ./my-hf-model --max-tokens 64 --dtype bfloat16 "Once upon"
 
   # a server on :50051 with metrics on :9464, sized small for a CPU
@@ -49,13 +49,36 @@ EPILOG = """examples:
 run `hybrid-jax COMMAND --help` for each command's options.
 """
 
-SERVE_EPILOG = """The server stops on SIGTERM or Ctrl-C: health turns NOT_SERVING, new requests get
+SERVE_EPILOG = """Before health reports SERVING, one internal request runs through the engine; if it
+fails, the start fails (one error line, exit 1). Health turns NOT_SERVING after
+--unhealthy-after consecutive requests failed in the engine, SERVING again when one
+succeeds. The server stops on SIGTERM or Ctrl-C: health turns NOT_SERVING, new requests get
 UNAVAILABLE, requests in flight get --shutdown-grace seconds to finish, the rest are
 aborted (UNAVAILABLE), and the process exits 0. Logs are JSON lines on stderr.
 
 example (CPU-sized):
   hybrid-jax serve --model native-tiny --port 50051 --metrics-port 9464 \\
       --max-num-seqs 4 --max-num-batched-tokens 32 --max-model-len 256 --max-waiting 64
+"""
+
+GENERATE_EPILOG = """The prompt is printed, then its continuation as it streams. Sampled by default
+(temperature 0.6, top-p 0.9, seed 0: the same text on every run); --temperature 0 is
+greedy. Presets (`hybrid-jax presets`) have random weights: their output is noise.
+
+examples:
+  hybrid-jax generate "def fibonacci(n):"           # the shipped default model
+  echo "import os" | hybrid-jax generate --temperature 0.8 --top-p 0.95 --seed 1
+  hybrid-jax generate --max-tokens 128 --temperature 0 "class Stack:"
+  hybrid-jax generate --model ./my-hf-model --max-tokens 64 --dtype bfloat16 "Once upon"
+  hybrid-jax generate --model native-tiny "Hello"   # a preset: random weights, noise
+"""
+
+PRESETS_EPILOG = """Presets are model shapes (configs/models/*.json) with random weights: use one with
+--model to try the engine or measure speed; its output is noise, not text.
+
+example:
+  hybrid-jax presets
+  hybrid-jax generate --model native-tiny --max-tokens 8 "Hello"
 """
 
 CLIENT_EPILOG = """examples:
@@ -68,7 +91,7 @@ gRPC status (e.g. INVALID_ARGUMENT naming the field).
 """
 
 
-def _sub(sub, name: str, help: str, epilog: str = EPILOG) -> argparse.ArgumentParser:
+def _sub(sub, name: str, help: str, epilog: str) -> argparse.ArgumentParser:
     p = sub.add_parser(name, help=help, description=help, epilog=epilog,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.set_defaults(_subparser=p)  # error messages name this subcommand's flags (cli_support)
@@ -78,8 +101,11 @@ def _sub(sub, name: str, help: str, epilog: str = EPILOG) -> argparse.ArgumentPa
 def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL,
                    help="HF dir, native dir, preset name or HF repo id org/name (default: 'default', "
-                        "the shipped hybrid trained on Python source; docs/training.md)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+                        "the shipped hybrid trained on Python source; docs/training.md). Presets "
+                        "(`hybrid-jax presets`) have random weights: their output is noise, not text")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="dtype of the weights and activations (default float32; bfloat16 halves "
+                        "weight and KV memory and is the fast choice on a GPU)")
     p.add_argument("--weights-seed", type=int, default=0,
                    help="seed for a preset's random weights (default 0)")
     p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
@@ -92,6 +118,8 @@ def _model_args(p: argparse.ArgumentParser) -> None:
 # run. --temperature 0 gives greedy decoding.
 GENERATE_DEFAULTS = {"max_tokens": 64, "temperature": 0.6, "top_p": 0.9, "top_k": -1, "seed": 0}
 
+
+UNHEALTHY_AFTER = 3  # serving.entrypoints.grpc.server.UNHEALTHY_AFTER, written out for --help without JAX
 
 # EngineConfig's defaults, written out so that `--help` needs no JAX import
 # (tests/serving/test_server_cli.py checks that they match).
@@ -121,6 +149,12 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help=f"tokens per KV page (default {d['page_size']})")
     g.add_argument("--memory-fraction", type=float, default=d["memory_fraction"],
                    help="of free device memory for KV pages and states (default: by device)")
+    g.add_argument("--seq-buckets", default=None, metavar="N,N,...",
+                   help="sequence counts to compile step shapes for (default: powers of 2 up to "
+                        "--max-num-seqs); fewer buckets: faster start-up, more padding")
+    g.add_argument("--token-buckets", default=None, metavar="N,N,...",
+                   help="token counts to compile step shapes for (default: powers of 2 up to "
+                        "--max-num-batched-tokens)")
     g.add_argument("--ssm-state-dtype", default="float32", choices=["float32", "bfloat16"],
                    help="recurrent state dtype (bfloat16 halves state traffic; default float32)")
     g.add_argument("--no-async-scheduling", action="store_true",
@@ -181,7 +215,8 @@ def _parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 description="Serve and run hybrid SSM + sliding-window models.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    gen = _sub(sub, "generate", "generate a continuation of a prompt in this process (streams)")
+    gen = _sub(sub, "generate", "generate a continuation of a prompt in this process (streams)",
+               GENERATE_EPILOG)
     gen.add_argument("prompt", nargs="?", help="prompt text (default: read from stdin)")
     _model_args(gen)
     gen.add_argument("--max-tokens", type=int, default=GENERATE_DEFAULTS["max_tokens"],
@@ -210,6 +245,9 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--shutdown-grace", type=float, default=30.0,
                        help="seconds in-flight requests get after SIGTERM (default 30)")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    serve.add_argument("--unhealthy-after", type=int, default=UNHEALTHY_AFTER, metavar="N",
+                       help="health turns NOT_SERVING after N consecutive requests failed in the "
+                            f"engine, SERVING again when one succeeds (default {UNHEALTHY_AFTER}; 0 = never)")
     sec = serve.add_argument_group("security and limits")
     sec.add_argument("--tls-cert", metavar="PEM", help="serve TLS with this certificate chain (+ --tls-key)")
     sec.add_argument("--tls-key", metavar="PEM", help="the private key of --tls-cert")
@@ -223,7 +261,7 @@ def _parser() -> argparse.ArgumentParser:
 
     client = _sub(sub, "client", "stream a prompt's continuation from a running server", CLIENT_EPILOG)
     add_client_args(client)
-    _sub(sub, "presets", "list the model presets")
+    _sub(sub, "presets", "list the model presets (random weights)", PRESETS_EPILOG)
     # `train` is parsed by hybrid_jax.train (main() hands it the arguments), which imports
     # JAX; listed here for `hybrid-jax --help`.
     _sub(sub, "train", "train a model on .py/text files (run `hybrid-jax train --help`)", "")
@@ -358,9 +396,13 @@ def _serve(args: argparse.Namespace) -> int:
     if args.http_port is not None and args.http_port >= 0:
         check_bindable(args.host, args.http_port, "--http-port")
     limits = _request_limits(args)
+    if args.unhealthy_after < 0:
+        raise ValueError(f"--unhealthy-after={args.unhealthy_after} must be >= 0")
+    _ints(args.seq_buckets, "--seq-buckets"), _ints(args.token_buckets, "--token-buckets")  # checked early
     http = _http_config(args)
     model = prepare_model(resolve_model_name(args.model), needs_tokenizer=False,
-                          announce=lambda msg: log_event("server.loading", message=msg))
+                          announce=lambda msg: log_event("server.loading", message=msg),
+                          warn=lambda msg: log_event("server.model", logging.WARNING, message=msg))
     return _serve_model(args, model, tls, limits, _with_model_dir(http, model))
 
 
@@ -377,8 +419,9 @@ def _request_limits(args: argparse.Namespace):
 def _serve_model(args: argparse.Namespace, model: str, tls, limits, http) -> int:
     from hybrid_jax.loading import load_model
     from serving.engine.engine_config import EngineConfig
+    from serving.engine.engine_core import SelfTestFailed
     from serving.engine.llm_engine import LLMEngine, freeze_heap
-    from serving.entrypoints.grpc.server import GenerationServer
+    from serving.entrypoints.grpc.server import EXIT_ENGINE_FAILED, GenerationServer
 
     cfg = EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                        max_prefill_chunk=args.max_prefill_chunk, max_model_len=args.max_model_len,
@@ -387,7 +430,9 @@ def _serve_model(args: argparse.Namespace, model: str, tls, limits, http) -> int
                        enable_prefix_caching=args.enable_prefix_caching,
                        prefix_state_stride=args.prefix_state_stride,
                        prefix_state_checkpoints=args.prefix_state_checkpoints,
-                       tensor_parallel_size=args.tensor_parallel_size, **_spec_kwargs(args))
+                       tensor_parallel_size=args.tensor_parallel_size, seq_buckets=_ints(args.seq_buckets,
+                       "--seq-buckets"), token_buckets=_ints(args.token_buckets, "--token-buckets"),
+                       **_spec_kwargs(args))
     host = _sharded_loading(args.tensor_parallel_size)
     engine = LLMEngine(load_model(model, dtype=args.dtype, seed=args.weights_seed, device=host), cfg)
     freeze_heap()  # one engine for the process's life: no full GC walks of the start-up heap
@@ -395,12 +440,30 @@ def _serve_model(args: argparse.Namespace, model: str, tls, limits, http) -> int
                               port=args.port,
                               metrics_port=None if args.metrics_port < 0 else args.metrics_port,
                               max_waiting=args.max_waiting, limits=limits, tls=tls,
-                              api_key=args.api_key, http=http).start()
+                              api_key=args.api_key, unhealthy_after=args.unhealthy_after, http=http)
+    try:
+        server.start()  # the self-test request runs first: a broken engine never reports SERVING
+    except SelfTestFailed as err:
+        print(f"hybrid-jax serve: error: {err}", file=sys.stderr, flush=True)
+        return EXIT_ENGINE_FAILED
     code = server.run_until_signal(grace_s=args.shutdown_grace)
     if code:  # the engine cannot recover: leave now, even if a thread is wedged
         logging.shutdown()
         os._exit(code)
     return code
+
+
+def _ints(text: str | None, flag: str) -> tuple[int, ...] | None:
+    """A comma-separated list of positive ints (None stays None)."""
+    if text is None:
+        return None
+    try:
+        values = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise ValueError(f"{flag}={text!r} must be comma-separated integers, e.g. 1,4,16") from None
+    if not values or min(values) < 1:
+        raise ValueError(f"{flag}={text!r} must list integers >= 1")
+    return values
 
 
 def _to_stderr(message: str) -> None:

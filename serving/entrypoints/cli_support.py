@@ -103,12 +103,18 @@ def tokenizer_status(model: str) -> bool | None:
     return False
 
 
-def prepare_model(model: str, *, needs_tokenizer: bool, announce: Callable[[str], None]) -> str:
+RANDOM_PRESET = ("{model} is a preset with random weights (untrained): its output is noise, not "
+                 "text; for real text use the default model or a trained checkpoint directory")
+
+
+def prepare_model(model: str, *, needs_tokenizer: bool, announce: Callable[[str], None],
+                  warn: Callable[[str], None] | None = None) -> str:
     """The loadable name of `model` (an `org/name` becomes its cached directory), checked.
 
     ValueError for a name that is no directory, preset or repo id; FileNotFoundError
     before any weight is read when a text prompt needs a tokenizer the directory lacks;
-    then `announce("loading model ...")`.
+    then `announce("loading model ...")`, and for a preset `warn` (default `announce`)
+    says, in one line, that its weights are random.
     """
     presets = preset_names()
     if not (Path(model).is_dir() or model in presets or is_repo_id(model)):
@@ -122,6 +128,8 @@ def prepare_model(model: str, *, needs_tokenizer: bool, announce: Callable[[str]
         announce(f"{model}: no tokenizer.json; text prompts will be refused, token ids work")
     where = "" if path == model else f" from {path}"
     announce(f"loading model {model}{where}")
+    if model in presets and not Path(model).is_dir():
+        (warn or announce)(RANDOM_PRESET.format(model=model))
     return path
 
 

@@ -6,8 +6,10 @@
 Events: request.accepted, request.rejected (with code and field), request.finished,
 request.cancelled (client cancel or deadline), server.* lifecycle events. `log_event`
 writes through the `serving.requests` logger; `setup_logging` makes every record of
-the process (JAX's and gRPC's included) a JSON line. This module knows nothing of
-the engine or gRPC.
+the process a JSON line: this project's own at the chosen level, other libraries'
+(JAX's backend probes, absl, orbax, gRPC) only from WARNING up, so start-up shows the
+server's lines and real problems, not "Unable to initialize backend 'tpu'". This
+module knows nothing of the engine or gRPC.
 """
 
 from __future__ import annotations
@@ -42,10 +44,28 @@ def log_event(event: str, level: int = logging.INFO, **fields: object) -> None:
     log.log(level, event, extra={"fields": {"event": event, **fields}})
 
 
+OWN_LOGGERS = ("serving", "hybrid_jax", "pallas_kernels", "configs")
+
+
+class OwnLevelFilter(logging.Filter):
+    """Pass this project's records at `level` and up, other libraries' at WARNING and up
+    (or `level`, if higher): their INFO lines are internals, their warnings may matter."""
+
+    def __init__(self, level: int):
+        super().__init__()
+        self.level, self.foreign = level, max(level, logging.WARNING)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        own = record.name.split(".", 1)[0] in OWN_LOGGERS
+        return record.levelno >= (self.level if own else self.foreign)
+
+
 def setup_logging(level: str = "info") -> None:
-    """Send every log record of the process to stderr as JSON lines."""
+    """Send the process's log records to stderr as JSON lines (`OwnLevelFilter`)."""
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter())
+    number = logging.getLevelName(level.upper())
+    handler.addFilter(OwnLevelFilter(number))
     root = logging.getLogger()
     root.handlers[:] = [handler]
-    root.setLevel(level.upper())
+    root.setLevel(number)

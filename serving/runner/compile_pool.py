@@ -14,8 +14,9 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, as_completed
 
-# One job: (key, a function of nothing that lowers it, its store key or None).
-Job = tuple[object, Callable[[], object], str | None]
+# One job: (key, a function of nothing that lowers it, its store key or None, the
+# arguments the executable will be called with: a stored one must take them).
+Job = tuple[object, Callable[[], object], str | None, tuple]
 
 
 def compile_jobs(todo: list[Job], *, opts: dict | None, store, done: Callable[[object, object], None],
@@ -28,10 +29,10 @@ def compile_jobs(todo: list[Job], *, opts: dict | None, store, done: Callable[[o
     jobs = []
     if store is not None:
         with ThreadPoolExecutor(workers or max(1, min(len(todo), os.cpu_count() or 2))) as pool:
-            loaded = list(pool.map(lambda job: store.load(job[2]), todo))
+            loaded = list(pool.map(lambda job: store.load(job[2], job[3]), todo))
     else:
         loaded = [None] * len(todo)
-    for (key, lower, skey), exe in zip(todo, loaded, strict=True):
+    for (key, lower, skey, _), exe in zip(todo, loaded, strict=True):
         if exe is not None:
             done(key, exe)
         else:

@@ -255,27 +255,28 @@ class ModelRunner:
         return sum(x.addressable_shards[0].data.nbytes for x in self.params)
 
     def compile_all(self, progress: Callable[[int, int, Bucket], None] | None = None,
-                    workers: int | None = None) -> None:
+                    workers: int | None = None, config_key: str = "") -> None:
         """Compile every bucket ahead of serving (the only compilations the runner does).
 
         Executables found in the executable store (serving/runner/exec_store.py, beside the
         persistent compilation cache) are loaded without tracing; the others are lowered
         and compiled in parallel, then stored (serving/runner/compile_pool.py). `self.startup`
-        records the seconds spent loading, lowering and compiling.
+        records the seconds spent loading, lowering and compiling. `config_key` names the
+        engine configuration the executables serve (a part of their store key).
         """
         from serving.runner.exec_store import default_store, describe_args
 
         opts = (compile_options() if jax.default_backend() == "gpu" else {}) or None
         rep = self.replicated if self.shardings is not None else None
         store = default_store(list(self.mesh.devices.flat))
-        model_key = (repr(self.cfg), str(self.layout.dtypes), repr(self.layout.leaves),
+        model_key = (config_key, repr(self.cfg), str(self.layout.dtypes), repr(self.layout.leaves),
                      str(self.layout.treedef), repr(self.shardings), repr(sorted((opts or {}).items())))
         # (key, what to lower: a function of nothing, store key)
         todo: list[Job] = []
 
         def add(key, fn: Callable, args: tuple, desc: tuple) -> None:
             skey = store.key(model_key, desc, describe_args(args)) if store is not None else None
-            todo.append((key, lambda: fn.lower(*args), skey))
+            todo.append((key, lambda: fn.lower(*args), skey, args))
 
         for bucket in self.buckets:
             host = self.host_layouts[bucket]

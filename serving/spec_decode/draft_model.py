@@ -61,6 +61,7 @@ class DraftModelDrafter:
         """`draft`: the draft model, if the engine loaded it already (to plan its memory
         with the pools: engine_config.draft_bytes); else loaded here."""
         lm = draft if draft is not None else load_model(cfg.speculative_model, dtype=cfg.dtype)
+        self._config_key = cfg.store_key()
         if lm.config.vocab_size != target.config.vocab_size:
             raise ValueError(f"speculative_model={cfg.speculative_model!r}: vocab_size "
                              f"{lm.config.vocab_size} differs from the target's "
@@ -94,7 +95,7 @@ class DraftModelDrafter:
                  [g.pool.capacity for g in self.groups])
 
     def compile_all(self) -> None:
-        self.runner.compile_all(None)
+        self.runner.compile_all(None, config_key=f"draft of {self._config_key}")
 
     # -- bookkeeping ---------------------------------------------------------------
 

@@ -29,7 +29,11 @@ def test_throughput_runs_every_request_to_its_length(tmp_path):
 
 
 def test_serving_counts_exactly_the_requests_it_sent(tmp_path):
-    res = _run("serving", tmp_path)
+    res = _run("serving", tmp_path)  # against a `hybrid-jax serve` child process, stopped at the end
+    assert res["server"] == "child process" and "note" not in res
+    log = [json.loads(line) for line in (tmp_path / "serving_server.log").read_text().splitlines()
+           if line.startswith("{")]
+    assert [e["event"] for e in log if e.get("event", "").startswith("server.st")][-1] == "server.stopped"
     server = res["server_counted"]
     finished = sum(v for k, v in server.items() if k.startswith("finished_"))
     rejected = sum(v for k, v in server.items() if k.startswith("rejected_"))
@@ -118,8 +122,10 @@ def test_prefill_prediction_follows_the_measured_growth():
     assert predict_prefill_s([(1000, 1.0), (2000, 1.5)], 4000) == pytest.approx(3.0)  # at least linear
 
 
-def test_serving_keeps_at_most_concurrency_requests_in_flight(tmp_path):
-    res = _run("serving", tmp_path, "--concurrency", "2")
+def test_serving_keeps_at_most_concurrency_requests_in_flight(tmp_path, capsys):
+    res = _run("serving", tmp_path, "--concurrency", "2", "--in-process")
+    assert res["server"] == "in-process" and "smoke tests only" in res["note"]
+    assert "note: --in-process" in capsys.readouterr().out  # the printed report says so
     assert res["sent"] == 12 and res["concurrency"] == 2
     spans = list(zip(res["sent_s"], res["end_s"], strict=True))
     for t, _ in spans:  # at each send, at most 2 requests (this one included) are open
@@ -140,3 +146,12 @@ def test_poisson_arrivals_have_the_requested_rate():
         LoadSpec(concurrency=0)
     with pytest.raises(ValueError, match="rate=0"):
         LoadSpec(rate=0)
+
+
+def test_serving_reports_a_child_server_that_cannot_start_in_one_line(tmp_path, capsys):
+    code = main(["bench", "serving", "--smoke", "--model", "no-such-model", "--out", str(tmp_path)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and "server exited with code 2 before serving" in err[-1], err
+    assert "no-such-model" in err[-1]
+    both = ["--in-process", "--server", "x:1"]
+    assert main(["bench", "serving", "--smoke", *both, "--out", str(tmp_path)]) == 2

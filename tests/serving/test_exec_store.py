@@ -120,3 +120,33 @@ def test_prune_deletes_the_least_recently_used_files_first(tmp_path):
     assert sorted(f.name for f in tmp_path.glob("*.exe")) == ["a.exe", "d.exe"]
     assert store.prune() == 0 and (tmp_path / "notes.txt").exists()
     assert exec_store.ExecutableStore(tmp_path, jax.devices()[:1]).max_bytes == exec_store.DEFAULT_MAX_BYTES
+
+
+@pytest.fixture(scope="module")
+def two_device_results(tmp_path_factory) -> dict[str, str]:
+    """Run `exec_store_child.py` on 2 forced CPU devices (XLA_FLAGS must be set before JAX
+    starts; this process has one device) and return its check results."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu",
+               PYTHONPATH=f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("exec_store_child.py")),
+                           str(tmp_path_factory.mktemp("store"))],
+                          env=env, cwd=root, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("check", ["mismatch_is_a_miss", "tensor_parallel_then_another_model_twice"])
+def test_store_on_a_host_of_two_devices(two_device_results, check):
+    """A stored executable runs on exactly the engine's devices: a TP=2 engine starts
+    twice from one store (the second loads everything, same tokens); then a TP=1 engine
+    of another model of the same vocabulary on the same 2-device host starts twice (the
+    second loads every executable) and serves the full forward's tokens both times; an
+    executable that does not fit the engine is a miss."""
+    assert two_device_results[check] == "ok", two_device_results[check]

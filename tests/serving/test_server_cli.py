@@ -105,6 +105,23 @@ def test_loading_is_logged_before_the_compile_and_the_host_is_reported(server):
     assert server.wait_event("server.started", timeout=1)["host"] == "127.0.0.1"
 
 
+def test_start_up_stderr_is_the_servers_own_lines(server):
+    """Start-up shows this project's log lines (JSON) and the compile progress, no library
+    internals below WARNING (JAX's TPU probe, orbax), one line that the preset's weights
+    are random, and the self-test before SERVING."""
+    started = [e.get("event") for e in server.events].index("server.started")
+    records = server.events[:started + 1]
+    foreign = [e for e in records if e["logger"].split(".")[0] not in ("serving", "hybrid_jax")]
+    assert all(e["level"] in ("warning", "error", "critical") for e in foreign), foreign
+    assert not any("Unable to initialize backend" in line for line in server.raw)
+    notes = [e for e in records if e.get("event") == "server.model"]
+    assert len(notes) == 1 and notes[0]["level"] == "warning" and "random weights" in notes[0]["message"]
+    names = [e.get("event") for e in records]
+    assert names.index("server.self_test") < names.index("server.started")
+    other = [line for line in server.raw if not line.startswith("{")]
+    assert all("compiling step executables" in line for line in other if line.strip()), other
+
+
 def test_client_reports_a_bad_request_with_its_status(server):
     out = subprocess.run([sys.executable, "-m", "serving.entrypoints.cli", "client", "--server",
                           f"127.0.0.1:{server.port}", "--top-p", "0", "Hi"],

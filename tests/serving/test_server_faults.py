@@ -118,3 +118,85 @@ def test_an_unrecoverable_fault_turns_health_off_and_exits_non_zero(server, serv
     assert seen["late"][0] == grpc.StatusCode.UNAVAILABLE
     stats = server_engine.stats()  # the shared engine is left clean for the next tests
     assert stats["slots_in_use"] == 0 and sum(stats["pages_in_use"].values()) == 0
+
+
+def _fail_one(port: int, prompt: str) -> None:
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+        code, _ = rpc_code(lambda: list(pb_grpc.GenerationStub(ch).Generate(
+            request_for(prompt, PARAMS), timeout=60)))
+    assert code == grpc.StatusCode.INTERNAL
+
+
+def _finished_total(server) -> float:
+    return sum(s.value for fam in server.metrics.registry.collect() if fam.name == "hybrid_jax_requests"
+               for s in fam.samples if s.name.endswith("_total"))
+
+
+def test_consecutive_failed_requests_turn_health_off_until_one_succeeds(server_engine, expected):
+    """NOT_SERVING after `unhealthy_after` requests in a row failed in the engine; SERVING
+    again when a client's request succeeds, or the core's own probe while idle."""
+    server = GenerationServer(server_engine, model_name="native-tiny", port=0,
+                              unhealthy_after=2, probe_interval_s=3600).start()
+    serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+    try:
+        for recover_by_probe in (False, True):
+            undo = _poisoned(server_engine, None)  # every step fails (state kept: recoverable)
+            try:
+                _fail_one(server.port, "First of all")
+                assert _health(server.port) == serving  # one failure is not a pattern
+                _fail_one(server.port, "Second")
+                assert _health(server.port) == not_serving
+            finally:
+                undo()
+            if recover_by_probe:
+                before = _finished_total(server)
+                server.core.probe_interval_s = 0.0  # the idle core probes itself
+                wait_for(lambda: _health(server.port) == serving, what="health SERVING after a probe")
+                assert _finished_total(server) == before  # a probe is no one's request
+            else:
+                with grpc.insecure_channel(f"127.0.0.1:{server.port}") as ch:
+                    got = collect(pb_grpc.GenerationStub(ch), request_for(PROMPTS[0], PARAMS))
+                assert got.token_ids == expected[PROMPTS[0]]
+                assert _health(server.port) == serving
+        assert server.core.healthy and not server.core.degraded
+    finally:
+        server.shutdown(grace_s=0)
+
+
+def test_a_failing_self_test_fails_the_start(server_engine):
+    from serving.engine.engine_core import SelfTestFailed
+
+    undo = _poisoned(server_engine, None)
+    try:
+        server = GenerationServer(server_engine, model_name="native-tiny", port=0)
+        with pytest.raises(SelfTestFailed, match="self-test request failed: .*injected fault"):
+            server.start()
+    finally:
+        undo()
+    assert not server.core._thread.is_alive()  # nothing started: the caller exits
+    stats = server_engine.stats()
+    assert stats["slots_in_use"] == 0 and stats["num_waiting"] == 0 and stats["num_running"] == 0
+
+
+def test_serve_exits_non_zero_with_one_line_when_the_self_test_fails(server_engine, monkeypatch, capsys):
+    """`hybrid-jax serve` over an engine whose steps fail: one error line, exit 1, never SERVING."""
+    import hybrid_jax.loading
+    import serving.engine.llm_engine
+    from serving.entrypoints.cli import main
+
+    monkeypatch.setattr(hybrid_jax.loading, "load_model", lambda *a, **k: None)
+    monkeypatch.setattr(serving.engine.llm_engine, "LLMEngine", lambda *a, **k: server_engine)
+    monkeypatch.setattr(serving.engine.llm_engine, "freeze_heap", lambda: None)  # a test process
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level  # `serve` sets up the process's logging
+    undo = _poisoned(server_engine, None)
+    try:
+        code = main(["serve", "--model", "native-tiny", "--port", "0", "--metrics-port", "-1",
+                     "--log-level", "error"])
+    finally:
+        undo()
+        root.handlers[:], root.level = handlers, level
+    err = capsys.readouterr().err
+    assert code == EXIT_ENGINE_FAILED != 0
+    lines = [line for line in err.splitlines() if line.startswith("hybrid-jax serve: error:")]
+    assert lines == [err.splitlines()[-1]] and "self-test request failed" in lines[0], err

@@ -2,7 +2,8 @@
 
   throughput  offline: N requests through the Python API; tokens/s and requests/s
   serving     a gRPC load generator (Poisson rate or fixed concurrency) against
-              `hybrid-jax serve`; TTFT, TPOT, ITL, E2E percentiles, failures by code
+              `hybrid-jax serve` (--server, or a child process it starts and stops);
+              TTFT, TPOT, ITL, E2E percentiles, failures by code
   scaling     decode step, tokens/s and memory vs context, a hybrid against its
               full-attention baseline, at several batches; largest batch that fits
   sweep       window x SSM state size x short/long prompts of a native hybrid, with
@@ -29,7 +30,12 @@ __all__ = ["MODES", "add_args", "main"]
 def main(args: argparse.Namespace) -> int:
     import importlib
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    from serving.entrypoints.request_log import OwnLevelFilter
+
+    root = logging.getLogger()
+    if not root.handlers:  # (a caller that set up logging keeps its own)
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+        root.handlers[0].addFilter(OwnLevelFilter(logging.INFO))  # others' INFO lines are internals
     args.model = args.model or ("native-tiny" if args.smoke else "native-1b-parallel")
     args.dtype = args.dtype or ("float32" if args.smoke else "bfloat16")
     if args.smoke:  # one engine shape for all modes, so a compilation cache serves the later ones
@@ -47,6 +53,8 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _print_summary(res: dict) -> None:
+    if res.get("note"):
+        print(f"note: {res['note']}")
     keys = ("requests_per_s", "output_tok_s", "total_tok_s", "sent", "completed", "failures_by_code",
             "ttft_ms", "tpot_ms", "itl_ms", "e2e_ms", "all_pages_match")
     for k in keys:

@@ -47,7 +47,8 @@ def _serving_mode(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("serving")
     g.add_argument("--server", default=None,
                    help="HOST:PORT of a running server, or http://HOST:PORT with --backend openai "
-                        "(default: start one here)")
+                        "(default: start `hybrid-jax serve` as a child process with this command's model and "
+                        "engine flags, stopped at the end)")
     g.add_argument("--backend", default="grpc", choices=["grpc", "openai"],
                    help="grpc: the Generate RPC; openai: streamed /v1/completions with token-id prompts, "
                         "against this server's --http-port or any OpenAI-compatible one (default grpc)")
@@ -56,6 +57,11 @@ def _serving_mode(p: argparse.ArgumentParser) -> None:
     g.add_argument("--vocab-size", type=int, default=None,
                    help="openai: vocabulary of the random prompts when /v1/models does not report it")
     g.add_argument("--api-key", default=None, help="openai: sent as 'Authorization: Bearer KEY'")
+    g.add_argument("--in-process", action="store_true",
+                   help="run the server inside this process instead (smoke tests only: client and "
+                        "server share one Python process, which inflates latencies many times)")
+    g.add_argument("--server-start-timeout", type=float, default=1800.0,
+                   help="seconds the child server may take to load and compile (default 1800)")
     g.add_argument("--request-rate", type=float, default=math.inf,
                    help="requests/s, Poisson arrivals (default inf: all at once)")
     g.add_argument("--concurrency", type=int, default=None,
@@ -98,6 +104,8 @@ BENCH_EPILOG = """examples (docs/benchmarks.md has the measured results):
   hybrid-jax bench throughput --smoke --out /tmp/b          # any mode: tiny preset, seconds on a CPU
   hybrid-jax bench throughput --model native-1b-parallel --num-requests 256 --input-len 512 \\
       --output-len 128 --len-dist uniform --range-ratio 0.5
+  # starts `hybrid-jax serve` with these flags as a child process, measures it, stops it
+  hybrid-jax bench serving --model native-1b-parallel --request-rate 16 --num-requests 400
   hybrid-jax serve --model native-1b-parallel --dtype bfloat16 --port 50051 &
   hybrid-jax bench serving --server localhost:50051 --request-rate 8 --num-requests 200 --duration 120
   hybrid-jax bench serving --server localhost:50051 --concurrency 32 --num-requests 200

@@ -4,13 +4,15 @@
 /v1/completions (`serving.entrypoints.bench.openai_load`), of this server's --http-port or of any
 OpenAI-compatible server (vLLM, SGLang, ...), with the same prompts and arrivals.
 
-With `--server HOST:PORT` the load goes to that server (run it in its own process for
-figures you report). Without it, a server for `--model` is started in this process on
-a free localhost port (for smoke runs: client and server then share one Python
-process, which inflates latencies), and its own request counters are recorded
-beside the client's. Lengths come from the model info's vocabulary, and are not
-clipped: requests longer than the server's max_model_len fail with INVALID_ARGUMENT
-and are counted as such.
+With `--server HOST:PORT` the load goes to that server. Without it, `hybrid-jax serve`
+is started as a child process with the benchmark's model and engine flags on free
+localhost ports (serving/entrypoints/bench/server_process.py), and stopped at the end. With
+`--in-process` (smoke tests only) the server runs in this Python process instead:
+client and server then share one GIL, which inflates latencies many times (issue 38),
+and the report says so. Without `--server`, the server's own request counters (its
+/metrics) are recorded beside the client's. Lengths come from the model info's
+vocabulary, and are not clipped: requests longer than the server's max_model_len fail
+with INVALID_ARGUMENT and are counted as such.
 """
 
 from __future__ import annotations
@@ -33,10 +35,17 @@ def run(args: argparse.Namespace, out: Path) -> dict:
         args.len_dist, args.range_ratio = "uniform", 0.9
     spec = LoadSpec(rate=args.request_rate, concurrency=args.concurrency, duration_s=args.duration,
                     timeout_s=args.request_timeout, seed=args.seed)
+    if args.server and args.in_process:
+        raise ValueError("--server and --in-process exclude each other")
     openai = args.backend == "openai"
-    server = None if args.server else _local_server(args, http=openai)
-    local = f"127.0.0.1:{server.http_port if openai else server.port}" if server else None
-    target = args.server or local
+    server = child = None
+    if args.in_process:
+        server = _local_server(args, http=openai)
+    elif not args.server:
+        child = _child_server(args, out, http=openai)
+    local = server if server is not None else child
+    port = None if local is None else local.http_port if openai else local.port
+    target = args.server or (f"http://127.0.0.1:{port}" if openai else f"127.0.0.1:{port}")
     try:
         info = _openai_info(target, args) if openai else _model_info(target)
         rng = np.random.default_rng(args.seed)
@@ -52,8 +61,10 @@ def run(args: argparse.Namespace, out: Path) -> dict:
         else:
             records, wall = run_load(target, prompts, outs, spec, sampling={"temperature": 0.0})
         res = {"mode": "serving", "backend": args.backend, "model": info.model, "dtype": info.dtype,
-               **common.environment(), "server": args.server or "in-process",
-               "max_num_seqs": info.max_num_seqs, "max_model_len": info.max_model_len,
+               **common.environment(),
+               "server": args.server or ("in-process" if server is not None else "child process"),
+               "max_num_seqs": info.max_num_seqs,
+               "max_model_len": info.max_model_len,
                "request_rate": None if math.isinf(spec.rate) else spec.rate,
                "concurrency": spec.concurrency, "duration_limit_s": spec.duration_s,
                "num_requests": args.num_requests, "len_dist": args.len_dist, "range_ratio": args.range_ratio,
@@ -63,10 +74,15 @@ def run(args: argparse.Namespace, out: Path) -> dict:
                **_timeline(records),
                "wall_s": wall, **report(records, wall)}
         if server is not None:
-            res["server_counted"] = server_counts(server)
+            res["server_counted"] = server_counts(server.metrics.registry.collect())
+            res["note"] = IN_PROCESS_NOTE
+        elif child is not None:
+            res["server_counted"] = server_counts(_scrape(child.metrics_port))
     finally:
         if server is not None:
             server.shutdown(grace_s=0)
+        if child is not None:
+            child.stop()
     common.write_json(out, "serving", res)
     plots.serving(res, records, out / "serving.png")
     return res
@@ -80,14 +96,38 @@ def _timeline(records) -> dict[str, list]:
             "end_s": [r.end - t0 for r in records]}
 
 
+IN_PROCESS_NOTE = ("--in-process: client and server shared one Python process, so latencies are "
+                   "inflated many times; for smoke tests only, not figures to report")
+
+
+def _max_model_len(args: argparse.Namespace) -> int:
+    return args.max_model_len or 2 * (args.input_len + args.output_len)
+
+
+def _child_server(args: argparse.Namespace, out: Path, http: bool = False):
+    from serving.entrypoints.bench.server_process import ServerProcess, serve_command
+
+    cmd = serve_command(args, _max_model_len(args)) + (["--http-port", "0"] if http else [])
+    return ServerProcess(cmd, out / "serving_server.log", start_timeout_s=args.server_start_timeout)
+
+
+def _scrape(metrics_port: int):
+    """The metric families of a server's /metrics endpoint."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    body = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read()
+    return list(text_string_to_metric_families(body.decode()))
+
+
 def _local_server(args: argparse.Namespace, http: bool = False):
     from serving.entrypoints.bench.engine_setup import build_engine, load, smoke_buckets
     from serving.entrypoints.grpc.server import GenerationServer
     from serving.entrypoints.openai.api_server import OpenAIConfig
 
     lm, _ = load(args.model, args.dtype, args.seed)
-    max_len = args.max_model_len or 2 * (args.input_len + args.output_len)
-    engine = build_engine(lm, args, max_model_len=max_len, **smoke_buckets(args))
+    engine = build_engine(lm, args, max_model_len=_max_model_len(args), **smoke_buckets(args))
     return GenerationServer(engine, model_name=args.model, host="127.0.0.1", port=0, metrics_port=None,
                             max_waiting=max(128, args.num_requests),
                             http=OpenAIConfig(port=0, model_name=args.model) if http else None).start()
@@ -112,12 +152,13 @@ def _openai_info(target: str, args: argparse.Namespace) -> SimpleNamespace:
                            dtype=None, max_num_seqs=None)
 
 
-def server_counts(server) -> dict[str, int]:
-    """The server's own counters: finished requests by reason, rejected by code, tokens streamed."""
+def server_counts(families) -> dict[str, int]:
+    """The server's own counters (its metric families): finished requests by reason,
+    rejected by code, tokens streamed."""
     labels = {"hybrid_jax_requests": ("finished", "finish_reason"),
               "hybrid_jax_requests_rejected": ("rejected", "code")}
     out: dict[str, int] = {}
-    for fam in server.metrics.registry.collect():
+    for fam in families:
         for s in fam.samples:
             if not s.name.endswith("_total"):
                 continue

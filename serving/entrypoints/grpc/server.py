@@ -18,6 +18,12 @@ SIGINT, then shuts down gracefully and returns 0 (the process exits 0), or until
 the engine core reports a fault it cannot recover from, and then returns
 `EXIT_ENGINE_FAILED` so that a supervisor restarts the process.
 
+Health: `start` runs one internal request through the engine before it reports SERVING
+(`EngineCore.self_test`); while serving, health is NOT_SERVING after `unhealthy_after`
+consecutive requests failed in the engine and SERVING again once one succeeds
+(`EngineCore`'s degraded rule, docs/serving.md), and NOT_SERVING for good after a fatal
+fault or at shutdown.
+
 Shutdown: health turns NOT_SERVING and new Generate calls get UNAVAILABLE; requests
 in flight run for up to `grace_s`; what is left is aborted (its stream ends with
 UNAVAILABLE); then the transport stops. This module knows nothing of request
@@ -36,7 +42,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from serving.engine.engine_core import EngineCore
+from serving.engine.engine_core import EngineCore, SelfTestFailed
 from serving.engine.llm_engine import LLMEngine
 from serving.entrypoints.grpc.grpc_service import SERVICE, GenerationServicer, add_to_server
 from serving.entrypoints.grpc.security import ApiKeyInterceptor
@@ -48,6 +54,7 @@ from serving.entrypoints.validation import RequestLimits, default_request_bytes
 SERVICE_NAME = SERVICE  # "hybrid_jax.v1.Generation"
 SPARE_WORKERS = 16  # threads beyond the open streams: health, unary calls, rejections
 EXIT_ENGINE_FAILED = 1  # run_until_signal's answer when the engine cannot recover
+UNHEALTHY_AFTER = 3  # consecutive requests failed in the engine before health says NOT_SERVING
 FATAL_DRAIN_S = 2.0  # after such a fault: NOT_SERVING answered, then the transport closes
 
 
@@ -62,13 +69,19 @@ class GenerationServer:
     limits: per-request size limits (default: `RequestLimits` with a request-size
     limit from max_model_len). tls: server credentials (`security.tls_credentials`).
     api_key: calls other than health checks need `authorization: Bearer <api_key>`.
+    unhealthy_after: consecutive requests failed in the engine before health turns
+    NOT_SERVING (0: never for that reason); while so and idle, the engine probes itself
+    every probe_interval_s. self_test: run the start-up request.
     """
 
     def __init__(self, engine: LLMEngine, *, model_name: str, host: str = "127.0.0.1", port: int = 0,
                  metrics_port: int | None = None, max_waiting: int = 128, max_streams: int | None = None,
                  limits: RequestLimits | None = None, tls: grpc.ServerCredentials | None = None,
-                 api_key: str | None = None, http: OpenAIConfig | None = None):
-        self.core = EngineCore(engine, max_waiting=max_waiting)
+                 api_key: str | None = None, unhealthy_after: int = UNHEALTHY_AFTER, self_test: bool = True,
+                 probe_interval_s: float = 5.0, http: OpenAIConfig | None = None):
+        self.core = EngineCore(engine, max_waiting=max_waiting, unhealthy_after=unhealthy_after,
+                               probe_interval_s=probe_interval_s)
+        self._self_test = self_test
         self.metrics = ServerMetrics(self.core.stats)
         self.core.on_step.append(self.metrics.on_step)
         self.limits = limits or RequestLimits(
@@ -103,6 +116,7 @@ class GenerationServer:
             self.core, self.metrics, http, host=host, limits=self.limits, api_key=api_key,
             health=self.is_serving)
         self.http_port = None if self.http is None else self.http.port
+        self.core.on_health.append(self._on_health)  # degraded / serving again
 
     def _bind(self, host: str, port: int, tls: grpc.ServerCredentials | None) -> int:
         addr = f"{host}:{port}"
@@ -116,7 +130,17 @@ class GenerationServer:
         return bound
 
     def start(self) -> GenerationServer:
-        """Start the engine loop, the metrics endpoint and the gRPC server; report SERVING."""
+        """Run the self-test request, start the engine loop, the metrics endpoint and the
+        gRPC server; report SERVING. A failed self-test raises `SelfTestFailed` (nothing
+        was started: the caller exits)."""
+        if self._self_test:
+            t0 = time.monotonic()
+            try:
+                self.core.self_test()
+            except SelfTestFailed:
+                self._grpc.stop(None)  # release the bound port
+                raise
+            log_event("server.self_test", seconds=round(time.monotonic() - t0, 3))
         self.core.start()
         if self._metrics_port_arg is not None:
             self.metrics_port = self.metrics.start_http(self._metrics_port_arg, addr=self.host)
@@ -164,9 +188,22 @@ class GenerationServer:
         self._wake.set()
 
     def is_serving(self) -> bool:
-        """True while the engine serves: started, not shutting down, no unrecoverable fault.
+        """True while the engine serves: started, not shutting down, no unrecoverable fault,
+        not degraded (EngineCore's consecutive-failure rule).
         HTTP /health answers 200 exactly while this holds (503 otherwise)."""
-        return self._serving and self.core.healthy and not self._stopped.is_set()
+        return (self._serving and self.core.healthy and not self.core.degraded
+                and not self._stopped.is_set())
+
+    def _on_health(self, ok: bool) -> None:
+        """Degraded or serving again (EngineCore's rule); a stopped or failed server stays
+        NOT_SERVING. On the loop thread with the core's lock held: no calls into the core."""
+        if self._stopped.is_set() or self.fatal_error is not None:
+            return
+        log_event("server.health", logging.INFO if ok else logging.WARNING,
+                  status="SERVING" if ok else "NOT_SERVING",
+                  consecutive_failed_requests=self.core.consecutive_failures)
+        self._set_health(health_pb2.HealthCheckResponse.SERVING if ok
+                         else health_pb2.HealthCheckResponse.NOT_SERVING)
 
     def _unauthenticated(self, method: str, token_given: bool) -> None:
         self.metrics.rejected.labels("UNAUTHENTICATED", "unauthenticated").inc()
