@@ -8,7 +8,7 @@
 # Writes OUT/{grpc,openai}-{16,32}/serving.{json,png} and prints the summaries, with the
 # server's mean engine step time during each run (from its Prometheus endpoint, :9464).
 set -eu
-export PYTHONPATH=.
+export PYTHONPATH=${PYTHONPATH:-.}
 OUT=${1:-bench_http_vs_grpc}
 MODEL=${MODEL:-native-1b-parallel}
 N=${N:-960}            # requests per run: 60 s at 16 req/s, 30 s at 32 req/s
