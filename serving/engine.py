@@ -110,6 +110,8 @@ class LLMEngine:
         else:  # tensor parallel: load on the host, each device then receives only its shard
             lm = load_model(model, dtype=self.config.dtype, device=tp.host_device() if n > 1 else None)
         tp.check_shardable(lm.config, n)
+        if n > 1:
+            tp.check_weights_shardable(lm.model, n)
         self.model_config, self.tokenizer = lm.config, lm.tokenizer
         weights = (sum(x.nbytes for x in jax.tree.leaves(lm.model)) if n == 1 else
                    tp.param_bytes_per_device(lm.config, n, lm.model.dtype))

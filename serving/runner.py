@@ -225,6 +225,7 @@ class ModelRunner:
         """Tensor parallelism: each device's parameter shard, packed on the host and put on
         that device only; caches and checkpoints created sharded (by head / channel)."""
         n, mesh = self.mesh.size, self.mesh
+        tp.check_weights_shardable(model, n)
         local = tp.local_abstract_model(self.cfg, n, model.dtype)
         self.graphdef, local_state = nnx.split(local)
         self.layout = plan_layout(local_state)
