@@ -75,6 +75,9 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                    help="HF dir, native dir, preset name or HF repo id org/name (default: 'default', "
                         "the shipped hybrid trained on Python source; docs/training.md)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--quantization", default=None, choices=["fp8"],
+                   help="fp8: quantize the decoder Linear weights block-wise (128 x 128, e4m3) at "
+                        "load; FP8 checkpoints load FP8 without it (docs/engine.md)")
     p.add_argument("--weights-seed", type=int, default=0,
                    help="seed for a preset's random weights (default 0)")
     p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
@@ -239,7 +242,7 @@ def _generate(args: argparse.Namespace) -> int:
     host = _sharded_loading(args.tensor_parallel_size)
     lm = load_model(prepare_model(resolve_model_name(args.model), needs_tokenizer=True, announce=_to_stderr),
                     device=host,
-                    dtype=args.dtype, seed=args.weights_seed)
+                    dtype=args.dtype, seed=args.weights_seed, quantization=args.quantization)
     if lm.tokenizer is None:
         print(f"error: {args.model} has no tokenizer.json", file=sys.stderr)
         return 2
@@ -248,6 +251,7 @@ def _generate(args: argparse.Namespace) -> int:
     chunk = min(64, max(16, len(prompt)))
     cfg = EngineConfig(max_num_seqs=1, max_num_batched_tokens=chunk, max_prefill_chunk=chunk,
                        max_model_len=len(prompt) + args.max_tokens, dtype=args.dtype,
+                       quantization=args.quantization,
                        tensor_parallel_size=args.tensor_parallel_size, **_spec_kwargs(args))
     llm = LLM.from_engine(LLMEngine(lm, cfg))
     print(text, end="", flush=True)
@@ -314,13 +318,15 @@ def _serve_model(args: argparse.Namespace, model: str, tls, limits) -> int:
     cfg = EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                        max_prefill_chunk=args.max_prefill_chunk, max_model_len=args.max_model_len,
                        page_size=args.page_size, memory_fraction=args.memory_fraction, dtype=args.dtype,
-                       ssm_state_dtype=args.ssm_state_dtype, async_scheduling=not args.no_async_scheduling,
+                       quantization=args.quantization, ssm_state_dtype=args.ssm_state_dtype,
+                       async_scheduling=not args.no_async_scheduling,
                        enable_prefix_caching=args.enable_prefix_caching,
                        prefix_state_stride=args.prefix_state_stride,
                        prefix_state_checkpoints=args.prefix_state_checkpoints,
                        tensor_parallel_size=args.tensor_parallel_size, **_spec_kwargs(args))
     host = _sharded_loading(args.tensor_parallel_size)
-    engine = LLMEngine(load_model(model, dtype=args.dtype, seed=args.weights_seed, device=host), cfg)
+    engine = LLMEngine(load_model(model, dtype=args.dtype, seed=args.weights_seed, device=host,
+                                  quantization=args.quantization), cfg)
     freeze_heap()  # one engine for the process's life: no full GC walks of the start-up heap
     server = GenerationServer(engine, model_name=args.model, host=args.host, port=args.port,
                               metrics_port=None if args.metrics_port < 0 else args.metrics_port,

@@ -257,6 +257,14 @@ class ModelRunner:
         """Bytes of parameters each device holds (its packed shard)."""
         return sum(x.addressable_shards[0].data.nbytes for x in self.params)
 
+    def param_bytes_by_dtype(self) -> dict[str, int]:
+        """Bytes of parameters each device holds per dtype (its packed buffers, alignment
+        padding included): FP8 weights count one byte per element."""
+        out: dict[str, int] = {}
+        for name, size in zip(self.layout.dtypes, self.layout.sizes, strict=True):
+            out[name] = out.get(name, 0) + size * jnp.dtype(name).itemsize
+        return out
+
     def compile_all(self, progress: Callable[[int, int, Bucket], None] | None = None,
                     workers: int | None = None) -> None:
         """Compile every bucket ahead of serving (the only compilations the runner does).

@@ -112,8 +112,10 @@ class GenerationServer:
             self.metrics_port = self.metrics.start_http(self._metrics_port_arg, addr=self.host)
         self._grpc.start()
         self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        engine = self.core.engine
         log_event("server.started", model=self.model_name, host=self.host, port=self.port,
-                  metrics_port=self.metrics_port)
+                  metrics_port=self.metrics_port, weight_bytes=sum(engine.weight_bytes_by_dtype.values()),
+                  weight_bytes_by_dtype=engine.weight_bytes_by_dtype)
         return self
 
     def shutdown(self, grace_s: float = 30.0) -> None:

@@ -64,12 +64,14 @@ def fp8_matmul(x: jax.Array, kernel: jax.Array, scale: jax.Array, *, block: int,
 def quantize(w: np.ndarray | jax.Array, block: int) -> tuple[jax.Array, jax.Array]:
     """w [r, c] float -> (kernel [r, c] e4m3, scale [ceil(r/B), ceil(c/B)] f32), the format
     of the Hub's FP8 checkpoints: each block scaled so its largest magnitude is 448
-    (an all-zero block gets scale 1)."""
-    w = jnp.asarray(w, jnp.float32)
+    (an all-zero block gets scale 1). On the host in numpy (load time: no compilation per
+    weight shape), the results put on the default device."""
+    w = np.asarray(w, np.float32)
     r, c = w.shape
     br, bc = scale_shape(w.shape, block)
-    padded = jnp.pad(w, ((0, br * block - r), (0, bc * block - c)))
-    amax = jnp.max(jnp.abs(padded.reshape(br, block, bc, block)), axis=(1, 3))
-    scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0).astype(jnp.float32)
-    q = jnp.clip(w / expand_scale(scale, w.shape, block), -FP8_MAX, FP8_MAX).astype(FP8)
-    return q, scale
+    padded = np.pad(w, ((0, br * block - r), (0, bc * block - c)))
+    amax = np.abs(padded.reshape(br, block, bc, block)).max(axis=(1, 3))
+    scale = np.where(amax > 0, amax / np.float32(FP8_MAX), np.float32(1)).astype(np.float32)
+    full = np.repeat(np.repeat(scale, block, axis=0), block, axis=1)[:r, :c]
+    q = np.clip(w / full, -FP8_MAX, FP8_MAX).astype(FP8)
+    return jnp.asarray(q), jnp.asarray(scale)
