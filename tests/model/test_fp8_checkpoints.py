@@ -125,34 +125,52 @@ def test_dequantize_matches_numpy_with_edge_blocks():
         assert np.abs(dequantize_np(q, scale, BLOCK) - w).max() <= np.abs(w).max() / 16
 
 
-def _greedy_vs_transformers(hf_model, path) -> int:
+def test_engine_greedy_equals_dequantized_transformers_argmax(mistral):
+    path, hf_model, quantized = mistral
     eng = LLMEngine(load_model(str(path)), EngineConfig(
         max_num_seqs=4, max_num_batched_tokens=32, max_prefill_chunk=7, page_size=8, token_buckets=(32,),
         max_model_len=64), show_progress=False)
-    prompts = [list(np.random.default_rng(s).integers(0, 128, n)) for s, n in ((2, 3), (3, 30))]
+    # The engine's fused copy joins the FP8 q/k/v (whole blocks) with their scales; gate and
+    # up (80 rows: an edge block) stay apart, transposed with their scales.
+    prompts = [[int(t) for t in np.random.default_rng(s).integers(0, 128, n)] for s, n in ((2, 3), (3, 30))]
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     outs = LLM.from_engine(eng).generate(prompt_token_ids=prompts, sampling_params=params)
     compared = 0
     for prompt, out in zip(prompts, outs, strict=True):
-        seq = [int(t) for t in prompt] + out.token_ids
         with torch.no_grad():
-            logits = hf_model(torch.tensor([seq])).logits[0, len(prompt) - 1:-1].numpy()
+            logits = hf_model(torch.tensor([prompt + out.token_ids])).logits[0, len(prompt) - 1:-1].numpy()
         for i, (row, tok) in enumerate(zip(logits, out.token_ids, strict=True)):
             top2 = np.sort(row)[-2:]
             if top2[1] - top2[0] > GAP:
                 compared += 1
                 assert tok == int(np.argmax(row)), f"token {i}: engine {tok} != {int(np.argmax(row))}"
-    return compared
+    assert compared >= 10
+    # stats() reports the bytes held: FP8 kernels one byte per element (+ alignment padding)
+    held = eng.stats()["weight_bytes_by_dtype"]
+    fp8_elements = sum(lin.kernel[...].size for lin in _linears(load_hf(path)[0]).values() if lin.quantized)
+    assert set(held) == {"float8_e4m3fn", "float32"} and eng.stats()["quantization"] == "fp8"
+    assert fp8_elements <= held["float8_e4m3fn"] < fp8_elements + 128 * len(quantized)
 
 
-def test_engine_greedy_equals_dequantized_transformers_argmax(falcon):
-    path, hf_model, _ = falcon
-    # The engine's fused copy joins FP8 q/k/v/in_proj (edge block last) and, where both are
-    # FP8, o_proj/out_proj, with their scales; layer 1's out_proj is not FP8: apart.
-    fused = fuse_projections(load_hf(path)[0])
-    assert fused.layers[0].fused_in.quantized and fused.layers[0].fused_out.quantized
-    assert fused.layers[1].fused_in.quantized and fused.layers[1].fused_out is None
-    assert _greedy_vs_transformers(hf_model, path) >= 10
+def test_fused_fp8_projections_equal_the_separate_ones(falcon):
+    """fuse_projections joins Falcon-H1's FP8 q/k/v/in_proj (in_proj's 196 rows end in an
+    edge block) and o_proj/out_proj with their scales; layer 1's out_proj is unquantized
+    (modules_to_not_convert), so its out-projections stay apart."""
+    model = load_hf(falcon[0])[0]
+    fused = fuse_projections(model)
+    first, second = fused.layers[0], fused.layers[1]
+    assert first.fused_in.quantized and first.fused_out.quantized
+    assert second.fused_in.quantized and second.fused_out is None
+    layer = model.layers[0]
+    a, m = layer.attention, layer.mamba
+    u = jnp.asarray(np.random.default_rng(0).normal(size=(5, model.cfg.hidden_size)), jnp.float32)
+    separate = jnp.concatenate([a.q_proj(u), a.k_proj(u), a.v_proj(u), m.in_proj(u)], axis=-1)
+    np.testing.assert_allclose(first.fused_in(u), separate, rtol=1e-5, atol=1e-5)
+    width = a.o_proj.kernel.shape[0]
+    y = jnp.asarray(np.random.default_rng(1).normal(size=(5, width + m.out_proj.kernel.shape[0])),
+                    jnp.float32)
+    np.testing.assert_allclose(first.fused_out(y), a.o_proj(y[:, :width]) + m.out_proj(y[:, width:]),
+                               rtol=1e-5, atol=1e-5)
 
 
 def test_unsupported_quantization_configs_are_refused_by_field():

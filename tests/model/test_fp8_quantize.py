@@ -51,9 +51,9 @@ def test_quantized_model_is_fp8_in_memory_and_close_to_the_original():
 
 
 def test_load_and_engine_quantize_and_refuse_unknown_quantization():
-    quant = load_model("native-tiny", quantization="fp8")
+    quant = load_model("default", quantization="fp8")
     assert all(lin.quantized for lin in _linears(quant.model).values())
-    lm = load_model("native-tiny")
+    lm = load_model("default")
     copy = _quantized(lm, "fp8")  # the engine quantizes a copy of a LoadedModel it is given
     assert all(lin.quantized for lin in _linears(copy.model).values())
     assert not any(lin.quantized for lin in _linears(lm.model).values())  # the caller's model as it was
@@ -61,4 +61,4 @@ def test_load_and_engine_quantize_and_refuse_unknown_quantization():
     with pytest.raises(ValueError, match="quantization='int4'"):
         EngineConfig(quantization="int4")
     with pytest.raises(ValueError, match="quantization='int4'"):
-        load_model("native-tiny", quantization="int4")
+        load_model("default", quantization="int4")
