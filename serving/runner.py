@@ -37,7 +37,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from hybrid_jax import tensor_parallel as tp
 from hybrid_jax.cache import RaggedBatch, init_caches, states_of
 from hybrid_jax.fusion import fuse_projections, kernel_stacks
-from hybrid_jax.layers.linear import reduction_gemv
+from hybrid_jax.layers.linear import Linear, reduction_gemv
 from hybrid_jax.model import CausalLM
 from serving.compile_pool import Job, compile_jobs
 from serving.host_pack import HostLayout, host_layout, host_put
@@ -123,6 +123,9 @@ class ModelRunner:
             if ckpt_ops else None
         # HYBRID_JAX_SHARDED_RUNNER=1 runs the tensor-parallel path (packed shards, shard_map,
         # explicit shardings) on a one-device mesh: the TP step checked on one GPU.
+        # FP8 Linears' block sizes (static in the graph; keyed by the executable store)
+        self.fp8_blocks = tuple((".".join(map(str, p)), m.block) for p, m in nnx.iter_graph(model)
+                                if isinstance(m, Linear) and m.quantized)
         if n == 1 and os.environ.get("HYBRID_JAX_SHARDED_RUNNER", "0") != "1":
             if fuse_projections_enabled():  # one GEMM per shared input (hybrid_jax/fusion.py)
                 model = fuse_projections(model)
@@ -279,7 +282,7 @@ class ModelRunner:
         opts = (compile_options() if jax.default_backend() == "gpu" else {}) or None
         rep = self.replicated if self.shardings is not None else None
         store = default_store(list(self.mesh.devices.flat))
-        model_key = (repr(self.cfg), str(self.layout.dtypes), repr(self.layout.leaves),
+        model_key = (repr(self.cfg), repr(self.fp8_blocks), str(self.layout.dtypes), repr(self.layout.leaves),
                      str(self.layout.treedef), repr(self.shardings), repr(sorted((opts or {}).items())))
         # (key, what to lower: a function of nothing, store key)
         todo: list[Job] = []
