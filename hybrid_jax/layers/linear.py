@@ -242,9 +242,10 @@ class Linear(nnx.Module):
         (benchmarks/gemm_layout.py --split-k, H100: the out- and down-projections of
         native-1b-parallel 58-67% -> 64-74% of copy bandwidth; wider outputs lose). An FP8
         kernel takes 1: its product is `fp8_matmul`, the place its GEMM kernel goes."""
+        if self.quantized:
+            return 1
         kernel = self.weight()
-        ok = (SPLIT_K and not self.quantized and (SPLIT_K_ANY_BACKEND or jax.default_backend() == "gpu")
-              and self.transposed
+        ok = (SPLIT_K and (SPLIT_K_ANY_BACKEND or jax.default_backend() == "gpu") and self.transposed
               and self.bias is None and self.reduce_axis is None and self.gather_axis is None
               and 2 <= rows <= 64 and kernel.shape[0] <= 2048 and kernel.shape[1] % 2 == 0)
         return 2 if ok else 1
