@@ -62,3 +62,11 @@ def test_load_and_engine_quantize_and_refuse_unknown_quantization():
         EngineConfig(quantization="int4")
     with pytest.raises(ValueError, match="quantization='int4'"):
         load_model("default", quantization="int4")
+
+
+def test_cli_subcommands_take_quantization():
+    from serving.cli import _parser
+
+    for command, rest in (("generate", ["x"]), ("serve", [])):
+        assert _parser().parse_args([command, "--quantization", "fp8", *rest]).quantization == "fp8"
+        assert _parser().parse_args([command, *rest]).quantization is None
