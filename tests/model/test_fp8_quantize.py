@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from hybrid_jax import tensor_parallel as tp
 from hybrid_jax.layers.fp8 import FP8_MAX
 from hybrid_jax.layers.linear import Linear
 from hybrid_jax.loading import load_model
@@ -58,6 +59,9 @@ def test_load_and_engine_quantize_and_refuse_unknown_quantization():
     assert all(lin.quantized for lin in _linears(copy.model).values())
     assert not any(lin.quantized for lin in _linears(lm.model).values())  # the caller's model as it was
     assert _quantized(copy, "fp8") is copy and _quantized(lm, None) is lm
+    with pytest.raises(ValueError, match="tensor_parallel_size=2: FP8 weights"):
+        tp.check_weights_shardable(quant.model, 2)
+    tp.check_weights_shardable(lm.model, 2)
     with pytest.raises(ValueError, match="quantization='int4'"):
         EngineConfig(quantization="int4")
     with pytest.raises(ValueError, match="quantization='int4'"):
