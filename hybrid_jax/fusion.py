@@ -37,7 +37,10 @@ None in the layers that were fused. Only the serving path (hybrid_jax/ragged.py)
 fused model: `Block.__call__` (the full-sequence reference) refuses one. Outputs equal the
 unfused model's up to the rounding of the accumulation order (the fused GEMMs compute
 the same dot products). The argument model is not changed; the returned one shares its
-unfused parameter arrays. Not for tensor-parallel models: a column split of a fused
+unfused parameter arrays. FP8 Linears (hybrid_jax/layers/fp8.py) fuse only with FP8
+Linears of the same block size whose concatenated dimension is a multiple of it (their
+scales then concatenate block for block); otherwise they stay apart, transposed with
+their scales. Not for tensor-parallel models: a column split of a fused
 matrix would mix the projections' shards (the runner fuses on one device only).
 """
 
@@ -52,12 +55,16 @@ from hybrid_jax.model import Block, CausalLM
 from pallas_kernels.stream_gemm import load_runtime
 
 
-def linear_from(kernel_t: jnp.ndarray, bias: jnp.ndarray | None) -> Linear:
-    """A Linear holding these arrays, its kernel given transposed ([out, in]; no random
-    initialisation of the full shape)."""
-    lin = Linear(1, 1, bias=bias is not None, dtype=kernel_t.dtype, rngs=nnx.Rngs(0))
+def linear_from(kernel_t: jnp.ndarray, bias: jnp.ndarray | None, *, dtype: jnp.dtype | None = None,
+                scale_t: jnp.ndarray | None = None, block: int | None = None) -> Linear:
+    """A Linear holding these arrays, its kernel (and FP8 block scales) given transposed
+    ([out, in]; no random initialisation of the full shape); `dtype`: the compute dtype
+    (default the kernel's)."""
+    lin = Linear(1, 1, bias=bias is not None, dtype=dtype or kernel_t.dtype, rngs=nnx.Rngs(0))
     lin.kernel = nnx.Param(kernel_t)
     lin.bias = None if bias is None else nnx.Param(bias)
+    if scale_t is not None:
+        lin.scale, lin.block = nnx.Param(scale_t), block
     lin.transposed = True
     return lin
 
@@ -70,6 +77,27 @@ def _kernel_t(lin: Linear) -> jnp.ndarray:
     return lin.kernel[...] if lin.transposed else lin.kernel[...].T
 
 
+def _scale_t(lin: Linear) -> jnp.ndarray:
+    return lin.scale[...] if lin.transposed else lin.scale[...].T
+
+
+def _storage(lin: Linear) -> tuple:
+    """What must agree for Linears to share one kernel: dtypes, FP8 block and scale dtype."""
+    scale = None if lin.scale is None else jnp.dtype(lin.scale.dtype)
+    return jnp.dtype(lin.kernel.dtype), lin.dtype, lin.block, scale
+
+
+def _concatenable(linears: list[Linear], axis: int) -> bool:
+    """Same storage; FP8 kernels also block-aligned along the concatenated dimension (axis
+    1: outputs, 0: inputs), all but the last (the last one's edge block stays an edge)."""
+    if len({_storage(lin) for lin in linears}) != 1:
+        return False
+    first = linears[0]
+    if first.scale is None:
+        return True
+    return all(_kernel_t(lin).shape[1 - axis] % first.block == 0 for lin in linears[:-1])
+
+
 def _out_features(lin: Linear) -> int:
     return lin.kernel.shape[0 if lin.transposed else 1]
 
@@ -77,13 +105,17 @@ def _out_features(lin: Linear) -> int:
 def _concat(linears: list[Linear], axis: int) -> Linear:
     """Linears concatenated by output columns (axis 1: shared input) or input rows (axis 0:
     summed outputs; biases must then be absent), held transposed."""
+    assert _concatenable(linears, axis)
+    first = linears[0]
     kernel_t = jnp.concatenate([_kernel_t(lin) for lin in linears], axis=1 - axis)
+    quant = {} if first.scale is None else dict(
+        scale_t=jnp.concatenate([_scale_t(lin) for lin in linears], axis=1 - axis), block=first.block)
     if all(lin.bias is None for lin in linears):
-        return linear_from(kernel_t, None)
+        return linear_from(kernel_t, None, dtype=first.dtype, **quant)
     assert axis == 1
     bias = jnp.concatenate([lin.bias[...] if lin.bias is not None
-                            else jnp.zeros(_out_features(lin), lin.kernel.dtype) for lin in linears])
-    return linear_from(kernel_t, bias)
+                            else jnp.zeros(_out_features(lin), first.dtype) for lin in linears])
+    return linear_from(kernel_t, bias, dtype=first.dtype, **quant)
 
 
 def _transpose_rest(block: Block) -> None:
@@ -91,6 +123,8 @@ def _transpose_rest(block: Block) -> None:
     for _, node in nnx.iter_graph(block):
         if isinstance(node, Linear) and _plain(node) and not node.transposed:
             node.kernel = nnx.Param(node.kernel[...].T)
+            if node.scale is not None:
+                node.scale = nnx.Param(node.scale[...].T)
             node.transposed = True
 
 
@@ -108,8 +142,7 @@ def input_projections(block: Block) -> list[Linear] | None:
         if block.attention is not None and cfg.attention_in_multiplier != cfg.ssm_in_multiplier:
             return None
         parts.append(block.mamba.in_proj)
-    dtypes = {jnp.dtype(p.kernel.dtype) for p in parts}
-    if len(parts) < 2 or len(dtypes) != 1 or not all(_plain(p) for p in parts):
+    if len(parts) < 2 or not _concatenable(parts, 1) or not all(_plain(p) for p in parts):
         return None
     return parts
 
@@ -124,9 +157,7 @@ def output_projections(block: Block) -> list[Linear] | None:
     parts = [block.attention.o_proj, block.mamba.out_proj]
     if any(p.bias is not None or not _plain(p) for p in parts):
         return None
-    if jnp.dtype(parts[0].kernel.dtype) != jnp.dtype(parts[1].kernel.dtype):
-        return None
-    return parts
+    return parts if _concatenable(parts, 0) else None
 
 
 def fuse_projections(model: CausalLM) -> CausalLM:
@@ -149,7 +180,8 @@ def fuse_projections(model: CausalLM) -> CausalLM:
         mlp = block.mlp
         if (mlp is not None and mlp.gate_up_proj is None and mlp.gate_proj is not None
                 and _plain(mlp.gate_proj) and _plain(mlp.up_proj)
-                and (mlp.gate_proj.bias is None) == (mlp.up_proj.bias is None)):
+                and (mlp.gate_proj.bias is None) == (mlp.up_proj.bias is None)
+                and _concatenable([mlp.gate_proj, mlp.up_proj], 1)):
             mlp.gate_up_proj = nnx.data(_concat([mlp.gate_proj, mlp.up_proj], axis=1))
             mlp.gate_proj = mlp.up_proj = None
         _transpose_rest(block)
@@ -202,7 +234,7 @@ def _streams_glu(mlp) -> bool:
     """Whether this MLP's decode steps can take `Linear.glu` (silu, a bias-free fused
     gate/up kernel whose shape the stream GEMM takes at some decode row count)."""
     lin = None if mlp is None else mlp.gate_up_proj
-    if lin is None or not mlp.silu or lin.bias is not None or not lin.transposed:
+    if lin is None or not mlp.silu or lin.bias is not None or not lin.transposed or lin.quantized:
         return False
     n2, k = lin.kernel.shape
     return n2 % 2 == 0 and linear.glu_config(64, n2 // 2, k) is not None
@@ -217,7 +249,7 @@ def _stack_linears(linears: list[Linear]) -> None:
     slice of the packed parameters, without a copy). Biases stay per layer."""
     groups: dict[tuple, list[Linear]] = {}
     for lin in linears:
-        if lin.transposed and lin.stack_row is None:
+        if lin.transposed and lin.stack_row is None and not lin.quantized:
             groups.setdefault((lin.kernel.shape, jnp.dtype(lin.kernel.dtype)), []).append(lin)
     for group in groups.values():
         if len(group) < 2:

@@ -20,6 +20,7 @@ from hybrid_jax.checkpoints.native import is_native_dir, load_native
 from hybrid_jax.config import ModelConfig
 from hybrid_jax.model import CausalLM
 from hybrid_jax.presets import load_preset, preset_names
+from hybrid_jax.quantization import check_quantization, quantize_model
 from hybrid_jax.tokenizer import Tokenizer
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -56,16 +57,25 @@ def byte_tokenizer(cfg: ModelConfig) -> Tokenizer:
 
 
 def load_model(model: str = DEFAULT_MODEL, *, dtype: str = "float32", seed: int = 0,
-               device: jax.Device | None = None) -> LoadedModel:
+               device: jax.Device | None = None, quantization: str | None = None) -> LoadedModel:
     """Load `model`: an HF dir (config.json), a native dir, a preset name, or "default"
     (the shipped model trained on Python source, configs/default_model).
 
     `device`: where the parameters are created (default: JAX's default device). Tensor
     parallelism loads on the host CPU, then puts each device's shard on that device only.
+    `quantization`: "fp8" quantizes the decoder Linears block-wise as they load
+    (hybrid_jax/quantization.py); an FP8 checkpoint loads FP8 either way.
     """
+    check_quantization(quantization)
     if device is not None:
         with jax.default_device(device):
-            return load_model(model, dtype=dtype, seed=seed)
+            return load_model(model, dtype=dtype, seed=seed, quantization=quantization)
+    lm = _load(model, dtype, seed)
+    quantize_model(lm.model, quantization)
+    return lm
+
+
+def _load(model: str, dtype: str, seed: int) -> LoadedModel:
     dt = _dtype(dtype)
     model = resolve_model_name(model)
     path = Path(model)

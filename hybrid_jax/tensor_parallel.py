@@ -76,6 +76,19 @@ def check_shardable(cfg: ModelConfig, n: int) -> None:
     # KV head (SSM group): heads per KV head = (heads per device) * (n / KV heads).
 
 
+def check_weights_shardable(model: nnx.Module, n: int) -> None:
+    """ValueError naming `tensor_parallel_size` when the model holds FP8 weights: their
+    block scales would have to split on block boundaries, which `shard_params` does not
+    do (the local model is also built unquantized)."""
+    from hybrid_jax.layers.linear import Linear
+
+    fp8 = [".".join(map(str, p)) for p, m in nnx.iter_graph(model) if isinstance(m, Linear) and m.quantized]
+    if fp8:
+        raise ValueError(f"tensor_parallel_size={n}: FP8 weights (an FP8 checkpoint or quantization='fp8') "
+                         f"are not sharded yet ({len(fp8)} FP8 Linears, e.g. {fp8[0]}); serve them on one "
+                         "device (tensor_parallel_size=1, HYBRID_JAX_SHARDED_RUNNER unset)")
+
+
 def vocab_split(cfg: ModelConfig, n: int) -> bool:
     """Whether embeddings and the LM head are split by vocabulary (else replicated)."""
     return n > 1 and cfg.vocab_size % n == 0

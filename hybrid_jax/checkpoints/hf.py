@@ -3,7 +3,9 @@
 Loading refuses to guess: the per-architecture name map must account for every
 tensor in the files and every parameter of the model; missing, unexpected and
 mis-shaped tensors are reported together in one `CheckpointError`. The model is
-built abstractly (no random init) and filled from the files in bf16 or f32.
+built abstractly (no random init) and filled from the files in bf16 or f32; the Linear
+weights an FP8 checkpoint stores in float8_e4m3fn with block scales stay FP8
+(hybrid_jax/checkpoints/fp8.py).
 This module knows nothing of serving.
 """
 
@@ -33,6 +35,7 @@ from hybrid_jax.checkpoints import (
     recurrent_gemma,
     zamba2,
 )
+from hybrid_jax.checkpoints.fp8 import SCALE_SUFFIX, fp8_format, plan_fp8, read_fp8, stored_dtype
 from hybrid_jax.checkpoints.names import Target
 from hybrid_jax.config import ModelConfig
 from hybrid_jax.model import CausalLM
@@ -128,22 +131,36 @@ def _read_shape(file: Path, name: str) -> tuple[int, ...]:
 
 
 def _plan(path: Path, files: dict[str, Path], wmap: dict[str, Target], aliases: dict[str, str],
-          expected: dict[tuple, jax.ShapeDtypeStruct]) -> dict[str, str]:
-    """Check names and shapes; return canonical HF name -> name in the files."""
+          expected: dict[tuple, jax.ShapeDtypeStruct], hf: dict[str, Any]
+          ) -> tuple[dict[str, str], dict[str, str], int | None]:
+    """Check names, shapes and FP8 scales; return (canonical HF name -> name in the files,
+    canonical name of each FP8 weight -> its scale's name in the files, the FP8 block)."""
+    fmt = fp8_format(hf)
     present = {aliases.get(n, n): n for n in files}
+    scale_names = {n for n in present if n.endswith(".weight" + SCALE_SUFFIX)}
     missing = sorted(set(wmap) - set(present))
-    unexpected = sorted(present[n] for n in set(present) - set(wmap))
+    unexpected = sorted(present[n] for n in set(present) - set(wmap) - scale_names)
     misshaped = []
+    stored = {}
     for name in sorted(set(wmap) & set(present)):
-        target = wmap[name]
-        shape = _shape_after(target.transform, _read_shape(files[present[name]], present[name]))
+        target, file = wmap[name], files[present[name]]
+        raw = _read_shape(file, present[name])
+        stored[name] = (present[name], stored_dtype(file, present[name]), raw)
+        shape = _shape_after(target.transform, raw)
         want = tuple(expected[target.path].shape)
         if shape != want:
             where = ".".join(map(str, target.path))
             misshaped.append(f"{present[name]} {shape} (expected {want} for {where})")
+    scale_files = {n: (present[n], stored_dtype(files[present[n]], present[n]),
+                       _read_shape(files[present[n]], present[n])) for n in scale_names}
+    linears = {n for n, t in wmap.items() if t.transform == "linear"}
+    fp8 = plan_fp8(fmt, stored, linears, scale_files)
+    missing += fp8.missing
+    unexpected += fp8.unexpected
+    misshaped += fp8.misshaped
     if missing or unexpected or misshaped:
         raise CheckpointError(str(path), missing, unexpected, misshaped)
-    return present
+    return present, fp8.scales, None if fmt is None else fmt.block
 
 
 def load_hf(path: str | Path, *, dtype: jnp.dtype = jnp.float32) -> tuple[CausalLM, ModelConfig]:
@@ -166,20 +183,36 @@ def load_hf(path: str | Path, *, dtype: jnp.dtype = jnp.float32) -> tuple[Causal
         files = {n: f for n, f in files.items() if not module.skipped(n)}
     if hasattr(module, "tied_copies"):  # stored copies of tied weights (Zamba2's shared blocks)
         copies = module.tied_copies(cfg)
+        copies |= {c + SCALE_SUFFIX for c in copies}  # and their FP8 scales
         files = {n: f for n, f in files.items() if n not in copies}
     aliases = dict(getattr(module, "ALIASES", {}))
     if hasattr(module, "canonical_name"):  # e.g. a renamed trunk prefix
         aliases = {n: module.canonical_name(n) for n in files} | aliases
-    present = _plan(path, files, wmap, aliases, expected)
+    present, scales, block = _plan(path, files, wmap, aliases, expected, hf)
     values: dict[tuple, jax.Array] = {}
+    fp8: dict[tuple, tuple[jax.Array, jax.Array]] = {}
     for name, target in wmap.items():
         stored = present[name]
+        if name in scales:  # FP8 kernel [in, out] and its scales [ceil(in/B), ceil(out/B)]
+            with safe_open(files[scales[name]], framework="flax") as f:
+                scale = f.get_tensor(scales[name]).T
+            fp8[target.path] = (jnp.asarray(read_fp8(files[stored], stored).T), jnp.asarray(scale))
+            continue
         with safe_open(files[stored], framework="flax") as f:
             x = _apply(target.transform, f.get_tensor(stored))
         values[target.path] = jnp.asarray(x, expected[target.path].dtype)
     pure = _nest(values)
     nnx.replace_by_pure_dict(state, pure)
-    return nnx.merge(graphdef, state), cfg
+    model = nnx.merge(graphdef, state)
+    for where, (kernel, scale) in fp8.items():
+        _module_at(model, where[:-1]).set_fp8(kernel, scale, block)
+    return model, cfg
+
+
+def _module_at(model: nnx.Module, path: tuple) -> nnx.Module:
+    for key in path:
+        model = model[key] if isinstance(key, int) else getattr(model, key)
+    return model
 
 
 def _nest(flat: dict[tuple, Any]) -> dict:

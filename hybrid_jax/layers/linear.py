@@ -18,6 +18,11 @@ tests run it on the CPU.
 
 A Pallas skinny GEMM for few-row products was tried and removed: read in place it
 streamed weights no faster than cuBLAS (docs/history/benchmarks-2026.md, second pass).
+
+A Linear may hold an FP8 kernel with block scales (`scale`, `block`; the Hub's
+fine-grained FP8 format, hybrid_jax/layers/fp8.py): its product runs `fp8_matmul`, which
+dequantizes to the compute dtype `dtype`. The fused paths that would read the kernel
+raw (the stream GEMM, split-K) are bypassed for it by rule (`glu`, `split_k_parts`).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from configs import switches
+from hybrid_jax.layers.fp8 import dequantize, fp8_matmul, is_fp8, scale_shape
 from pallas_kernels.stream_gemm import StreamConfig, stream_glu
 
 REDUCTION_GEMV_ANY_BACKEND = False  # tests: the one-row reduction on any backend
@@ -111,6 +117,11 @@ class Linear(nnx.Module):
         self.kernel = nnx.Param(std * jax.random.normal(rngs.params(), (in_features, out_features),
                                                         dtype))
         self.bias = nnx.Param(jnp.zeros((out_features,), dtype)) if bias else None
+        self.dtype = jnp.dtype(dtype)  # the compute dtype (an FP8 kernel's products run in it)
+        # FP8: kernel float8_e4m3fn and one scale per `block` x `block` block of it, in the
+        # kernel's layout (hybrid_jax/layers/fp8.py); None: the kernel is in `dtype`.
+        self.scale: nnx.Param | None = nnx.data(None)
+        self.block: int | None = None
         self.reduce_axis: str | None = None  # row-parallel: psum over this mesh axis
         self.gather_axis: str | None = None  # column shards of the output gathered over it
         self.transposed = False  # kernel held [o, i] (hybrid_jax/fusion.py)
@@ -119,15 +130,30 @@ class Linear(nnx.Module):
         self.stack_row: int | None = None
 
     def weight(self) -> jax.Array:
-        """This Linear's kernel: its own array, or its row of the shared stack."""
+        """This Linear's kernel: its own array, or its row of the shared stack; an FP8
+        kernel dequantized to the compute dtype."""
+        if self.scale is not None:
+            return dequantize(self.kernel[...], self.scale[...], self.block, self.dtype)
         return self.kernel[...] if self.stack_row is None else self.kernel[self.stack_row]
+
+    @property
+    def quantized(self) -> bool:
+        return self.scale is not None
+
+    def set_fp8(self, kernel: jax.Array, scale: jax.Array, block: int) -> None:
+        """Hold an FP8 kernel (float8_e4m3fn, this Linear's layout) and its block scales."""
+        if not is_fp8(kernel.dtype) or tuple(scale.shape) != scale_shape(kernel.shape, block):
+            raise ValueError(f"an FP8 kernel needs float8_e4m3fn and scales "
+                             f"{scale_shape(kernel.shape, block)}, got {kernel.dtype} {kernel.shape} "
+                             f"and scales {scale.shape}")
+        self.kernel, self.scale, self.block = nnx.Param(kernel), nnx.Param(scale), block
 
     def glu(self, x: jax.Array, gate_multiplier: float) -> jax.Array | None:
         """silu(gate * gate_multiplier) * up of this fused gate/up Linear (gate's outputs
         first) in one stream GEMM launch, or None where it does not apply: the caller then
         runs the product and the activation apart."""
         # Fusion stacks only bias-free, unsharded gate/up kernels, and only where the kernel runs.
-        if self.stack_row is None or x.ndim != 2 or not stream_gemm_active():
+        if self.stack_row is None or self.quantized or x.ndim != 2 or not stream_gemm_active():
             return None
         stack = self.kernel[...]
         layers, n2, k = stack.shape
@@ -165,7 +191,11 @@ class Linear(nnx.Module):
         """How many depth parts `partials` should use for `rows` rows: 2 for a transposed,
         bias-free plain kernel with at most 2048 outputs at 2-64 rows on a GPU, else 1
         (H100, docs/history/benchmarks-2026.md, tenth pass: the out- and down-projections of
-        native-1b-parallel 58-67% -> 64-74% of copy bandwidth; wider outputs lose)."""
+        native-1b-parallel 58-67% -> 64-74% of copy bandwidth; wider outputs lose). An FP8
+        kernel takes 1: its product is `fp8_matmul`, the place its GEMM kernel goes."""
+        if self.quantized:
+            return 1
+
         kernel = self.weight()
         ok = (SPLIT_K and (SPLIT_K_ANY_BACKEND or jax.default_backend() == "gpu") and self.transposed
               and self.bias is None and self.reduce_axis is None and self.gather_axis is None
@@ -173,7 +203,11 @@ class Linear(nnx.Module):
         return 2 if ok else 1
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = matmul(x, self.weight(), self.transposed)
+        if self.quantized:
+            y = fp8_matmul(x, self.kernel[...], self.scale[...], block=self.block, dtype=self.dtype,
+                           transposed=self.transposed)
+        else:
+            y = matmul(x, self.weight(), self.transposed)
         if self.reduce_axis is not None:
             y = jax.lax.psum(y, self.reduce_axis)
         if self.bias is not None:

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 
 from hybrid_jax.cache import cache_bytes
 from hybrid_jax.config import ModelConfig
+from hybrid_jax.quantization import check_quantization
 from hybrid_jax.tensor_parallel import local_config
 from serving.core.block_table import decode_page_bound, ring_width
 from serving.core.scheduler_config import AttentionGroup, SchedulerConfig
@@ -65,6 +66,9 @@ class EngineConfig:
     num_slots: int | None = None  # incl. the dummy slot; None: max_num_seqs + 1
     memory_fraction: float | None = None  # of device memory after weights, for pages + slots
     dtype: str = "float32"
+    # "fp8": the decoder Linears quantized block-wise (128 x 128, e4m3) at load
+    # (hybrid_jax/quantization.py); FP8 checkpoints load FP8 whatever this says.
+    quantization: str | None = None
     # Persistent XLA compilation cache, so a restart skips most of the start-up compile.
     # Used only when the process has not configured one itself; None disables.
     compilation_cache_dir: str | None = "~/.cache/hybrid-jax/xla"
@@ -126,6 +130,7 @@ class EngineConfig:
             raise ValueError(f"memory_fraction={self.memory_fraction} must be in (0, 1]")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len={self.max_model_len} must be >= 2")
+        check_quantization(self.quantization)
         if self.ssm_state_dtype not in ("float32", "bfloat16"):
             raise ValueError(f"ssm_state_dtype={self.ssm_state_dtype!r} must be 'float32' or 'bfloat16'")
         if self.prefix_state_stride < self.page_size or self.prefix_state_stride % self.page_size:

@@ -8,6 +8,7 @@ a bad request never reaches the scheduler, so it cannot harm the others.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import itertools
 import logging
@@ -18,9 +19,11 @@ from collections import deque
 
 import jax
 import numpy as np
+from flax import nnx
 
 from hybrid_jax import tensor_parallel as tp
 from hybrid_jax.loading import DTYPES, LoadedModel, load_model
+from hybrid_jax.quantization import fp8_linears, quantize_model
 from serving.core.block_table import ring_width
 from serving.core.schedule import PENDING, Schedule, flatten
 from serving.core.scheduler import Scheduler, SpecPlan
@@ -98,6 +101,20 @@ def _progress(i: int, n: int, key) -> None:
           end="\n" if i == n else "", file=sys.stderr, flush=True)
 
 
+def describe_bytes(by_dtype: dict[str, int]) -> str:
+    """"float8_e4m3fn 1.2 MiB, float32 0.3 MiB": the weights held, by dtype."""
+    return ", ".join(f"{name} {n / 2**20:.1f} MiB" for name, n in sorted(by_dtype.items()))
+
+
+def _quantized(lm: LoadedModel, quantization: str | None) -> LoadedModel:
+    """`lm` with its model quantized as EngineConfig.quantization asks: a copy (the caller's
+    model is left as it was), or `lm` itself when there is nothing to do."""
+    if quantization is None or fp8_linears(lm.model):
+        return lm
+    copy = nnx.merge(*nnx.split(lm.model))
+    return dataclasses.replace(lm, model=quantize_model(copy, quantization))
+
+
 class LLMEngine:
     def __init__(self, model: str | LoadedModel, config: EngineConfig | None = None, *,
                  seed: int = 0, show_progress: bool = True):
@@ -108,10 +125,13 @@ class LLMEngine:
         n = self.config.tensor_parallel_size
         mesh = tp.make_mesh(n)  # refuses more devices than the host has, before loading
         if isinstance(model, LoadedModel):
-            lm = model
+            lm = _quantized(model, self.config.quantization)
         else:  # tensor parallel: load on the host, each device then receives only its shard
-            lm = load_model(model, dtype=self.config.dtype, device=tp.host_device() if n > 1 else None)
+            lm = load_model(model, dtype=self.config.dtype, device=tp.host_device() if n > 1 else None,
+                            quantization=self.config.quantization)
         tp.check_shardable(lm.config, n)
+        if n > 1:
+            tp.check_weights_shardable(lm.model, n)
         self.model_config, self.tokenizer = lm.config, lm.tokenizer
         weights = (sum(x.nbytes for x in jax.tree.leaves(lm.model)) if n == 1 else
                    tp.param_bytes_per_device(lm.config, n, lm.model.dtype))
@@ -158,9 +178,12 @@ class LLMEngine:
                                      fail=lambda rid: self.fail(rid))
         self._ids = itertools.count()
         self._seeds = np.random.default_rng(seed)
-        log.info("engine ready: %d slots, pages %s, KV %.1f MiB, state %.1f MiB",
+        self.weight_bytes_by_dtype = self.runner.param_bytes_by_dtype()
+        self.quantization = "fp8" if fp8_linears(lm.model) else None
+        log.info("engine ready: %d slots, pages %s, KV %.1f MiB, state %.1f MiB, weights %.1f MiB (%s)",
                  sc.num_slots - 1, [g.num_pages - 1 for g in sc.groups],
-                 self.plan.kv_bytes / 2**20, self.plan.state_bytes / 2**20)
+                 self.plan.kv_bytes / 2**20, self.plan.state_bytes / 2**20,
+                 sum(self.weight_bytes_by_dtype.values()) / 2**20, describe_bytes(self.weight_bytes_by_dtype))
 
     def _spec_plan(self, lm: LoadedModel) -> SpecPlan | None:
         """The drafter and the scheduler's speculation offer (None: speculation off)."""
@@ -281,7 +304,9 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     def stats(self) -> dict[str, object]:
-        """Memory and pool usage: KV and state bytes reserved, pages and slots in use.
+        """Memory and pool usage: the weight bytes each device holds (in total and by
+        dtype: FP8 weights count one byte; `quantization` "fp8" when any are FP8), KV and
+        state bytes reserved, pages and slots in use.
 
         `pages_in_use` counts pages held by sequences; with prefix caching,
         `pages_cached` counts idle cached pages (free to evict) and the `prefix_*` keys
@@ -289,7 +314,10 @@ class LLMEngine:
         cumulative), the hit rate in tokens, checkpoint pool usage and evictions.
         """
         s = self.scheduler.stats()
-        out = {"kv_bytes": self.plan.kv_bytes, "state_bytes": self.plan.state_bytes,
+        out = {"weight_bytes": sum(self.weight_bytes_by_dtype.values()),
+               "weight_bytes_by_dtype": dict(self.weight_bytes_by_dtype),
+               "quantization": self.quantization,
+               "kv_bytes": self.plan.kv_bytes, "state_bytes": self.plan.state_bytes,
                "pages_in_use": s.pages_in_use, "pages_total": s.pages_total,
                "slots_in_use": s.slots_in_use, "slots_total": s.slots_total,
                "num_running": s.num_running, "num_waiting": s.num_waiting,

@@ -106,6 +106,9 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="dtype of the weights and activations (default float32; bfloat16 halves "
                         "weight and KV memory and is the fast choice on a GPU)")
+    p.add_argument("--quantization", default=None, choices=["fp8"],
+                   help="fp8: quantize the decoder Linear weights block-wise (128 x 128, e4m3) at "
+                        "load; FP8 checkpoints load FP8 without it (docs/engine.md)")
     p.add_argument("--weights-seed", type=int, default=0,
                    help="seed for a preset's random weights (default 0)")
     p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
@@ -343,7 +346,7 @@ def _generate(args: argparse.Namespace) -> int:
     host = _sharded_loading(args.tensor_parallel_size)
     lm = load_model(prepare_model(resolve_model_name(args.model), needs_tokenizer=True, announce=_to_stderr),
                     device=host,
-                    dtype=args.dtype, seed=args.weights_seed)
+                    dtype=args.dtype, seed=args.weights_seed, quantization=args.quantization)
     if lm.tokenizer is None:
         print(f"error: {args.model} has no tokenizer.json", file=sys.stderr)
         return 2
@@ -352,6 +355,7 @@ def _generate(args: argparse.Namespace) -> int:
     chunk = min(64, max(16, len(prompt)))
     cfg = EngineConfig(max_num_seqs=1, max_num_batched_tokens=chunk, max_prefill_chunk=chunk,
                        max_model_len=len(prompt) + args.max_tokens, dtype=args.dtype,
+                       quantization=args.quantization,
                        tensor_parallel_size=args.tensor_parallel_size, **_spec_kwargs(args))
     llm = LLM.from_engine(LLMEngine(lm, cfg))
     print(text, end="", flush=True)
@@ -426,7 +430,8 @@ def _serve_model(args: argparse.Namespace, model: str, tls, limits, http) -> int
     cfg = EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                        max_prefill_chunk=args.max_prefill_chunk, max_model_len=args.max_model_len,
                        page_size=args.page_size, memory_fraction=args.memory_fraction, dtype=args.dtype,
-                       ssm_state_dtype=args.ssm_state_dtype, async_scheduling=not args.no_async_scheduling,
+                       quantization=args.quantization, ssm_state_dtype=args.ssm_state_dtype,
+                       async_scheduling=not args.no_async_scheduling,
                        enable_prefix_caching=args.enable_prefix_caching,
                        prefix_state_stride=args.prefix_state_stride,
                        prefix_state_checkpoints=args.prefix_state_checkpoints,
@@ -434,7 +439,8 @@ def _serve_model(args: argparse.Namespace, model: str, tls, limits, http) -> int
                        "--seq-buckets"), token_buckets=_ints(args.token_buckets, "--token-buckets"),
                        **_spec_kwargs(args))
     host = _sharded_loading(args.tensor_parallel_size)
-    engine = LLMEngine(load_model(model, dtype=args.dtype, seed=args.weights_seed, device=host), cfg)
+    engine = LLMEngine(load_model(model, dtype=args.dtype, seed=args.weights_seed, device=host,
+                                  quantization=args.quantization), cfg)
     freeze_heap()  # one engine for the process's life: no full GC walks of the start-up heap
     server = GenerationServer(engine, model_name=args.served_model_name or args.model, host=args.host,
                               port=args.port,

@@ -14,6 +14,7 @@
   engine_step_seconds                histogram: one engine step (fed by EngineCore.on_step)
   num_requests_running / _waiting    gauges, read from the engine when scraped
   pages_in_use{group} / pages_total{group}, slots_in_use / slots_total   gauges, ditto
+  weight_bytes{dtype}                gauge: parameter bytes held per device, by dtype
   with prefix caching on (read from stats() too):
   prefix_cache_hit_tokens_total      counter: prompt tokens not recomputed (cache hits)
   prefix_cache_query_tokens_total    counter: prompt tokens of admissions that looked up the cache
@@ -83,6 +84,12 @@ class _PoolCollector(Collector):
             g = GaugeMetricFamily(name, f"{doc}, per attention window group", labels=["group"])
             for group, value in s[key].items():
                 g.add_metric([group], value)
+            yield g
+        if "weight_bytes_by_dtype" in s:
+            g = GaugeMetricFamily("hybrid_jax_weight_bytes", "Parameter bytes held per device, by dtype",
+                                  labels=["dtype"])
+            for dtype, value in s["weight_bytes_by_dtype"].items():
+                g.add_metric([dtype], value)
             yield g
         if "prefix_cache_hit_tokens" in s:
             yield from _prefix_metrics(s)

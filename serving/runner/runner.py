@@ -37,7 +37,7 @@ from configs import switches
 from hybrid_jax import tensor_parallel as tp
 from hybrid_jax.cache import RaggedBatch, init_caches, states_of
 from hybrid_jax.fusion import fuse_projections, kernel_stacks
-from hybrid_jax.layers.linear import reduction_gemv
+from hybrid_jax.layers.linear import Linear, reduction_gemv
 from hybrid_jax.model import CausalLM
 from serving.core.schedule import PENDING, StepArrays
 from serving.runner.compile_pool import Job, compile_jobs
@@ -120,6 +120,9 @@ class ModelRunner:
             if ckpt_ops else None
         # HYBRID_JAX_SHARDED_RUNNER=1 runs the tensor-parallel path (packed shards, shard_map,
         # explicit shardings) on a one-device mesh: the TP step checked on one GPU.
+        # FP8 Linears' block sizes (static in the graph; keyed by the executable store)
+        self.fp8_blocks = tuple((".".join(map(str, p)), m.block) for p, m in nnx.iter_graph(model)
+                                if isinstance(m, Linear) and m.quantized)
         if n == 1 and not switches.sharded_runner():
             if fuse_projections_enabled():  # one GEMM per shared input (hybrid_jax/fusion.py)
                 model = fuse_projections(model)
@@ -223,6 +226,7 @@ class ModelRunner:
         """Tensor parallelism: each device's parameter shard, packed on the host and put on
         that device only; caches and checkpoints created sharded (by head / channel)."""
         n, mesh = self.mesh.size, self.mesh
+        tp.check_weights_shardable(model, n)
         local = tp.local_abstract_model(self.cfg, n, model.dtype)
         self.graphdef, local_state = nnx.split(local)
         self.layout = plan_layout(local_state)
@@ -254,6 +258,14 @@ class ModelRunner:
         """Bytes of parameters each device holds (its packed shard)."""
         return sum(x.addressable_shards[0].data.nbytes for x in self.params)
 
+    def param_bytes_by_dtype(self) -> dict[str, int]:
+        """Bytes of parameters each device holds per dtype (its packed buffers, alignment
+        padding included): FP8 weights count one byte per element."""
+        out: dict[str, int] = {}
+        for name, size in zip(self.layout.dtypes, self.layout.sizes, strict=True):
+            out[name] = out.get(name, 0) + size * jnp.dtype(name).itemsize
+        return out
+
     def compile_all(self, progress: Callable[[int, int, Bucket], None] | None = None,
                     workers: int | None = None, config_key: str = "") -> None:
         """Compile every bucket ahead of serving (the only compilations the runner does).
@@ -269,8 +281,9 @@ class ModelRunner:
         opts = (compile_options() if jax.default_backend() == "gpu" else {}) or None
         rep = self.replicated if self.shardings is not None else None
         store = default_store(list(self.mesh.devices.flat))
-        model_key = (config_key, repr(self.cfg), str(self.layout.dtypes), repr(self.layout.leaves),
-                     str(self.layout.treedef), repr(self.shardings), repr(sorted((opts or {}).items())))
+        model_key = (config_key, repr(self.cfg), repr(self.fp8_blocks), str(self.layout.dtypes),
+                     repr(self.layout.leaves), str(self.layout.treedef), repr(self.shardings),
+                     repr(sorted((opts or {}).items())))
         # (key, what to lower: a function of nothing, store key)
         todo: list[Job] = []
 

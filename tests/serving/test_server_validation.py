@@ -129,3 +129,6 @@ def test_tokenize_detokenize_and_model_info(served, server_engine):
         [(s.kind.value, s.window) for s in cfg.layers]
     assert [g.window for g in info.kv_groups] == [w for w in cfg.windows]
     assert info.ssm_state_size == cfg.mamba2.state_size and info.state_bytes_per_slot > 0
+    # The weights as held: the runner's packed f32 buffers, no FP8.
+    assert info.weight_bytes == sum(b.nbytes for b in server_engine.runner.params) > 0
+    assert dict(info.weight_bytes_by_dtype) == {"float32": info.weight_bytes} and info.quantization == ""

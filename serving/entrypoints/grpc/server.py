@@ -149,8 +149,11 @@ class GenerationServer:
             self.http.start()
         self._serving = True
         self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        engine = self.core.engine
         log_event("server.started", model=self.model_name, host=self.host, port=self.port,
-                  metrics_port=self.metrics_port, http_port=self.http_port)
+                  metrics_port=self.metrics_port, http_port=self.http_port,
+                  weight_bytes=sum(engine.weight_bytes_by_dtype.values()),
+                  weight_bytes_by_dtype=engine.weight_bytes_by_dtype)
         return self
 
     def shutdown(self, grace_s: float = 30.0) -> None:

@@ -161,7 +161,14 @@ class KVGroup(_message.Message):
     def __init__(self, window: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_pages: _Optional[int] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "architecture", "layers", "kv_groups", "vocab_size", "max_model_len", "dtype", "page_size", "max_num_seqs", "kv_cache_bytes", "state_bytes_per_slot", "ssm_state_size", "ssm_num_heads", "ssm_head_dim", "rglru_width", "eos_token_ids", "bos_token_id", "prefix_caching", "prefix_state_stride", "prefix_state_checkpoints", "prefix_state_checkpoint_bytes", "prefix_state_checkpoints_in_use", "prefix_cache_hit_tokens", "prefix_cache_query_tokens", "prefix_state_checkpoint_evictions", "prefix_cache_page_evictions")
+    __slots__ = ("model", "architecture", "layers", "kv_groups", "vocab_size", "max_model_len", "dtype", "page_size", "max_num_seqs", "kv_cache_bytes", "state_bytes_per_slot", "ssm_state_size", "ssm_num_heads", "ssm_head_dim", "rglru_width", "eos_token_ids", "bos_token_id", "prefix_caching", "prefix_state_stride", "prefix_state_checkpoints", "prefix_state_checkpoint_bytes", "prefix_state_checkpoints_in_use", "prefix_cache_hit_tokens", "prefix_cache_query_tokens", "prefix_state_checkpoint_evictions", "prefix_cache_page_evictions", "weight_bytes", "weight_bytes_by_dtype", "quantization")
+    class WeightBytesByDtypeEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     LAYERS_FIELD_NUMBER: _ClassVar[int]
@@ -188,6 +195,9 @@ class ModelInfo(_message.Message):
     PREFIX_CACHE_QUERY_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_STATE_CHECKPOINT_EVICTIONS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_PAGE_EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_BYTES_BY_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
     model: str
     architecture: str
     layers: _containers.RepeatedCompositeFieldContainer[LayerInfo]
@@ -214,4 +224,7 @@ class ModelInfo(_message.Message):
     prefix_cache_query_tokens: int
     prefix_state_checkpoint_evictions: int
     prefix_cache_page_evictions: int
-    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., layers: _Optional[_Iterable[_Union[LayerInfo, _Mapping]]] = ..., kv_groups: _Optional[_Iterable[_Union[KVGroup, _Mapping]]] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., dtype: _Optional[str] = ..., page_size: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., state_bytes_per_slot: _Optional[int] = ..., ssm_state_size: _Optional[int] = ..., ssm_num_heads: _Optional[int] = ..., ssm_head_dim: _Optional[int] = ..., rglru_width: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bos_token_id: _Optional[int] = ..., prefix_caching: _Optional[bool] = ..., prefix_state_stride: _Optional[int] = ..., prefix_state_checkpoints: _Optional[int] = ..., prefix_state_checkpoint_bytes: _Optional[int] = ..., prefix_state_checkpoints_in_use: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., prefix_cache_query_tokens: _Optional[int] = ..., prefix_state_checkpoint_evictions: _Optional[int] = ..., prefix_cache_page_evictions: _Optional[int] = ...) -> None: ...
+    weight_bytes: int
+    weight_bytes_by_dtype: _containers.ScalarMap[str, int]
+    quantization: str
+    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., layers: _Optional[_Iterable[_Union[LayerInfo, _Mapping]]] = ..., kv_groups: _Optional[_Iterable[_Union[KVGroup, _Mapping]]] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., dtype: _Optional[str] = ..., page_size: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., state_bytes_per_slot: _Optional[int] = ..., ssm_state_size: _Optional[int] = ..., ssm_num_heads: _Optional[int] = ..., ssm_head_dim: _Optional[int] = ..., rglru_width: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bos_token_id: _Optional[int] = ..., prefix_caching: _Optional[bool] = ..., prefix_state_stride: _Optional[int] = ..., prefix_state_checkpoints: _Optional[int] = ..., prefix_state_checkpoint_bytes: _Optional[int] = ..., prefix_state_checkpoints_in_use: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., prefix_cache_query_tokens: _Optional[int] = ..., prefix_state_checkpoint_evictions: _Optional[int] = ..., prefix_cache_page_evictions: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., weight_bytes_by_dtype: _Optional[_Mapping[str, int]] = ..., quantization: _Optional[str] = ...) -> None: ...

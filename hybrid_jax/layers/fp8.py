@@ -1,0 +1,77 @@
+"""Block-scaled FP8 weights: the Hub's "fine-grained FP8" format, and its products.
+
+A quantized Linear holds its kernel in float8_e4m3fn and one scale per B x B block of
+the kernel (`scale`, float32 or bfloat16 as the checkpoint stores it; the Hub calls it
+`weight_scale_inv`): the real weight is `kernel * scale` over each block, edge blocks
+included when a dimension is not a multiple of B (a [540, 64] kernel with B = 32 has
+17 x 2 scales). Both arrays share the Linear's layout, [in, out] or [out, in]
+(`Linear.transposed`): scale is [ceil(in/B), ceil(out/B)] or its transpose.
+
+`dequantize` is the reference: exact in f32 (an e4m3 value times an f32 scale is one
+rounding, as transformers' own dequantization does), then cast to the compute dtype.
+`fp8_matmul` is the product a Linear with an FP8 kernel runs; today it dequantizes and
+multiplies in the compute dtype everywhere (docs/kernels.md says which GPU kernels would
+replace it and why). `quantize` makes the format from a float kernel (quantization at
+load). This module knows nothing of checkpoints or serving.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+FP8 = jnp.dtype(jnp.float8_e4m3fn)
+FP8_MAX = float(jnp.finfo(FP8).max)  # 448
+
+
+def is_fp8(dtype) -> bool:
+    return jnp.dtype(dtype) == FP8
+
+
+def scale_shape(shape: tuple[int, ...], block: int) -> tuple[int, ...]:
+    """The scales of a kernel of `shape` [r, c]: [ceil(r/B), ceil(c/B)]."""
+    return tuple(-(-int(d) // block) for d in shape)
+
+
+def expand_scale(scale: jax.Array, shape: tuple[int, ...], block: int) -> jax.Array:
+    """scale [ceil(r/B), ceil(c/B)] -> [r, c] f32, each block's scale over its elements
+    (edge blocks cut to the kernel's extent). XLA fuses the repeat into its consumer."""
+    s = jnp.repeat(jnp.repeat(scale.astype(jnp.float32), block, axis=0), block, axis=1)
+    return s[:shape[0], :shape[1]]
+
+
+def dequantize(kernel: jax.Array, scale: jax.Array, block: int, dtype) -> jax.Array:
+    """The reference: kernel [r, c] e4m3 times its block scales in f32, then `dtype`."""
+    if kernel.ndim != 2 or tuple(scale.shape) != scale_shape(kernel.shape, block):
+        raise ValueError(f"FP8 kernel {kernel.shape} needs scales {scale_shape(kernel.shape, block)} "
+                         f"for block {block}, got {scale.shape}")
+    w = kernel.astype(jnp.float32) * expand_scale(scale, kernel.shape, block)
+    return w.astype(dtype)
+
+
+def fp8_matmul(x: jax.Array, kernel: jax.Array, scale: jax.Array, *, block: int, dtype,
+               transposed: bool) -> jax.Array:
+    """x [..., i] times the FP8 kernel [i, o] (or [o, i] when `transposed`) -> [..., o] in
+    `dtype`: the dequantized kernel through the plain product (layers/linear.matmul, which
+    also takes the one-row reduction, where XLA fuses the dequantization into the read).
+    The place a block-scaled FP8 GEMM / decode GEMV would go (docs/kernels.md)."""
+    from hybrid_jax.layers.linear import matmul
+
+    return matmul(x, dequantize(kernel, scale, block, dtype), transposed)
+
+
+def quantize(w: np.ndarray | jax.Array, block: int) -> tuple[jax.Array, jax.Array]:
+    """w [r, c] float -> (kernel [r, c] e4m3, scale [ceil(r/B), ceil(c/B)] f32), the format
+    of the Hub's FP8 checkpoints: each block scaled so its largest magnitude is 448
+    (an all-zero block gets scale 1). On the host in numpy (load time: no compilation per
+    weight shape), the results put on the default device."""
+    w = np.asarray(w, np.float32)
+    r, c = w.shape
+    br, bc = scale_shape(w.shape, block)
+    padded = np.pad(w, ((0, br * block - r), (0, bc * block - c)))
+    amax = np.abs(padded.reshape(br, block, bc, block)).max(axis=(1, 3))
+    scale = np.where(amax > 0, amax / np.float32(FP8_MAX), np.float32(1)).astype(np.float32)
+    full = np.repeat(np.repeat(scale, block, axis=0), block, axis=1)[:r, :c]
+    q = np.clip(w / full, -FP8_MAX, FP8_MAX).astype(FP8)
+    return jnp.asarray(q), jnp.asarray(scale)

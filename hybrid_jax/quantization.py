@@ -1,0 +1,42 @@
+"""Quantization at load: a bf16 / f32 model's decoder Linears made FP8 (`quantization="fp8"`).
+
+Each Linear of the decoder layers (and of Zamba2's shared blocks) gets a float8_e4m3fn
+kernel with one f32 scale per 128 x 128 block, the format of the Hub's FP8 checkpoints
+(hybrid_jax/layers/fp8.py), so a quantized model and a loaded FP8 checkpoint are served
+by the same code. Embeddings, norms, the LM head and the recurrent layers' own
+parameters stay as they are. A model that already holds FP8 weights (an FP8 checkpoint)
+is left as loaded: its own choice of unquantized modules stands. Knows nothing of serving.
+"""
+
+from __future__ import annotations
+
+from flax import nnx
+
+from hybrid_jax.layers.fp8 import quantize
+from hybrid_jax.layers.linear import Linear
+
+QUANTIZATIONS = ("fp8",)
+FP8_BLOCK = 128
+
+
+def check_quantization(quantization: str | None) -> None:
+    if quantization is not None and quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization={quantization!r} is not supported: None or one of {QUANTIZATIONS}")
+
+
+def fp8_linears(model: nnx.Module) -> list[str]:
+    """The paths of the model's Linears that hold FP8 kernels."""
+    return [".".join(map(str, p)) for p, m in nnx.iter_graph(model) if isinstance(m, Linear) and m.quantized]
+
+
+def quantize_model(model: nnx.Module, quantization: str | None, block: int = FP8_BLOCK) -> nnx.Module:
+    """`model` with its decoder Linears quantized (module doc), in place; returned."""
+    check_quantization(quantization)
+    if quantization is None or fp8_linears(model):
+        return model
+    for path, lin in list(nnx.iter_graph(model)):
+        if (isinstance(lin, Linear) and path and path[0] in ("layers", "shared_blocks")
+                and lin.stack_row is None and not lin.transposed):
+            kernel, scale = quantize(lin.kernel[...], block)
+            lin.set_fp8(kernel, scale, block)
+    return model

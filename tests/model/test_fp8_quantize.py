@@ -1,0 +1,76 @@
+"""Quantization at load (`quantization="fp8"`): the decoder Linears become FP8 with 128 x 128
+block scales, in memory, and the model's logits stay close to the unquantized model's;
+unsupported settings are refused naming the field."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from hybrid_jax import tensor_parallel as tp
+from hybrid_jax.layers.fp8 import FP8_MAX
+from hybrid_jax.layers.linear import Linear
+from hybrid_jax.loading import load_model
+from serving.engine.engine_config import EngineConfig
+from serving.engine.llm_engine import _quantized
+
+
+def _linears(model) -> dict[str, Linear]:
+    return {".".join(map(str, p)): m for p, m in nnx.iter_graph(model) if isinstance(m, Linear)}
+
+
+def test_quantized_model_is_fp8_in_memory_and_close_to_the_original():
+    # The shipped default model (trained: logits with structure, unlike a random model's),
+    # quantized as the engine does it (a copy).
+    base = load_model("default")
+    quant = _quantized(base, "fp8")
+    lins, base_lins = _linears(quant.model), _linears(base.model)
+    assert lins and all(lin.quantized and lin.block == 128 for lin in lins.values())
+    for name, lin in lins.items():
+        assert lin.kernel[...].dtype == jnp.float8_e4m3fn and lin.scale[...].dtype == jnp.float32
+        w = np.asarray(base_lins[name].kernel[...])
+        # each (edge) block's largest magnitude maps to the top of e4m3; the error is e4m3's rounding
+        assert np.asarray(lin.scale[...]).max() == pytest.approx(np.abs(w).max() / FP8_MAX, rel=1e-6)
+        kernel, scale = np.asarray(lin.kernel[...]), np.asarray(lin.scale[...])
+        full = np.kron(scale, np.ones((128, 128), np.float32))[:w.shape[0], :w.shape[1]]
+        deq = kernel.astype(np.float32) * full
+        assert np.abs(deq - w).max() <= np.abs(w).max() * 2.0**-4
+    assert quant.model.embed.embedding[...].dtype == jnp.float32  # embeddings and norms untouched
+    assert quant.model.final_norm.weight[...].dtype == jnp.float32
+    fp8_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(quant.model)) if x.dtype == jnp.float8_e4m3fn)
+    assert fp8_bytes == sum(lin.kernel[...].size for lin in lins.values())
+
+    ids = jnp.asarray(np.random.default_rng(0).integers(0, base.config.vocab_size, (2, 32)), jnp.int32)
+    ref, ours = (np.asarray(jax.jit(lambda x, m=m: m(x))(ids)).reshape(-1, base.config.vocab_size)
+                 for m in (base.model, quant.model))
+    cos = np.sum(ref * ours, -1) / (np.linalg.norm(ref, axis=-1) * np.linalg.norm(ours, axis=-1))
+    assert cos.min() > 0.99, cos.min()
+    assert not np.array_equal(ref, ours)  # really quantized
+
+
+def test_load_and_engine_quantize_and_refuse_unknown_quantization():
+    quant = load_model("default", quantization="fp8")
+    assert all(lin.quantized for lin in _linears(quant.model).values())
+    lm = load_model("default")
+    copy = _quantized(lm, "fp8")  # the engine quantizes a copy of a LoadedModel it is given
+    assert all(lin.quantized for lin in _linears(copy.model).values())
+    assert not any(lin.quantized for lin in _linears(lm.model).values())  # the caller's model as it was
+    assert _quantized(copy, "fp8") is copy and _quantized(lm, None) is lm
+    with pytest.raises(ValueError, match="tensor_parallel_size=2: FP8 weights"):
+        tp.check_weights_shardable(quant.model, 2)
+    tp.check_weights_shardable(lm.model, 2)
+    with pytest.raises(ValueError, match="quantization='int4'"):
+        EngineConfig(quantization="int4")
+    with pytest.raises(ValueError, match="quantization='int4'"):
+        load_model("default", quantization="int4")
+
+
+def test_cli_subcommands_take_quantization():
+    from serving.entrypoints.cli import _parser
+
+    for command, rest in (("generate", ["x"]), ("serve", [])):
+        assert _parser().parse_args([command, "--quantization", "fp8", *rest]).quantization == "fp8"
+        assert _parser().parse_args([command, *rest]).quantization is None
