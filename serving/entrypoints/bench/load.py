@@ -135,8 +135,9 @@ def report(records: list[Record], wall_s: float) -> dict:
 
     ok = [r for r in records if r.ok]
     ttft = [r.token_times[0] - r.sent for r in ok if r.token_times]
+    # Over the arrivals seen: an OpenAI stream may carry several tokens, or none with text, per chunk.
     tpot = [(r.token_times[-1] - r.token_times[0]) / (r.output_tokens - 1)
-            for r in ok if r.output_tokens > 1]
+            for r in ok if r.output_tokens > 1 and len(r.token_times) > 1]
     itl = [b - a for r in ok for a, b in zip(r.token_times, r.token_times[1:], strict=False)]
     e2e = [r.end - r.sent for r in ok]
     out_tokens = sum(r.output_tokens for r in ok)

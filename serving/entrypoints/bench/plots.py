@@ -41,7 +41,7 @@ def serving(res: dict, records: list, path: Path) -> None:
     series = {
         "TTFT (ms)": [1e3 * (r.token_times[0] - r.sent) for r in ok if r.token_times],
         "TPOT (ms)": [1e3 * (r.token_times[-1] - r.token_times[0]) / (r.output_tokens - 1)
-                      for r in ok if r.output_tokens > 1],
+                      for r in ok if r.output_tokens > 1 and len(r.token_times) > 1],
         "ITL (ms)": [1e3 * (b - a) for r in ok
                      for a, b in zip(r.token_times, r.token_times[1:], strict=False)],
         "E2E (ms)": [1e3 * (r.end - r.sent) for r in ok],
