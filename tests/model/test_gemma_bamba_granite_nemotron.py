@@ -56,12 +56,12 @@ def hf_dict(name: str) -> dict:
 
 
 REFUSALS = [
-    (granite_hybrid, "granite_hybrid", {"num_local_experts": 4}, "num_local_experts=4"),
+    (granite_hybrid, "granite_hybrid", {"hidden_act": "gelu"}, "hidden_act='gelu'"),
     (granite_hybrid, "granite_hybrid", {"position_embedding_type": "alibi"},
      "position_embedding_type='alibi'"),
     (granite_hybrid, "granite_hybrid", {"layer_types": ["mamba", "moe"] * 2 + ["mamba"]},
      "layer_types"),
-    (nemotron_h, "nemotron_h", {"layers_block_type": ["linear_attention", "moe"]}, "'moe' layers"),
+    (nemotron_h, "nemotron_h_moe", {"moe_latent_size": 32}, "moe_latent_size=32"),
     (nemotron_h, "nemotron_h", {"num_nextn_predict_layers": 1}, "num_nextn_predict_layers=1"),
     (nemotron_h, "nemotron_h", {"mlp_hidden_act": "silu"}, "mlp_hidden_act='silu'"),
     (nemotron_h, "nemotron_h", {"attention_bias": True}, "attention_bias"),
