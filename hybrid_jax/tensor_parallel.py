@@ -13,7 +13,7 @@ axis, placed by marking layers of the local model (`mark_local_model`):
 | attention k, v, KV pages | by KV head; a KV head is replicated on N/K devices when K < N | - |
 | o_proj, MLP down, Mamba2 out_proj, RG-LRU linear_out, short-conv out | row-parallel | psum, then bias |
 | MLP gate/up (fused or not) | column-parallel; a fused [gate, up] matrix is cut per part | - |
-| MoE experts' gate/up [e, d, 2f] and down [e, f, d] | every expert by its width f (gate/up per part) | psum of the routed sum |
+| MoE experts' gate/up, down | each expert by its width f (gate/up per part) | psum of the routed sum |
 | MoE shared expert | as the MLP | psum (its down_proj) |
 | MoE router, expert bias, shared-expert gate | replicated | - |
 | Mamba2 in_proj | per part: z, x, dt by head; B, C by group (replicated when G < N) | - |
