@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Literal, NamedTuple
 
-from hybrid_jax.config import Mamba2Config
+from hybrid_jax.config import Mamba2Config, MoEConfig
 
 Transform = Literal["linear", "conv", "experts", "same"]
 Path = tuple[str | int, ...]
@@ -72,8 +72,8 @@ def mamba2(hf: str, path: Path, cfg: Mamba2Config) -> WeightMap:
 
 
 def moe_experts(hf_stacked: dict[str, str] | None, hf_per_expert: str | None, path: Path,
-                cfg, parts: dict[str, tuple[str, int, int]]) -> WeightMap:
-    """The routed experts' stacks of a MoE layer (`cfg`: MoEConfig).
+                cfg: MoEConfig, parts: dict[str, tuple[str, int, int]]) -> WeightMap:
+    """The routed experts' stacks of a MoE layer.
 
     hf_stacked: our param name ("gate_up", "up", "down") -> HF name of a stored stack
     [e, out, in] (Granite's `input_linear` / `output_linear`). hf_per_expert: the HF prefix of
