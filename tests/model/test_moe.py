@@ -106,3 +106,79 @@ def test_granite_accepts_transformers_in_memory_expert_names(tmp_path):
         ref = hf_model(torch.tensor(ids)).logits.numpy()
     ours = jax.jit(lambda x: model(x))(jnp.asarray(ids, jnp.int32))
     np.testing.assert_allclose(np.asarray(ours), ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
+
+
+def _np_route(x, router, bias, cfg):
+    """float64 numpy routing, written from MoEConfig's contract."""
+    logits = x @ router
+    if cfg.scores == "softmax":
+        z = np.exp(logits - logits.max(-1, keepdims=True))
+        scores = z / z.sum(-1, keepdims=True)
+    else:
+        scores = 1 / (1 + np.exp(-logits))
+    choice = scores + (0 if bias is None else bias)
+    t, e = choice.shape
+    if cfg.n_group > 1:
+        g = choice.reshape(t, cfg.n_group, -1)
+        group = np.sort(g, -1)[..., -2:].sum(-1)
+        drop = np.argsort(-group, -1)[:, cfg.topk_group:]
+        for i in range(t):
+            g[i, drop[i]] = -np.inf
+        choice = g.reshape(t, e)
+    experts = np.argsort(-choice, -1, kind="stable")[:, :cfg.top_k]
+    w = np.take_along_axis(scores, experts, -1)
+    if cfg.norm_topk:
+        w = w / (w.sum(-1, keepdims=True) + cfg.norm_eps)
+    return w * cfg.routed_scaling, experts
+
+
+@pytest.mark.parametrize("kw", [
+    dict(scores="softmax", norm_topk=False),  # Jamba / Qwen-MoE without renormalisation
+    dict(scores="softmax", norm_topk=True, routed_scaling=2.0),
+    dict(scores="sigmoid", norm_topk=True, norm_eps=1e-6, expert_bias=True, n_group=4,
+         topk_group=2, routed_scaling=1.3),
+    dict(scores="sigmoid", norm_topk=False, expert_bias=True)])
+def test_router_matches_float64_numpy(kw):
+    from hybrid_jax.config import MoEConfig
+    from hybrid_jax.layers.moe import route
+
+    cfg = MoEConfig(num_experts=8, top_k=3, intermediate_size=16, **kw)
+    rng = np.random.default_rng(0)
+    x, router = rng.normal(size=(50, 16)), rng.normal(size=(16, 8)) / 4
+    bias = rng.normal(size=8) * 0.2 if cfg.expert_bias else None
+    w, ex = route(jnp.asarray(x, jnp.float32), jnp.asarray(router, jnp.float32),
+                  None if bias is None else jnp.asarray(bias, jnp.float32), cfg)
+    want_w, want_ex = _np_route(x, router, bias, cfg)
+    # Same experts (as sets: top_k's order among equals may differ), same weights per expert.
+    for i in range(x.shape[0]):
+        got = dict(zip(np.asarray(ex[i]).tolist(), np.asarray(w[i]).tolist(), strict=True))
+        want = dict(zip(want_ex[i].tolist(), want_w[i].tolist(), strict=True))
+        assert got.keys() == want.keys(), i
+        np.testing.assert_allclose([got[k] for k in want], list(want.values()), rtol=1e-5)
+
+
+def test_gated_shared_expert_adds_sigmoid_gated_mlp():
+    """A Qwen-style shared expert: y = routed(x) + sigmoid(x @ w) * shared(x)."""
+    from flax import nnx
+
+    from hybrid_jax.config import MLPConfig, MoEConfig
+    from hybrid_jax.layers.moe import MoE
+
+    cfg = MoEConfig(num_experts=4, top_k=2, intermediate_size=8,
+                    shared_expert=MLPConfig(intermediate_size=12), shared_expert_gate=True)
+    moe = MoE(16, cfg, dtype=jnp.float32, rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(1), (2, 5, 16))
+
+    @jax.jit
+    def want(flat):
+        w, ex = moe.route(flat)
+        routed = routed_reference(flat, w, ex, moe.gate_up[...], moe.down[...], activation="silu",
+                                  gated=True)
+        sm = moe.shared_expert
+        shared = (jax.nn.silu(flat @ sm.gate_proj.kernel[...]) * (flat @ sm.up_proj.kernel[...])) \
+            @ sm.down_proj.kernel[...]
+        return routed + jax.nn.sigmoid(flat @ moe.shared_gate[...]) * shared
+
+    got = jax.jit(lambda x: moe(x))(x)
+    np.testing.assert_allclose(np.asarray(got).reshape(10, 16), np.asarray(want(x.reshape(10, 16))),
+                               rtol=1e-5, atol=1e-5)
