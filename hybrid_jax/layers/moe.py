@@ -78,7 +78,10 @@ def routed_experts(x: jax.Array, weights: jax.Array, experts: jax.Array, gate_up
     rows = jnp.take(x.astype(gate_up.dtype), order // k, axis=0)  # [t*k, d]
     h = _hidden(jax.lax.ragged_dot(rows, gate_up, sizes), ACTIVATIONS[activation], gated)
     y = jax.lax.ragged_dot(h.astype(down.dtype), down, sizes)  # [t*k, d], sorted order
-    y = jnp.zeros_like(y).at[order].set(y).reshape(t, k, -1)  # back to (token, j) order
+    # Back to (token, j) order by a gather of the rows at the inverse permutation (a scatter
+    # of t*k indices, not of t*k rows of d).
+    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(t * k, dtype=order.dtype))
+    y = jnp.take(y, inverse, axis=0).reshape(t, k, -1)
     return jnp.einsum("tkd,tk->td", y.astype(F32), weights.astype(F32))
 
 
