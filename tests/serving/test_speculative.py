@@ -42,7 +42,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
 # k spread over the architectures (each engine compiles once: CPU time).
 # The native hybrid (k=3; its SWA-only layer covers attention-only K/V rewind, as in
 # Mistral-SWA) is covered by the prefix-caching / preemption test. CI time: one engine each.
-ARCH_K = {"mamba2": 1, "recurrent_gemma": 3, "falcon_h1": 4, "lfm2": 2, "granite_moe": 2}
+ARCH_K = {"mamba2": 1, "recurrent_gemma": 3, "falcon_h1": 4, "lfm2": 2}
 
 
 class Oracle:
