@@ -15,10 +15,13 @@ or more mixers on the same normed input, summed into the residual) and, when
 - SHARED_BLOCK: Zamba2's hybrid layer: one of the model's shared attention + MLP
   blocks (`ModelConfig.shared_block`, fed concat(h, embeddings), per-depth LoRA
   adapters) whose output is added to the input of this layer's Mamba2 mixer.
-- MLP: no temporal sub-block, only the channel one (Nemotron-H's MLP layers).
+- MLP: no temporal sub-block, only the channel one (Nemotron-H's MLP and MoE layers).
 
-With `separate_mlp_layers` the MLP lives only in MLP layers (Nemotron-H: every layer
-is one residual block around one mixer); otherwise every layer has it when `mlp` is set.
+The channel sub-block of a layer is the dense gated MLP (`ModelConfig.mlp`) or, where
+its `LayerSpec.moe` is set, the mixture of experts (`ModelConfig.moe`: router, routed
+experts, optional shared expert). With `separate_mlp_layers` the channel sub-block lives
+only in MLP layers (Nemotron-H: every layer is one residual block around one mixer);
+otherwise every layer has one when `mlp` is set or its spec says `moe`.
 
 Sub-configs hold each mixer's shapes; architecture quirks that change numerics are
 explicit fields, never inferred from the architecture name. This module knows
@@ -54,10 +57,12 @@ class LayerKind(enum.StrEnum):
 
 @dataclass(frozen=True)
 class LayerSpec:
-    """One layer of the pattern: its kind and, for attention kinds, its window (None = global)."""
+    """One layer of the pattern: its kind, for attention kinds its window (None = global),
+    and whether its channel sub-block is the mixture of experts (`moe`) or the dense MLP."""
 
     kind: LayerKind
     window: int | None = None
+    moe: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", LayerKind(self.kind))
@@ -248,6 +253,63 @@ class MLPConfig:
             raise ValueError(f"activation={self.activation!r} must be one of {ACTIVATION_NAMES}")
 
 
+ROUTER_SCORES = ("softmax", "sigmoid")
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Mixture of experts: a router picks `top_k` of `num_experts` experts per token.
+
+    Scores are softmax or sigmoid of the router logits (computed in f32). The experts are
+    chosen by the top-k of score + `expert_bias` (a per-expert bias stored with the
+    weights, used ONLY for the choice: LFM2-MoE, Nemotron-H, DeepSeek-style), optionally
+    within the best `topk_group` of `n_group` expert groups (a group's score: the sum of
+    its two best biased scores). The chosen experts' weights are their unbiased scores,
+    renormalised to sum 1 when `norm_topk` (divided by sum + `norm_eps`; softmax scores
+    renormalised are the softmax of the chosen logits, computed so), times
+    `routed_scaling`. Each expert is the gated MLP act(x @ gate) * (x @ up) @ down of
+    width `intermediate_size` (`gated`=False: act(x @ up) @ down). The optional
+    `shared_expert` is a dense MLP every token passes through, added to the routed sum;
+    `shared_expert_gate` scales it by sigmoid(x @ w) per token (Qwen).
+    """
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    activation: str = "silu"
+    gated: bool = True
+    scores: str = "softmax"  # one of ROUTER_SCORES
+    norm_topk: bool = True
+    norm_eps: float = 0.0
+    expert_bias: bool = False
+    routed_scaling: float = 1.0
+    n_group: int = 1
+    topk_group: int = 1
+    shared_expert: MLPConfig | None = None
+    shared_expert_gate: bool = False
+
+    def __post_init__(self) -> None:
+        _positive(num_experts=self.num_experts, top_k=self.top_k,
+                  intermediate_size=self.intermediate_size, routed_scaling=self.routed_scaling,
+                  n_group=self.n_group, topk_group=self.topk_group)
+        if self.top_k > self.num_experts:
+            raise ValueError(f"top_k={self.top_k} must be <= num_experts={self.num_experts}")
+        if self.activation not in ACTIVATION_NAMES:
+            raise ValueError(f"activation={self.activation!r} must be one of {ACTIVATION_NAMES}")
+        if self.scores not in ROUTER_SCORES:
+            raise ValueError(f"scores={self.scores!r} must be one of {ROUTER_SCORES}")
+        if self.norm_eps < 0:
+            raise ValueError(f"norm_eps={self.norm_eps} must be >= 0")
+        if self.num_experts % self.n_group or self.topk_group > self.n_group:
+            raise ValueError(f"n_group={self.n_group} must divide num_experts={self.num_experts} "
+                             f"and be >= topk_group={self.topk_group}")
+        if self.n_group > 1 and self.top_k > self.topk_group * (self.num_experts // self.n_group):
+            raise ValueError(f"top_k={self.top_k} exceeds the experts of topk_group="
+                             f"{self.topk_group} groups")
+        if self.shared_expert_gate and self.shared_expert is None:
+            raise ValueError("shared_expert_gate=True needs a shared_expert")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """A whole causal LM. Build presets in `configs/`; loaders build it from HF configs."""
@@ -262,6 +324,7 @@ class ModelConfig:
     mlp: MLPConfig | None = None
     short_conv: ShortConvConfig | None = None
     shared_block: SharedBlockConfig | None = None
+    moe: MoEConfig | None = None
     norm_eps: float = 1e-6
     norm_offset: bool = False  # RMSNorm scales by (1 + w) (Gemma family)
     tie_embeddings: bool = False
@@ -302,8 +365,10 @@ class ModelConfig:
         for name, needed in needs.items():
             if needed and getattr(self, name) is None:
                 raise ValueError(f"{name}=None but the layer pattern has {name} layers")
-        if LayerKind.MLP in kinds and self.mlp is None:
+        if any(s.kind == LayerKind.MLP and not s.moe for s in layers) and self.mlp is None:
             raise ValueError("mlp=None but the layer pattern has mlp layers")
+        if any(s.moe for s in layers) and self.moe is None:
+            raise ValueError("moe=None but the layer pattern has moe layers")
         if self.separate_mlp_layers and LayerKind.MLP not in kinds:
             raise ValueError("separate_mlp_layers=True but the layer pattern has no mlp layers")
         if self.logits_softcap is not None:
@@ -317,8 +382,8 @@ class ModelConfig:
         return len(self.layers)
 
     def layer_has_mlp(self, spec: LayerSpec) -> bool:
-        """Whether a layer has the channel (MLP) sub-block."""
-        if self.mlp is None:
+        """Whether a layer's channel sub-block is the dense MLP."""
+        if self.mlp is None or spec.moe:
             return False
         return spec.kind == LayerKind.MLP or not self.separate_mlp_layers
 
@@ -334,7 +399,8 @@ class ModelConfig:
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able data (inf written as the string "inf")."""
         d = dataclasses.asdict(self)
-        d["layers"] = [{"kind": s.kind.value, "window": s.window} for s in self.layers]
+        d["layers"] = [{"kind": s.kind.value, "window": s.window} | ({"moe": True} if s.moe else {})
+                       for s in self.layers]
         if self.mamba2 is not None:
             d["mamba2"]["dt_limit"] = [_float_out(x) for x in self.mamba2.dt_limit]
         return d
@@ -348,10 +414,14 @@ class ModelConfig:
             raise ValueError(f"unknown ModelConfig fields: {sorted(unknown)}")
         subs = {"attention": AttentionConfig, "mamba2": Mamba2Config, "rglru": RGLRUConfig,
                 "mlp": MLPConfig, "short_conv": ShortConvConfig,
-                "shared_block": SharedBlockConfig}
+                "shared_block": SharedBlockConfig, "moe": MoEConfig}
         for name, sub in subs.items():
             if d.get(name) is not None:
                 d[name] = _sub_from_dict(sub, d[name])
+        if d.get("moe") is not None and d["moe"].shared_expert is not None:
+            shared = d["moe"].shared_expert
+            if isinstance(shared, dict):
+                d["moe"] = dataclasses.replace(d["moe"], shared_expert=_sub_from_dict(MLPConfig, shared))
         d["layers"] = tuple(LayerSpec(**s) for s in d["layers"])
         return cls(**d)
 

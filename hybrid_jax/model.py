@@ -3,7 +3,8 @@
 Each layer: u = norm(h); h = h + sum of its mixers on u (attention, Mamba2, RG-LRU,
 short conv; HYBRID layers run attention and Mamba2 in parallel, each with in/out
 multipliers); then, if the layer has an MLP, h = h + mlp(norm(h)). MLP-kind layers
-(Nemotron-H) have only the MLP sub-block. With sandwich norms (Gemma) each sub-block's
+(Nemotron-H) have only the MLP sub-block. A layer's channel sub-block is the dense MLP or
+the mixture of experts (layers/moe.py), per its `LayerSpec.moe`. With sandwich norms (Gemma) each sub-block's
 output is normed before its add; Granite scales both by `residual_multiplier`. SHARED_BLOCK layers
 (Zamba2) first run one of the model's shared attention + MLP blocks on (h, embeddings)
 and normalise h + its output instead of h: u = norm(h + s). `__call__` is the full-sequence
@@ -22,6 +23,7 @@ from hybrid_jax.layers.attention import Attention
 from hybrid_jax.layers.linear import Embed, Linear
 from hybrid_jax.layers.mamba2 import Mamba2Mixer
 from hybrid_jax.layers.mlp import GatedMLP
+from hybrid_jax.layers.moe import MoE
 from hybrid_jax.layers.norms import RMSNorm
 from hybrid_jax.layers.rglru import RecurrentBlock
 from hybrid_jax.layers.shared_block import DepthAdapters, SharedBlock
@@ -54,9 +56,12 @@ class Block(nnx.Module):
         self.depth = (DepthAdapters(d, cfg.attention, sb, shared_ordinal % sb.num_blocks,
                                     dtype=dtype, rngs=rngs)
                       if kind == LayerKind.SHARED_BLOCK else None)
-        has_mlp = cfg.layer_has_mlp(spec)
+        # The channel sub-block: the dense MLP, or the mixture of experts where spec.moe.
+        dense, moe = cfg.layer_has_mlp(spec), spec.moe
+        has_mlp = dense or moe
         self.mlp_norm = norm() if has_mlp else None
-        self.mlp = GatedMLP(d, cfg.mlp, dtype=dtype, rngs=rngs) if has_mlp else None
+        self.mlp = GatedMLP(d, cfg.mlp, dtype=dtype, rngs=rngs) if dense else None
+        self.moe = MoE(d, cfg.moe, dtype=dtype, rngs=rngs) if moe else None
         sandwich = cfg.sandwich_norm
         self.post_temporal_norm = norm() if sandwich and self.temporal_norm is not None else None
         self.post_mlp_norm = norm() if sandwich and has_mlp else None
@@ -78,8 +83,9 @@ class Block(nnx.Module):
         """Residual add of the temporal output (None: MLP-kind layer), then the MLP sub-block."""
         if temporal is not None:
             h = self._add(h, temporal, self.post_temporal_norm, fp32=self.cfg.residual_in_fp32)
-        if self.mlp is not None:
-            h = self._add(h, self.mlp(self.mlp_norm(h)), self.post_mlp_norm, fp32=False)
+        channel = self.mlp if self.mlp is not None else self.moe
+        if channel is not None:
+            h = self._add(h, channel(self.mlp_norm(h)), self.post_mlp_norm, fp32=False)
         return h
 
     def _add(self, h: jax.Array, branch: jax.Array, post_norm: RMSNorm | None, *,

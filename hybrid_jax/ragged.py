@@ -546,6 +546,9 @@ def _forward_decode_glued(model: CausalLM, batch: RaggedBatch, caches: CacheStac
         if block.mlp is not None:
             h, u = _add_norm(h, pending, block.mlp_norm)
             pending = _mlp_out(block.mlp, u)
+        elif block.moe is not None:  # token-wise: the same call as the full-sequence forward
+            h, u = _add_norm(h, pending, block.mlp_norm)
+            pending = block.moe(u)
     if pending is not None:
         h = h + (jnp.sum(pending, axis=0) if pending.ndim == 3 else pending).astype(h.dtype)
     return model.logits(jnp.take(h, batch.last_token, axis=0)), unflatten_stacks(flat, caches)

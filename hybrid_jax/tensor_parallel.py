@@ -13,6 +13,9 @@ axis, placed by marking layers of the local model (`mark_local_model`):
 | attention k, v, KV pages | by KV head; a KV head is replicated on N/K devices when K < N | - |
 | o_proj, MLP down, Mamba2 out_proj, RG-LRU linear_out, short-conv out | row-parallel | psum, then bias |
 | MLP gate/up (fused or not) | column-parallel; a fused [gate, up] matrix is cut per part | - |
+| MoE experts' gate/up, down | each expert by its width f (gate/up per part) | psum of the routed sum |
+| MoE shared expert | as the MLP | psum (its down_proj) |
+| MoE router, expert bias, shared-expert gate | replicated | - |
 | Mamba2 in_proj | per part: z, x, dt by head; B, C by group (replicated when G < N) | - |
 | Mamba2 conv weights and conv state | by channel (x by head, B/C by group) | - |
 | Mamba2 A, D, dt_bias, SSM state | by head | - |
@@ -67,6 +70,11 @@ def check_shardable(cfg: ModelConfig, n: int) -> None:
         dims.append(("MLP intermediate size (mlp.intermediate_size)", cfg.mlp.intermediate_size, False))
     if cfg.shared_block is not None and LayerKind.SHARED_BLOCK in kinds:
         dims.append(("shared-block MLP intermediate size", cfg.shared_block.intermediate_size, False))
+    if cfg.moe is not None:
+        dims.append(("MoE expert width (moe.intermediate_size)", cfg.moe.intermediate_size, False))
+        if cfg.moe.shared_expert is not None:
+            dims.append(("MoE shared-expert width (moe.shared_expert.intermediate_size)",
+                         cfg.moe.shared_expert.intermediate_size, False))
     for what, count, replicable in dims:
         if not _divides(n, count, replicable):
             also = " (or be a divisor of it: replicated)" if replicable else ""
@@ -122,6 +130,12 @@ def local_config(cfg: ModelConfig, n: int) -> ModelConfig:
     if cfg.shared_block is not None:
         sb = cfg.shared_block
         subs["shared_block"] = dataclasses.replace(sb, intermediate_size=sb.intermediate_size // n)
+    if cfg.moe is not None:
+        moe, shared = cfg.moe, cfg.moe.shared_expert
+        if shared is not None:
+            shared = dataclasses.replace(shared, intermediate_size=shared.intermediate_size // n)
+        subs["moe"] = dataclasses.replace(moe, intermediate_size=moe.intermediate_size // n,
+                                          shared_expert=shared)
     if vocab_split(cfg, n):
         subs["vocab_size"] = cfg.vocab_size // n
         subs["eos_token_ids"] = ()  # ids of the global vocabulary
@@ -134,6 +148,7 @@ ROW_PARALLEL = ("o_proj", "down_proj", "out_proj", "linear_out")
 def mark_local_model(model: nnx.Module, cfg: ModelConfig, n: int) -> nnx.Module:
     """Set the collectives of a local model (built from `local_config`) on `AXIS`."""
     from hybrid_jax.layers.linear import Embed, Linear
+    from hybrid_jax.layers.moe import MoE
     from hybrid_jax.layers.norms import GatedRMSNorm
 
     g = cfg.mamba2.n_groups if cfg.mamba2 is not None else 1
@@ -146,6 +161,8 @@ def mark_local_model(model: nnx.Module, cfg: ModelConfig, n: int) -> nnx.Module:
             mod.shard_axis = AXIS
         elif isinstance(mod, GatedRMSNorm) and g < n:
             mod.axis, mod.group_devices = AXIS, n // g
+        elif isinstance(mod, MoE):
+            mod.reduce_axis = AXIS
     return model
 
 
@@ -193,6 +210,8 @@ def _rule(names: tuple, cfg: ModelConfig, n: int):
         return (0, None) if vocab_split(cfg, n) else None
     if top == "lm_head":
         return (col, None) if vocab_split(cfg, n) else None
+    if "moe" in names:
+        return _moe_rule(names, cfg)
     if leaf == "weight" and "norm" in owner:  # RMSNorm / q-k norms (Mamba2's gated norm below)
         if mod == "mamba" and owner == "norm":
             return 0, [(m.d_inner, m.num_heads)]
@@ -239,6 +258,25 @@ def _rule(names: tuple, cfg: ModelConfig, n: int):
             f = sb.intermediate_size
             return col, [(f, f), (f, f)]
         return None  # down LoRAs and the per-depth `linear`
+    raise ValueError(f"tensor parallelism: no sharding rule for parameter {'.'.join(map(str, names))}")
+
+
+def _moe_rule(names: tuple, cfg: ModelConfig):
+    """Experts split by their width f (the routed sum is then a partial sum per device);
+    the shared expert like the MLP; router, expert bias and shared-expert gate replicated."""
+    leaf, owner = names[-1], names[-2]
+    if owner == "moe":
+        f = cfg.moe.intermediate_size
+        return {"gate_up": (-1, [(f, f), (f, f)]), "up": (-1, [(f, f)]),
+                "down": (1, None)}.get(leaf)  # None: router, expert_bias, shared_gate
+    f = cfg.moe.shared_expert.intermediate_size
+    col = -1 if leaf == "kernel" else 0
+    if owner in ("gate_proj", "up_proj"):
+        return col, [(f, f)]
+    if owner == "gate_up_proj":
+        return col, [(f, f), (f, f)]
+    if owner == "down_proj":
+        return (0, None) if leaf == "kernel" else None
     raise ValueError(f"tensor parallelism: no sharding rule for parameter {'.'.join(map(str, names))}")
 
 

@@ -1,4 +1,4 @@
-"""GraniteMoeHybridForCausalLM, dense only (Granite-4.0-H-Micro: num_local_experts=0).
+"""GraniteMoeHybridForCausalLM: Granite-4.0-H, dense (Micro) or mixture-of-experts (Tiny, Small).
 
 Mamba2 / attention layers per `layer_types` ("mamba" | "linear_attention",
 "attention" | "full_attention"), each followed by the shared MLP. Quirks that change
@@ -8,20 +8,39 @@ numerics, each handled here:
   attention scores scaled by `attention_multiplier` (not head_dim ** -0.5);
 - NoPE: attention has no positional encoding unless `position_embedding_type` is "rope";
 - the shared MLP keeps gate and up in one `input_linear` [2f, d] (gate first);
-- the Mamba2 mixer reads the same `mamba_*` fields as Bamba.
-Mixture-of-experts layers (num_local_experts > 0: Granite-4.0-H-Tiny/Small) are refused.
+- the Mamba2 mixer reads the same `mamba_*` fields as Bamba;
+- with num_local_experts > 0 every layer's channel sub-block is a mixture of experts:
+  softmax over the top-k router logits (top-k of the softmax, renormalised), experts of
+  width `intermediate_size` stored as stacks `block_sparse_moe.input_linear` [e, 2f, d]
+  (gate rows first) and `output_linear` [e, d, f], router `router.layer` [e, d]; the
+  shared MLP is the shared expert, always added, without a gate.
+transformers' in-memory names of the expert tensors (`experts.gate_up_proj`, `router.weight`)
+are accepted as aliases of the stored ones.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from hybrid_jax.checkpoints import bamba, hf_fields, names
-from hybrid_jax.config import AttentionConfig, LayerSpec, MLPConfig, ModelConfig
+from hybrid_jax.config import AttentionConfig, LayerSpec, MLPConfig, ModelConfig, MoEConfig
 
 ARCHITECTURE = "GraniteMoeHybridForCausalLM"
 _KINDS = {"mamba": "mamba2", "linear_attention": "mamba2", "attention": "attention",
           "full_attention": "attention"}
+
+
+_RENAMED = ((r"\.block_sparse_moe\.experts\.gate_up_proj$", ".block_sparse_moe.input_linear.weight"),
+            (r"\.block_sparse_moe\.experts\.down_proj$", ".block_sparse_moe.output_linear.weight"),
+            (r"\.block_sparse_moe\.router\.weight$", ".block_sparse_moe.router.layer.weight"))
+
+
+def canonical_name(name: str) -> str:
+    """transformers' in-memory expert names -> the names Granite checkpoints store."""
+    for pattern, stored in _RENAMED:
+        name = re.sub(pattern, stored, name)
+    return name
 
 
 def _layers(hf: dict[str, Any]) -> tuple[LayerSpec, ...]:
@@ -32,14 +51,17 @@ def _layers(hf: dict[str, Any]) -> tuple[LayerSpec, ...]:
     unknown = set(types) - set(_KINDS)
     if unknown:
         raise ValueError(f"layer_types contains unsupported kinds {sorted(unknown)}")
-    return tuple(LayerSpec(_KINDS[t]) for t in types)
+    moe = _experts(hf) > 0
+    return tuple(LayerSpec(_KINDS[t], moe=moe) for t in types)
+
+
+def _experts(hf: dict[str, Any]) -> int:
+    return hf.get("num_local_experts", 0) or 0
 
 
 def _check_supported(hf: dict[str, Any]) -> None:
-    experts = hf.get("num_local_experts", 0) or 0
-    if experts > 0:
-        raise ValueError(f"num_local_experts={experts}: mixture-of-experts layers are not "
-                         "supported (only dense Granite-4.0-H, num_local_experts=0)")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act={hf['hidden_act']!r} is not supported (only 'silu')")
     pe = hf.get("position_embedding_type")
     if pe not in (None, "nope", "rope"):
         raise ValueError(f"position_embedding_type={pe!r} is not supported ('rope' or 'nope')")
@@ -51,6 +73,12 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     _check_supported(hf)
     layers = _layers(hf)
     has_attention = any(s.kind.has_attention for s in layers)
+    shared = MLPConfig(hf["shared_intermediate_size"], activation="silu", fused_gate_up=True)
+    moe = None
+    if _experts(hf) > 0:
+        moe = MoEConfig(num_experts=_experts(hf), top_k=hf["num_experts_per_tok"],
+                        intermediate_size=hf["intermediate_size"], activation="silu",
+                        scores="softmax", norm_topk=True, shared_expert=shared)
     attention = AttentionConfig(
         **bamba.attention_shape(hf), rope=hf.get("position_embedding_type") == "rope",
         rope_theta=hf_fields.rope_theta(hf), scale=float(hf.get("attention_multiplier", 1.0)))
@@ -62,7 +90,8 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
         attention=attention if has_attention else None,
         mamba2=bamba.mamba_config(hf, eps=1e-6) if any(s.kind.has_mamba2 for s in layers)
         else None,
-        mlp=MLPConfig(hf["shared_intermediate_size"], activation="silu", fused_gate_up=True),
+        mlp=None if moe is not None else shared,
+        moe=moe,
         norm_eps=hf.get("rms_norm_eps", 1e-6),
         tie_embeddings=hf.get("tie_word_embeddings", False),
         embedding_scale=float(hf.get("embedding_multiplier", 1.0)),
@@ -90,6 +119,13 @@ def weight_map(cfg: ModelConfig) -> names.WeightMap:
         else:
             out |= names.mamba2(f"{p}.mamba", names.layer_path(i, "mamba"), cfg.mamba2)
         mlp = names.layer_path(i, "mlp")
+        if spec.moe:
+            moe = names.layer_path(i, "moe")
+            mlp = (*moe, "shared_expert")
+            out[f"{p}.block_sparse_moe.router.layer.weight"] = names.Target((*moe, "router"), "linear")
+            out |= names.moe_experts({"gate_up": f"{p}.block_sparse_moe.input_linear.weight",
+                                      "down": f"{p}.block_sparse_moe.output_linear.weight"},
+                                     None, moe, cfg.moe, {})
         out |= names.linear(f"{p}.shared_mlp.input_linear", (*mlp, "gate_up_proj"), bias=False)
         out |= names.linear(f"{p}.shared_mlp.output_linear", (*mlp, "down_proj"), bias=False)
     return out

@@ -18,6 +18,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from safetensors import safe_open
 
@@ -29,6 +30,7 @@ from hybrid_jax.checkpoints import (
     gemma3_vlm,
     granite_hybrid,
     lfm2,
+    lfm2_moe,
     mamba2,
     mistral,
     nemotron_h,
@@ -42,7 +44,7 @@ from hybrid_jax.model import CausalLM
 
 _MODULES: tuple[ModuleType, ...] = (mamba2, mistral, recurrent_gemma, falcon_h1, zamba2, lfm2,
                                     gemma3, gemma2, bamba, granite_hybrid, nemotron_h,
-                                    gemma3_vlm)
+                                    gemma3_vlm, lfm2_moe)
 _BY_ARCH = {m.ARCHITECTURE: m for m in _MODULES}
 # Known architectures whose math is not implemented: refused naming what is missing.
 _UNSUPPORTED = {
@@ -112,14 +114,23 @@ def _tensor_files(path: Path) -> dict[str, Path]:
 def _shape_after(transform: str, shape: tuple[int, ...]) -> tuple[int, ...]:
     if transform == "linear":
         return tuple(reversed(shape))
+    if transform == "experts" and len(shape) == 3:
+        return (shape[0], shape[2], shape[1])
     if transform == "conv" and len(shape) == 3 and shape[1] == 1:
         return (shape[0], shape[2])
     return shape
 
 
+def _part_shape(shape: tuple[int, ...], index) -> tuple[int, ...]:
+    """The shape of `param[index]` for a parameter of `shape` (no data touched)."""
+    return shape if index is None else np.broadcast_to(np.float32(0), shape)[index].shape
+
+
 def _apply(transform: str, x: jax.Array) -> jax.Array:
     if transform == "linear":
         return x.T
+    if transform == "experts":
+        return jnp.swapaxes(x, 1, 2)
     if transform == "conv":
         return x[:, 0, :]
     return x
@@ -147,7 +158,7 @@ def _plan(path: Path, files: dict[str, Path], wmap: dict[str, Target], aliases: 
         raw = _read_shape(file, present[name])
         stored[name] = (present[name], stored_dtype(file, present[name]), raw)
         shape = _shape_after(target.transform, raw)
-        want = tuple(expected[target.path].shape)
+        want = _part_shape(tuple(expected[target.path].shape), target.index)
         if shape != want:
             where = ".".join(map(str, target.path))
             misshaped.append(f"{present[name]} {shape} (expected {want} for {where})")
@@ -188,9 +199,11 @@ def load_hf(path: str | Path, *, dtype: jnp.dtype = jnp.float32) -> tuple[Causal
     aliases = dict(getattr(module, "ALIASES", {}))
     if hasattr(module, "canonical_name"):  # e.g. a renamed trunk prefix
         aliases = {n: module.canonical_name(n) for n in files} | aliases
+    _check_parts(module.ARCHITECTURE, wmap, expected)
     present, scales, block = _plan(path, files, wmap, aliases, expected, hf)
     values: dict[tuple, jax.Array] = {}
     fp8: dict[tuple, tuple[jax.Array, jax.Array]] = {}
+    parts: dict[tuple, np.ndarray] = {}  # parameters filled piece by piece (Target.index)
     for name, target in wmap.items():
         stored = present[name]
         if name in scales:  # FP8 kernel [in, out] and its scales [ceil(in/B), ceil(out/B)]
@@ -200,7 +213,14 @@ def load_hf(path: str | Path, *, dtype: jnp.dtype = jnp.float32) -> tuple[Causal
             continue
         with safe_open(files[stored], framework="flax") as f:
             x = _apply(target.transform, f.get_tensor(stored))
-        values[target.path] = jnp.asarray(x, expected[target.path].dtype)
+        want = expected[target.path]
+        if target.index is None:
+            values[target.path] = jnp.asarray(x, want.dtype)
+        else:
+            if target.path not in parts:
+                parts[target.path] = np.zeros(want.shape, np.dtype(want.dtype))
+            parts[target.path][target.index] = np.asarray(x.astype(want.dtype))
+    values |= {p: jnp.asarray(x) for p, x in parts.items()}
     pure = _nest(values)
     nnx.replace_by_pure_dict(state, pure)
     model = nnx.merge(graphdef, state)
@@ -213,6 +233,17 @@ def _module_at(model: nnx.Module, path: tuple) -> nnx.Module:
     for key in path:
         model = model[key] if isinstance(key, int) else getattr(model, key)
     return model
+
+
+def _check_parts(arch: str, wmap: dict[str, Target], expected) -> None:
+    """A name map's pieces of one parameter (Target.index) must cover it exactly once."""
+    covered: dict[tuple, int] = {}
+    for t in wmap.values():
+        if t.index is not None:
+            covered[t.path] = covered.get(t.path, 0) + int(np.prod(
+                _part_shape(tuple(expected[t.path].shape), t.index)))
+    for p, n in covered.items():
+        assert n == expected[p].size, f"name map of {arch}: pieces cover {n} of {p}'s {expected[p].size}"
 
 
 def _nest(flat: dict[tuple, Any]) -> dict:

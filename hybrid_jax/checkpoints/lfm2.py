@@ -30,7 +30,7 @@ ARCHITECTURE = "Lfm2ForCausalLM"
 KINDS = {"conv": "short_conv", "full_attention": "attention"}
 
 
-def _layer_kinds(hf: dict[str, Any]) -> tuple[str, ...]:
+def layer_kinds(hf: dict[str, Any]) -> tuple[str, ...]:
     n = hf["num_hidden_layers"]
     types = hf.get("layer_types")
     if types is None:
@@ -63,7 +63,7 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
         architecture="lfm2",
         vocab_size=hf["vocab_size"],
         hidden_size=d,
-        layers=tuple(LayerSpec(kind) for kind in _layer_kinds(hf)),
+        layers=tuple(LayerSpec(kind) for kind in layer_kinds(hf)),
         attention=AttentionConfig(
             num_heads=heads, num_kv_heads=hf.get("num_key_value_heads") or heads,
             head_dim=hf.get("head_dim") or d // heads,
@@ -79,6 +79,22 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
 
 
 def weight_map(cfg: ModelConfig) -> names.WeightMap:
+    out = trunk_map(cfg)
+    for i in range(cfg.num_layers):
+        out |= dense_mlp_map(f"model.layers.{i}.feed_forward", names.layer_path(i, "mlp"))
+    return out
+
+
+def dense_mlp_map(hf: str, path: names.Path) -> names.WeightMap:
+    """LFM2's SwiGLU MLP: w1 gate, w3 up, w2 down."""
+    out: names.WeightMap = {}
+    for hf_name, ours in (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj")):
+        out |= names.linear(f"{hf}.{hf_name}", (*path, ours), bias=False)
+    return out
+
+
+def trunk_map(cfg: ModelConfig) -> names.WeightMap:
+    """Everything but the layers' MLPs (shared with LFM2-MoE)."""
     out = names.vector("model.embed_tokens.weight", ("embed", "embedding"))
     out |= names.vector("model.embedding_norm.weight", ("final_norm", "weight"))
     if not cfg.tie_embeddings:
@@ -87,9 +103,6 @@ def weight_map(cfg: ModelConfig) -> names.WeightMap:
         p = f"model.layers.{i}"
         out |= names.vector(f"{p}.operator_norm.weight", names.layer_path(i, "temporal_norm", "weight"))
         out |= names.vector(f"{p}.ffn_norm.weight", names.layer_path(i, "mlp_norm", "weight"))
-        mlp = names.layer_path(i, "mlp")
-        for hf_name, ours in (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj")):
-            out |= names.linear(f"{p}.feed_forward.{hf_name}", (*mlp, ours), bias=False)
         if spec.kind == "attention":
             out |= _attention(f"{p}.self_attn", names.layer_path(i, "attention"))
         else:

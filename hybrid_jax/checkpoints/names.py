@@ -4,7 +4,11 @@ A map is `dict[hf_name, Target]`. `Target.path` is the path of the parameter in 
 model's flat NNX state; `Target.transform` says how the HF tensor becomes ours:
   "linear"  torch Linear weight [out, in] -> kernel [in, out] (transpose)
   "conv"    torch depthwise Conv1d weight [c, 1, k] -> [c, k]
+  "experts" a stack of torch Linear weights [e, out, in] -> [e, in, out]
   "same"    copied as is
+`Target.index`, when set, places the tensor in a part of the parameter (numpy basic
+indexing of the parameter: an expert's row, a column range): checkpoints that store
+each expert's projections apart fill one stacked parameter from many tensors.
 Pure data: nothing here touches tensors.
 """
 
@@ -12,15 +16,17 @@ from __future__ import annotations
 
 from typing import Literal, NamedTuple
 
-from hybrid_jax.config import Mamba2Config
+from hybrid_jax.config import Mamba2Config, MoEConfig
 
-Transform = Literal["linear", "conv", "same"]
+Transform = Literal["linear", "conv", "experts", "same"]
 Path = tuple[str | int, ...]
+Index = tuple[int | slice, ...]
 
 
 class Target(NamedTuple):
     path: Path
     transform: Transform
+    index: Index | None = None  # the part of the parameter this tensor fills (None: all)
 
 
 WeightMap = dict[str, Target]
@@ -62,6 +68,26 @@ def mamba2(hf: str, path: Path, cfg: Mamba2Config) -> WeightMap:
         out |= vector(f"{hf}.{name}", (*path, name))
     if cfg.gated_norm:
         out |= vector(f"{hf}.norm.weight", (*path, "norm", "weight"))
+    return out
+
+
+def moe_experts(hf_stacked: dict[str, str] | None, hf_per_expert: str | None, path: Path,
+                cfg: MoEConfig, parts: dict[str, tuple[str, int, int]]) -> WeightMap:
+    """The routed experts' stacks of a MoE layer.
+
+    hf_stacked: our param name ("gate_up", "up", "down") -> HF name of a stored stack
+    [e, out, in] (Granite's `input_linear` / `output_linear`). hf_per_expert: the HF prefix of
+    per-expert Linears, `{prefix}.{j}.{name}.weight`, with `parts`: HF name -> (our param,
+    first output column in it, width) (LFM2-MoE's w1 / w3 into gate_up's two halves).
+    """
+    out: WeightMap = {}
+    for ours, hf in (hf_stacked or {}).items():
+        out[hf] = Target((*path, ours), "experts")
+    if hf_per_expert is not None:
+        for j in range(cfg.num_experts):
+            for hf, (ours, start, width) in parts.items():
+                index = (j, slice(None), slice(start, start + width))
+                out[f"{hf_per_expert}.{j}.{hf}.weight"] = Target((*path, ours), "linear", index)
     return out
 
 

@@ -129,6 +129,39 @@ def nemotron_h_config() -> T.PretrainedConfig:
                            "linear_attention", "mlp"])
 
 
+def granite_moe_config() -> T.PretrainedConfig:
+    # 6 experts, 2 per token; intermediate_size is the experts' width.
+    return T.GraniteMoeHybridConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=48, shared_intermediate_size=96,
+        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, num_local_experts=6,
+        num_experts_per_tok=2, layer_types=["mamba", "attention", "mamba", "attention"],
+        position_embedding_type="nope", embedding_multiplier=1.7, residual_multiplier=0.6,
+        attention_multiplier=0.1, logits_scaling=2.5, tie_word_embeddings=True, **MAMBA_FIELDS)
+
+
+def lfm2_moe_config() -> T.PretrainedConfig:
+    # Layer 0 dense (num_dense_layers=1), the rest MoE: sigmoid scores, expert bias (set
+    # non-zero by randomize_), renormalised top-k, a routed scaling factor.
+    return T.Lfm2MoeConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, conv_L_cache=3,
+        num_dense_layers=1, num_experts=6, num_experts_per_tok=3, routed_scaling_factor=1.5,
+        layer_types=["conv", "full_attention", "conv", "full_attention"])
+
+
+def nemotron_h_moe_config() -> T.PretrainedConfig:
+    # MoE layers: non-gated relu2 experts, sigmoid scores with a correction bias,
+    # group-limited choice (3 groups of 2 experts, best 2 groups), scaling, shared expert.
+    return T.NemotronHConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, mamba_num_heads=8, mamba_head_dim=16,
+        ssm_state_size=16, n_groups=2, chunk_size=CHUNK, time_step_min=1e-6,
+        layers_block_type=["linear_attention", "moe", "full_attention", "mlp", "moe"],
+        n_routed_experts=6, num_experts_per_tok=2, moe_intermediate_size=32,
+        moe_shared_expert_intermediate_size=48, n_group=3, topk_group=2,
+        routed_scaling_factor=1.3, norm_topk_prob=True)
+
+
 BUILDERS = {
     "mamba2": (mamba2_config, T.Mamba2ForCausalLM),
     "mistral": (mistral_config, T.MistralForCausalLM),
@@ -143,6 +176,9 @@ BUILDERS = {
     "bamba": (bamba_config, T.BambaForCausalLM),
     "granite_hybrid": (granite_hybrid_config, T.GraniteMoeHybridForCausalLM),
     "nemotron_h": (nemotron_h_config, T.NemotronHForCausalLM),
+    "granite_moe": (granite_moe_config, T.GraniteMoeHybridForCausalLM),
+    "lfm2_moe": (lfm2_moe_config, T.Lfm2MoeForCausalLM),
+    "nemotron_h_moe": (nemotron_h_moe_config, T.NemotronHForCausalLM),
 }
 
 # Config variants checked by their logits only (tests/model/test_zamba2_lfm2.py), to keep
@@ -190,6 +226,10 @@ def randomize_(model: torch.nn.Module, *, seed: int, std: float = 0.2) -> None:
             normal(p, 0.0, 1.0)
         else:
             normal(p, 0.0, std * math.sqrt(64 / max(64, p.shape[-1])))
+    # Expert-choice biases are buffers, zero at init: a loader that ignored them would pass.
+    for name, b in model.named_buffers():
+        if name.endswith(("expert_bias", "e_score_correction_bias")):
+            normal(b, 0.0, 0.1)
 
 
 def build(name: str, out_dir: Path, *, seed: int = 0) -> torch.nn.Module:

@@ -30,6 +30,7 @@ from hybrid_jax.config import (
     Mamba2Config,
     MLPConfig,
     ModelConfig,
+    MoEConfig,
     RGLRUConfig,
     SharedBlockConfig,
     ShortConvConfig,
@@ -50,8 +51,8 @@ monitoring.register_event_duration_secs_listener(
     lambda name, *_a, **_k: COMPILES.append(name) if "backend_compile" in name else None)
 
 
-def L(kind: str, window: int | None = None) -> LayerSpec:
-    return LayerSpec(kind, window)
+def L(kind: str, window: int | None = None, moe: bool = False) -> LayerSpec:
+    return LayerSpec(kind, window, moe)
 
 
 def models() -> dict[str, ModelConfig]:
@@ -71,10 +72,13 @@ def models() -> dict[str, ModelConfig]:
     # RecurrentGemma / Gemma 3 / LFM2 / Mistral: RG-LRU, q/k norms, soft-caps, partial
     # rotary, biases, sandwich (1 + w) norms, short conv, a fused gate/up MLP, GQA (2 KV
     # heads: split on 2, replicated on 4), a Mamba2 layer with 4 groups (split), an untied
-    # head over 130 tokens (split on 2 devices, replicated on 4), two window groups.
+    # head over 130 tokens (split on 2 devices, replicated on 4), two window groups;
+    # Granite-4.0-H / LFM2-MoE: a mixture of experts (softmax top-2 of 4 gated experts, each
+    # split by its width) with a fused gate/up shared expert.
     rec = ModelConfig(
         architecture="tp-test-recurrent", vocab_size=130, hidden_size=64,
-        layers=(L("rglru"), L("attention", 16), L("short_conv"), L("mamba2"), L("attention")),
+        layers=(L("rglru"), L("attention", 16), L("short_conv"), L("mamba2", moe=True),
+                L("attention")),
         attention=AttentionConfig(num_heads=4, num_kv_heads=2, head_dim=16, rotary_dim=8,
                                   qkv_bias=True, o_bias=True, softcap=50.0, qk_norm=True),
         rglru=RGLRUConfig(width=64, num_heads=4),
@@ -82,17 +86,26 @@ def models() -> dict[str, ModelConfig]:
         mamba2=Mamba2Config(num_heads=8, head_dim=8, state_size=16, n_groups=4, chunk_size=16,
                             norm_before_gate=True, in_proj_bias=True, out_proj_bias=True),
         mlp=MLPConfig(intermediate_size=96, activation="gelu_tanh", bias=True, fused_gate_up=True),
+        moe=MoEConfig(num_experts=4, top_k=2, intermediate_size=32,
+                      shared_expert=MLPConfig(intermediate_size=48, fused_gate_up=True)),
         norm_offset=True, sandwich_norm=True, logits_softcap=30.0, embedding_scale=8.0)
-    # Zamba2 (+ Nemotron-H's squared-ReLU MLP layers): shared attention + MLP blocks with
-    # LoRA adapters on q/k/v and gate/up, Mamba2 with 2 groups (replicated on 4 devices).
+    # Zamba2 (+ Nemotron-H's squared-ReLU MLP and MoE layers): shared attention + MLP blocks
+    # with LoRA adapters on q/k/v and gate/up, Mamba2 with 2 groups (replicated on 4
+    # devices); an MoE layer of non-gated experts (sigmoid, expert bias, 2 of 3 groups,
+    # scaling) with a non-gated shared expert.
     shared = ModelConfig(
         architecture="tp-test-shared", vocab_size=128, hidden_size=64,
-        layers=(L("shared_block"), L("mamba2"), L("mlp"), L("shared_block")),
+        layers=(L("shared_block"), L("mamba2"), L("mlp"), L("shared_block"), L("mlp", moe=True)),
         attention=AttentionConfig(num_heads=4, num_kv_heads=4, head_dim=32),
         mamba2=Mamba2Config(num_heads=8, head_dim=16, state_size=16, n_groups=2, chunk_size=16),
         shared_block=SharedBlockConfig(num_blocks=2, intermediate_size=96, adapter_rank=8,
                                        attention_adapters=True),
         mlp=MLPConfig(intermediate_size=96, activation="relu2", gated=False),
+        moe=MoEConfig(num_experts=6, top_k=2, intermediate_size=32, activation="relu2",
+                      gated=False, scores="sigmoid", norm_eps=1e-20, expert_bias=True,
+                      routed_scaling=1.5, n_group=3, topk_group=2,
+                      shared_expert=MLPConfig(intermediate_size=48, activation="relu2",
+                                              gated=False)),
         separate_mlp_layers=True)
     return {"ssm": ssm, "recurrent": rec, "shared": shared}
 

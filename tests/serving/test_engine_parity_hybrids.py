@@ -32,10 +32,12 @@ from tests.model.hf_models import build  # noqa: E402
 NEW = 10
 GAP = 1e-3
 PROMPT_LENS = (3, 16, 30)
-ARCHS = ("gemma3", "bamba", "granite_hybrid", "nemotron_h")
+ARCHS = ("gemma3", "bamba", "granite_hybrid", "nemotron_h", "granite_moe", "lfm2_moe",
+         "nemotron_h_moe")
 # Attention groups the engine must plan: (window, pages a sequence may hold at once).
 GROUPS = {"gemma3": ((16, 4), (None, 8)), "bamba": ((None, 8),), "granite_hybrid": ((None, 8),),
-          "nemotron_h": ((None, 8),)}
+          "nemotron_h": ((None, 8),), "granite_moe": ((None, 8),), "lfm2_moe": ((None, 8),),
+          "nemotron_h_moe": ((None, 8),)}
 
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)

@@ -1,0 +1,139 @@
+"""Mixture of experts: a router, routed experts stored as stacked tensors, a shared expert.
+
+Shapes: t tokens, d hidden, e experts, k experts per token, f expert width.
+
+    route(x)    logits = x @ router (f32) -> scores (softmax | sigmoid) -> top-k of
+                scores + expert_bias (within the best groups) -> weights [t, k], experts [t, k]
+    experts     y_t = sum_j w_tj * expert_{e_tj}(x_t), expert(x) = act(x @ G_e) * (x @ U_e) @ D_e
+    shared      y_t += shared_expert(x_t) (* sigmoid(x_t @ w) with a shared-expert gate)
+
+The experts' weights are three stacks read in place: `gate_up` [e, d, 2f] (gate columns
+first; `up` [e, d, f] for non-gated experts) and `down` [e, f, d]. The routed product
+sorts the t*k (token, expert) assignments by expert and runs one grouped GEMM per
+projection over the ragged groups (`jax.lax.ragged_dot`): every assignment's rows meet
+only their own expert's weights. `routed_reference` is the same sum written densely
+(every expert on every token, weighted by a dense [t, e] combine matrix), an independent
+check of the sorting and grouping.
+
+MoE is token-wise, so the full-sequence forward and the engine's ragged serving path
+are the same call. Tensor parallelism (hybrid_jax/tensor_parallel.py) splits every
+expert by its width f (gate/up by columns, down by rows): a device's routed output is a
+partial sum, added over the mesh axis `reduce_axis`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from hybrid_jax.config import MoEConfig
+from hybrid_jax.layers.mlp import ACTIVATIONS, GatedMLP
+
+F32 = jnp.float32
+
+
+def route(x: jax.Array, router: jax.Array, bias: jax.Array | None,
+          cfg: MoEConfig) -> tuple[jax.Array, jax.Array]:
+    """x [t, d] -> (weights [t, k] f32, experts [t, k] int32); see `MoEConfig`."""
+    # f32 with full precision: a TF32 logit can flip a near-tie between two experts.
+    logits = jnp.dot(x.astype(F32), router.astype(F32), precision=jax.lax.Precision.HIGHEST)
+    scores = jax.nn.softmax(logits, axis=-1) if cfg.scores == "softmax" else jax.nn.sigmoid(logits)
+    choice = scores if bias is None else scores + bias.astype(F32)
+    if cfg.n_group > 1:  # keep the topk_group groups with the best sum of their two best scores
+        t, e = choice.shape
+        grouped = choice.reshape(t, cfg.n_group, e // cfg.n_group)
+        group_score = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)
+        best = jax.lax.top_k(group_score, cfg.topk_group)[1]
+        keep = jnp.any(best[..., None] == jnp.arange(cfg.n_group), axis=1)  # [t, groups]
+        choice = jnp.where(keep[..., None], grouped, -jnp.inf).reshape(t, e)
+    experts = jax.lax.top_k(choice, cfg.top_k)[1]
+    if cfg.scores == "softmax" and cfg.norm_topk:  # renormalised softmax = softmax of the chosen
+        weights = jax.nn.softmax(jnp.take_along_axis(logits, experts, axis=-1), axis=-1)
+    else:
+        weights = jnp.take_along_axis(scores, experts, axis=-1)
+        if cfg.norm_topk:
+            weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + cfg.norm_eps)
+    if cfg.routed_scaling != 1.0:
+        weights = weights * cfg.routed_scaling
+    return weights, experts.astype(jnp.int32)
+
+
+def _hidden(h: jax.Array, act, gated: bool) -> jax.Array:
+    if not gated:
+        return act(h)
+    gate, up = jnp.split(h, 2, axis=-1)
+    return act(gate) * up
+
+
+def routed_experts(x: jax.Array, weights: jax.Array, experts: jax.Array, gate_up: jax.Array,
+                   down: jax.Array, *, activation: str, gated: bool) -> jax.Array:
+    """sum_j w_tj * expert_{e_tj}(x_t) -> [t, d] f32, by grouped GEMMs over the assignments
+    sorted by expert. x [t, d], weights/experts [t, k], gate_up [e, d, w], down [e, f, d]."""
+    t, k = experts.shape
+    e = gate_up.shape[0]
+    flat = experts.reshape(t * k)
+    order = jnp.argsort(flat, stable=True)  # assignment rows grouped by expert
+    sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
+    rows = jnp.take(x.astype(gate_up.dtype), order // k, axis=0)  # [t*k, d]
+    h = _hidden(jax.lax.ragged_dot(rows, gate_up, sizes), ACTIVATIONS[activation], gated)
+    y = jax.lax.ragged_dot(h.astype(down.dtype), down, sizes)  # [t*k, d], sorted order
+    # Back to (token, j) order by a gather of the rows at the inverse permutation (a scatter
+    # of t*k indices, not of t*k rows of d).
+    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(t * k, dtype=order.dtype))
+    y = jnp.take(y, inverse, axis=0).reshape(t, k, -1)
+    return jnp.einsum("tkd,tk->td", y.astype(F32), weights.astype(F32))
+
+
+def routed_reference(x: jax.Array, weights: jax.Array, experts: jax.Array, gate_up: jax.Array,
+                     down: jax.Array, *, activation: str, gated: bool) -> jax.Array:
+    """`routed_experts` written densely: every expert on every token, weighted by the
+    combine matrix c [t, e] (c_te = w_tj where e_tj = e, else 0). Same shapes and result."""
+    e = gate_up.shape[0]
+    combine = jnp.einsum("tk,tke->te", weights.astype(F32), jax.nn.one_hot(experts, e, dtype=F32))
+    h = jnp.einsum("td,edw->tew", x.astype(gate_up.dtype), gate_up)
+    y = jnp.einsum("tef,efd->ted", _hidden(h, ACTIVATIONS[activation], gated).astype(down.dtype),
+                   down)
+    return jnp.einsum("ted,te->td", y.astype(F32), combine)
+
+
+class MoE(nnx.Module):
+    """x [..., d] -> [..., d]: routed experts plus the optional shared expert (module doc)."""
+
+    def __init__(self, dim: int, cfg: MoEConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs):
+        e, f = cfg.num_experts, cfg.intermediate_size
+        normal = lambda shape, fan_in, dt: nnx.Param(
+            fan_in**-0.5 * jax.random.normal(rngs.params(), shape, dt))
+        # The router and expert bias stay f32 whatever the dtype (Nemotron-H keeps them so).
+        self.router = normal((dim, e), dim, F32)
+        self.expert_bias = nnx.Param(jnp.zeros((e,), F32)) if cfg.expert_bias else None
+        self.gate_up = normal((e, dim, 2 * f), dim, dtype) if cfg.gated else None
+        self.up = None if cfg.gated else normal((e, dim, f), dim, dtype)
+        self.down = normal((e, f, dim), f, dtype)
+        self.shared_expert = (None if cfg.shared_expert is None else
+                              GatedMLP(dim, cfg.shared_expert, dtype=dtype, rngs=rngs))
+        self.shared_gate = normal((dim, 1), dim, dtype) if cfg.shared_expert_gate else None
+        self.reduce_axis: str | None = None  # tensor parallel: routed partial sums added over it
+        self.cfg = cfg
+
+    def route(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        bias = None if self.expert_bias is None else self.expert_bias[...]
+        return route(x, self.router[...], bias, self.cfg)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        cfg, shape = self.cfg, x.shape
+        x = x.reshape(-1, shape[-1])
+        weights, experts = self.route(x)
+        first = self.gate_up if self.gate_up is not None else self.up
+        y = routed_experts(x, weights, experts, first[...], self.down[...],
+                           activation=cfg.activation, gated=cfg.gated)
+        if self.reduce_axis is not None:
+            y = jax.lax.psum(y, self.reduce_axis)
+        y = y.astype(x.dtype)
+        if self.shared_expert is not None:
+            s = self.shared_expert(x)
+            if self.shared_gate is not None:
+                gate = jnp.dot(x.astype(F32), self.shared_gate[...].astype(F32))
+                s = (s.astype(F32) * jax.nn.sigmoid(gate)).astype(s.dtype)
+            y = y + s.astype(y.dtype)
+        return y.reshape(shape)

@@ -1,0 +1,177 @@
+"""Mixture of experts: the grouped-GEMM routed sum against its dense reference, the three
+MoE architectures' logits against transformers, strict loading of stacked and per-expert
+tensors, and the config round trip.
+
+References are independent: `routed_reference` runs every expert on every token and
+weights them by a dense combine matrix (no sorting, no groups); transformers' tiny random
+models (tests/model/hf_models.py, expert-choice biases set non-zero) check the routers
+(softmax top-k renormalised; sigmoid with expert bias, eps and scaling; group-limited
+choice) and the expert layouts. Engine greedy parity is in
+tests/serving/test_engine_parity_hybrids.py, tensor parallelism in
+tests/serving/tensor_parallel_child.py.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from hybrid_jax.checkpoints import CheckpointError, load_hf  # noqa: E402
+from hybrid_jax.config import ModelConfig  # noqa: E402
+from hybrid_jax.layers.moe import routed_experts, routed_reference  # noqa: E402
+from tests.model import hf_models  # noqa: E402
+
+
+@pytest.mark.parametrize(("gated", "activation"), [(True, "silu"), (False, "relu2")])
+def test_grouped_gemm_equals_dense_reference(gated, activation):
+    t, d, e, k, f = 37, 32, 8, 3, 24
+    keys = jax.random.split(jax.random.key(0), 5)
+    x = jax.random.normal(keys[0], (t, d))
+    # Experts 0..5 only (6 and 7 get no token: empty groups), in random order per token.
+    experts = jnp.argsort(jax.random.uniform(keys[1], (t, 6)), axis=1)[:, :k].astype(jnp.int32)
+    weights = jax.random.uniform(keys[2], (t, k))
+    first = jax.random.normal(keys[3], (e, d, 2 * f if gated else f)) * d**-0.5
+    down = jax.random.normal(keys[4], (e, f, d)) * f**-0.5
+    kw = dict(activation=activation, gated=gated)
+    got = jax.jit(lambda *a: routed_experts(*a, **kw))(x, weights, experts, first, down)
+    want = routed_reference(x, weights, experts, first, down, **kw)
+    assert got.shape == (t, d) and got.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+MOE_ARCHS = ("granite_moe", "lfm2_moe", "nemotron_h_moe")
+
+
+# transformers' in-memory names of Granite's expert stacks, accepted as aliases of the stored ones
+GRANITE_IN_MEMORY = {"block_sparse_moe.input_linear.weight": "block_sparse_moe.experts.gate_up_proj",
+                     "block_sparse_moe.output_linear.weight": "block_sparse_moe.experts.down_proj",
+                     "block_sparse_moe.router.layer.weight": "block_sparse_moe.router.weight"}
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_logits_match_transformers(arch, tmp_path):
+    """Granite's checkpoint is rewritten with transformers' in-memory expert names (the
+    stored names load in the engine tests)."""
+    hf_model = hf_models.build(arch, tmp_path, seed=1)
+    if arch == "granite_moe":
+        file = tmp_path / "model.safetensors"
+        renamed = {}
+        for n, x in load_file(file).items():
+            for stored, in_memory in GRANITE_IN_MEMORY.items():
+                n = n.replace(stored, in_memory)
+            renamed[n] = x
+        assert renamed.keys() != load_file(file).keys()
+        save_file(renamed, file, metadata={"format": "pt"})
+    model, cfg = load_hf(tmp_path)
+    assert any(s.moe for s in cfg.layers)
+    ids = np.random.default_rng(2).integers(0, cfg.vocab_size, (2, 40))
+    with torch.no_grad():
+        ref = hf_model(torch.tensor(ids)).logits.numpy()
+    ours = np.asarray(jax.jit(lambda x: model(x))(jnp.asarray(ids, jnp.int32)))
+    assert np.abs(ours - ref).max() / np.abs(ref).max() <= 1e-4
+    assert ModelConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+
+
+@pytest.mark.parametrize(("arch", "drop", "extra", "bad"), [
+    # per-expert tensors (LFM2-MoE): one expert's up half missing, an expert too many, a
+    # mis-shaped expert down-projection
+    ("lfm2_moe", "model.layers.1.feed_forward.experts.2.w3.weight",
+     "model.layers.1.feed_forward.experts.6.w1.weight", "model.layers.2.feed_forward.experts.0.w2.weight"),
+    # stacked tensors (Granite): the router missing, a stray tensor, a stack of too few experts
+    ("granite_moe", "model.layers.0.block_sparse_moe.router.layer.weight",
+     "model.layers.0.block_sparse_moe.extra.weight", "model.layers.3.block_sparse_moe.input_linear.weight"),
+])
+def test_loader_reports_missing_unexpected_and_misshaped_together(arch, drop, extra, bad, tmp_path):
+    hf_models.build(arch, tmp_path, seed=0)
+    file = tmp_path / "model.safetensors"
+    tensors = load_file(file)
+    tensors[extra] = np.zeros((2, 2), np.float32)
+    tensors[bad] = tensors[bad][:-1]
+    del tensors[drop]
+    save_file(tensors, file, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError) as err:
+        load_hf(tmp_path)
+    assert err.value.missing == [drop] and err.value.unexpected == [extra]
+    assert len(err.value.misshaped) == 1 and bad in err.value.misshaped[0]
+
+
+def _np_route(x, router, bias, cfg):
+    """float64 numpy routing, written from MoEConfig's contract."""
+    logits = x @ router
+    if cfg.scores == "softmax":
+        z = np.exp(logits - logits.max(-1, keepdims=True))
+        scores = z / z.sum(-1, keepdims=True)
+    else:
+        scores = 1 / (1 + np.exp(-logits))
+    choice = scores + (0 if bias is None else bias)
+    t, e = choice.shape
+    if cfg.n_group > 1:
+        g = choice.reshape(t, cfg.n_group, -1)
+        group = np.sort(g, -1)[..., -2:].sum(-1)
+        drop = np.argsort(-group, -1)[:, cfg.topk_group:]
+        for i in range(t):
+            g[i, drop[i]] = -np.inf
+        choice = g.reshape(t, e)
+    experts = np.argsort(-choice, -1, kind="stable")[:, :cfg.top_k]
+    w = np.take_along_axis(scores, experts, -1)
+    if cfg.norm_topk:
+        w = w / (w.sum(-1, keepdims=True) + cfg.norm_eps)
+    return w * cfg.routed_scaling, experts
+
+
+@pytest.mark.parametrize("kw", [
+    dict(scores="softmax", norm_topk=False),  # Jamba / Qwen-MoE without renormalisation
+    dict(scores="softmax", norm_topk=True, routed_scaling=2.0),
+    dict(scores="sigmoid", norm_topk=True, norm_eps=1e-6, expert_bias=True, n_group=4,
+         topk_group=2, routed_scaling=1.3),
+    dict(scores="sigmoid", norm_topk=False, expert_bias=True)])
+def test_router_matches_float64_numpy(kw):
+    from hybrid_jax.config import MoEConfig
+    from hybrid_jax.layers.moe import route
+
+    cfg = MoEConfig(num_experts=8, top_k=3, intermediate_size=16, **kw)
+    rng = np.random.default_rng(0)
+    x, router = rng.normal(size=(50, 16)), rng.normal(size=(16, 8)) / 4
+    bias = rng.normal(size=8) * 0.2 if cfg.expert_bias else None
+    w, ex = route(jnp.asarray(x, jnp.float32), jnp.asarray(router, jnp.float32),
+                  None if bias is None else jnp.asarray(bias, jnp.float32), cfg)
+    want_w, want_ex = _np_route(x, router, bias, cfg)
+    # Same experts (as sets: top_k's order among equals may differ), same weights per expert.
+    for i in range(x.shape[0]):
+        got = dict(zip(np.asarray(ex[i]).tolist(), np.asarray(w[i]).tolist(), strict=True))
+        want = dict(zip(want_ex[i].tolist(), want_w[i].tolist(), strict=True))
+        assert got.keys() == want.keys(), i
+        np.testing.assert_allclose([got[k] for k in want], list(want.values()), rtol=1e-5)
+
+
+def test_gated_shared_expert_adds_sigmoid_gated_mlp():
+    """A Qwen-style shared expert: y = routed(x) + sigmoid(x @ w) * shared(x)."""
+    from flax import nnx
+
+    from hybrid_jax.config import MLPConfig, MoEConfig
+    from hybrid_jax.layers.moe import MoE
+
+    cfg = MoEConfig(num_experts=4, top_k=2, intermediate_size=8,
+                    shared_expert=MLPConfig(intermediate_size=12), shared_expert_gate=True)
+    moe = MoE(16, cfg, dtype=jnp.float32, rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(1), (2, 5, 16))
+
+    def want(flat):
+        w, ex = moe.route(flat)
+        routed = routed_reference(flat, w, ex, moe.gate_up[...], moe.down[...], activation="silu",
+                                  gated=True)
+        sm = moe.shared_expert
+        shared = (jax.nn.silu(flat @ sm.gate_proj.kernel[...]) * (flat @ sm.up_proj.kernel[...])) \
+            @ sm.down_proj.kernel[...]
+        return routed + jax.nn.sigmoid(flat @ moe.shared_gate[...]) * shared
+
+    got, ref = jax.jit(lambda x: (moe(x).reshape(10, 16), want(x.reshape(10, 16))))(x)  # one compile
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-5, atol=1e-5)
