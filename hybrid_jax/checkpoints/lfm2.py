@@ -55,21 +55,29 @@ def mlp_width(hf: dict[str, Any]) -> int:
     return f
 
 
+def attention_config(hf: dict) -> AttentionConfig:
+    """LFM2's attention layers (shared by LFM2-MoE): q/k norms, rope theta 1e6 by default."""
+    d, heads = hf["hidden_size"], hf["num_attention_heads"]
+    return AttentionConfig(num_heads=heads, num_kv_heads=hf.get("num_key_value_heads") or heads,
+                           head_dim=hf.get("head_dim") or d // heads,
+                           rope_theta=hf_fields.rope_theta(hf, default=1_000_000.0), qk_norm=True)
+
+
+def short_conv_config(hf: dict) -> ShortConvConfig:
+    return ShortConvConfig(conv_kernel=hf.get("conv_L_cache", 3), bias=hf.get("conv_bias", False))
+
+
 def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     hf_fields.check_rope_type(hf)
-    d, heads = hf["hidden_size"], hf["num_attention_heads"]
+    d = hf["hidden_size"]
     eps = hf.get("norm_eps", 1e-5)
     return ModelConfig(
         architecture="lfm2",
         vocab_size=hf["vocab_size"],
         hidden_size=d,
         layers=tuple(LayerSpec(kind) for kind in layer_kinds(hf)),
-        attention=AttentionConfig(
-            num_heads=heads, num_kv_heads=hf.get("num_key_value_heads") or heads,
-            head_dim=hf.get("head_dim") or d // heads,
-            rope_theta=hf_fields.rope_theta(hf, default=1_000_000.0), qk_norm=True),
-        short_conv=ShortConvConfig(conv_kernel=hf.get("conv_L_cache", 3),
-                                   bias=hf.get("conv_bias", False)),
+        attention=attention_config(hf),
+        short_conv=short_conv_config(hf),
         mlp=MLPConfig(mlp_width(hf), activation="silu"),
         norm_eps=eps,
         tie_embeddings=hf.get("tie_word_embeddings", hf.get("tie_embedding", True)),

@@ -18,12 +18,10 @@ from typing import Any
 
 from hybrid_jax.checkpoints import hf_fields, lfm2, names
 from hybrid_jax.config import (
-    AttentionConfig,
     LayerSpec,
     MLPConfig,
     ModelConfig,
     MoEConfig,
-    ShortConvConfig,
 )
 
 ARCHITECTURE = "Lfm2MoeForCausalLM"
@@ -40,7 +38,7 @@ def _moe(hf: dict[str, Any]) -> MoEConfig:
 
 def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     hf_fields.check_rope_type(hf)
-    d, heads = hf["hidden_size"], hf["num_attention_heads"]
+    d = hf["hidden_size"]
     dense = hf.get("num_dense_layers", 2)
     kinds = lfm2.layer_kinds(hf)
     return ModelConfig(
@@ -48,12 +46,8 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
         vocab_size=hf["vocab_size"],
         hidden_size=d,
         layers=tuple(LayerSpec(kind, moe=i >= dense) for i, kind in enumerate(kinds)),
-        attention=AttentionConfig(
-            num_heads=heads, num_kv_heads=hf.get("num_key_value_heads") or heads,
-            head_dim=hf.get("head_dim") or d // heads,
-            rope_theta=hf_fields.rope_theta(hf, default=1_000_000.0), qk_norm=True),
-        short_conv=ShortConvConfig(conv_kernel=hf.get("conv_L_cache", 3),
-                                   bias=hf.get("conv_bias", False)),
+        attention=lfm2.attention_config(hf),
+        short_conv=lfm2.short_conv_config(hf),
         mlp=MLPConfig(hf["intermediate_size"], activation="silu") if dense > 0 else None,
         moe=_moe(hf) if dense < len(kinds) else None,
         norm_eps=hf.get("norm_eps", 1e-5),

@@ -36,6 +36,7 @@ from serving.entrypoints.openai.serving_common import (
     Front,
     Names,
     choice_seed,
+    collect,
     engine_request,
     failure,
     new_id,
@@ -92,24 +93,16 @@ async def create_chat_completion(front: Front, body: ChatCompletionRequest,
         return _stream(front, call, rid, logprobs, [len(ids)], usage)
     texts, lps = [""] * body.n, [ChatLogprobs() if logprobs is not None else None for _ in range(body.n)]
     reasons: list[str | None] = [None] * body.n
-    watch = front.client.watch(call.streams)
-    try:
-        while not watch.done:
-            got = await watch.next(gone)
-            if got is None:
-                return None
-            for i, delta in got:
-                call.record(i, delta)
-                if (err := failure(delta)) is not None:
-                    raise err
-                texts[i] += delta.text
-                if lps[i] is not None:
-                    lps[i].content += _logprobs(front, delta, logprobs)
-                if delta.finished:
-                    reasons[i] = delta.finish_reason
-    finally:
-        watch.close()
-        call.finish()
+
+    def add(i: int, delta: RequestDelta) -> None:
+        texts[i] += delta.text
+        if lps[i] is not None:
+            lps[i].content += _logprobs(front, delta, logprobs)
+        if delta.finished:
+            reasons[i] = delta.finish_reason
+
+    if not await collect(front, call, gone, add):
+        return None
     choices = [ChatChoice(index=i, message=ChatResponseMessage(content=texts[i]), logprobs=lps[i],
                           finish_reason=reasons[i]) for i in range(body.n)]
     return ChatCompletionResponse(id=rid, model=front.model_name, choices=choices,

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from pydantic import ValidationError
@@ -236,3 +237,24 @@ def failure(delta: RequestDelta) -> ApiError | None:
         return ApiError(503, f"request {delta.request_id} aborted after {delta.num_output_tokens} tokens: "
                         "the server is shutting down", None, "shutting_down")
     return None
+
+
+async def collect(front: Front, call: Call, gone: Callable[[], Awaitable[bool]],
+                  add: Callable[[int, RequestDelta], None]) -> bool:
+    """Hand every delta of a call's streams to `add(choice, delta)` until all have finished
+    (a non-streamed answer). False once the client is gone; ApiError for a failed request."""
+    watch = front.client.watch(call.streams)
+    try:
+        while not watch.done:
+            got = await watch.next(gone)
+            if got is None:
+                return False
+            for i, delta in got:
+                call.record(i, delta)
+                if (err := failure(delta)) is not None:
+                    raise err
+                add(i, delta)
+    finally:
+        watch.close()
+        call.finish()
+    return True

@@ -27,6 +27,7 @@ from serving.entrypoints.openai.serving_common import (
     Front,
     Names,
     choice_seed,
+    collect,
     engine_request,
     failure,
     new_id,
@@ -91,20 +92,8 @@ async def create_completion(front: Front, body: CompletionRequest, gone: Callabl
     if body.stream:
         usage = body.stream_options is not None and body.stream_options.include_usage
         return _stream(front, call, out, prompt_lens, usage)
-    watch = front.client.watch(call.streams)
-    try:
-        while not watch.done:
-            got = await watch.next(gone)
-            if got is None:
-                return None
-            for i, delta in got:
-                call.record(i, delta)
-                if (err := failure(delta)) is not None:
-                    raise err
-                out.add(i, delta)
-    finally:
-        watch.close()
-        call.finish()
+    if not await collect(front, call, gone, out.add):
+        return None
     choices = [CompletionChoice(index=i, text=out.texts[i], logprobs=out.logprobs[i],
                                 finish_reason=out.reasons[i]) for i in range(len(reqs))]
     return CompletionResponse(id=rid, model=front.model_name, choices=choices, usage=call.usage(prompt_lens))
