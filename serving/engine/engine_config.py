@@ -195,14 +195,16 @@ class EngineConfig:
                              f"{self.tensor_parallel_size}: multi-step decoding does not run "
                              "tensor-parallel yet; use num_scheduler_steps=1")
 
-    def with_device_sizing(self, platform: str, device_bytes: int | None) -> EngineConfig:
+    def with_device_sizing(self, platform: str, device_bytes: int | None, *,
+                           announce: bool = True) -> EngineConfig:
         """This config with every sizing setting left at None chosen for the device
         (`device_sizing`); explicit settings win. Logs one line with what it chose."""
         chosen = {k: v for k, v in device_sizing(platform, device_bytes).items() if getattr(self, k) is None}
         if not chosen:
             return self
-        log.info("engine sizing for %s (explicit settings win): %s", platform,
-                 " ".join(f"{k}={v}" for k, v in chosen.items()))
+        if announce:
+                log.info("engine sizing for %s (explicit settings win): %s", platform,
+                     " ".join(f"{k}={v}" for k, v in chosen.items()))
         return replace(self, **chosen)
 
     def store_key(self) -> str:
@@ -248,11 +250,18 @@ class PoolPlan:
         return self.scheduler.num_slots * self.slot_bytes
 
 
+def _sized(cfg: EngineConfig) -> EngineConfig:
+    """`cfg` with its sizing chosen for the default backend, for callers that pass a config
+    the engine has not sized (the engine sizes its own when it starts)."""
+    return cfg.with_device_sizing(jax.default_backend(), None, announce=False)
+
+
 def draft_bytes(draft: ModelConfig, cfg: EngineConfig, max_len: int, dtype) -> int:
     """Device bytes of the draft-model drafter's caches (serving/spec_decode/draft_model.py): per
     drafted-for sequence (at most min(speculative_disable_by_batch_size, max_num_seqs)) one
     page ring per window group wide enough for a catch-up chunk or k + 1 drafted
     positions, and two state slots (base, scratch) with their penalty statistics."""
+    cfg = _sized(cfg)
     seqs = min(cfg.spec_max_seqs, cfg.max_num_seqs)
     page_bytes, slot_bytes = cache_bytes(draft, page_size=cfg.page_size, dtype=dtype,
                                          state_dtype=jnp.dtype(cfg.ssm_state_dtype))
@@ -276,7 +285,7 @@ def plan_pools(model: ModelConfig, cfg: EngineConfig, *, free_bytes: int | None,
     `draft`: the draft model's config and weight bytes (speculative_method="draft"):
     its weights and caches come out of the budget first.
     """
-    cfg = cfg.with_device_sizing(jax.default_backend(), None)  # the engine has done it already
+    cfg = _sized(cfg)
     max_len = cfg.max_model_len or min(model.max_position_embeddings, 8192)
     shard = local_config(model, cfg.tensor_parallel_size)
     page_bytes, slot_bytes = cache_bytes(shard, page_size=cfg.page_size, dtype=dtype,
