@@ -153,11 +153,12 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--memory-fraction", type=float, default=d["memory_fraction"],
                    help="of free device memory for KV pages and states (default: by device)")
     g.add_argument("--seq-buckets", default=None, metavar="N,N,...",
-                   help="sequence counts to compile step shapes for (default: powers of 2 up to "
-                        "--max-num-seqs); fewer buckets: faster start-up, more padding")
+                   help="sequence counts to compile step shapes for (default: x2 from 8 up to "
+                        "--max-num-seqs; a GPU's prefill shapes x4 from 16); fewer buckets: faster "
+                        "start-up, more padding (serving/runner/step_fns.make_buckets)")
     g.add_argument("--token-buckets", default=None, metavar="N,N,...",
-                   help="token counts to compile step shapes for (default: powers of 2 up to "
-                        "--max-num-batched-tokens)")
+                   help="token counts to compile prefill step shapes for (default: x4 from 64, from "
+                        "256 on a GPU, up to --max-num-batched-tokens)")
     g.add_argument("--ssm-state-dtype", default="float32", choices=["float32", "bfloat16"],
                    help="recurrent state dtype (bfloat16 halves state traffic; default float32)")
     g.add_argument("--no-async-scheduling", action="store_true",

@@ -155,7 +155,7 @@ class ModelRunner:
                                     single_row_decode=self.single_row,
                                     coarse_mixed=jax.default_backend() == "gpu")
         self.max_seqs = max(b.seqs for b in self.buckets)
-        self.last_tokens = jax.device_put(np.zeros(self.max_seqs, np.int32), self.replicated)
+        self.last_tokens = self._no_tokens()
         self.compiled: dict[Bucket, Callable] = {}
         self.samplers: dict[int, Callable] = {}  # the full sampler, by sequence count
         self._host_layouts()
@@ -369,6 +369,10 @@ class ModelRunner:
         tree = self._host_tree(bucket, batch, samp, feed, self._ops(arrays) if ckpt else None)
         return self._launch(bucket, tree, len(arrays.slot_ids), full)
 
+    def _no_tokens(self) -> jax.Array:
+        """`last_tokens` before any step has sampled (nothing is fed from it yet)."""
+        return jax.device_put(np.zeros(self.max_seqs, np.int32), self.replicated)
+
     def warmup(self) -> None:
         """Run every step executable and full sampler once, on an all-padding batch, and wait.
 
@@ -386,7 +390,7 @@ class ModelRunner:
             pending.append(self._launch(bucket, tree, 0, full=True))
         for p in pending:
             self.fetch(p)
-        self.last_tokens = jax.device_put(np.zeros(self.max_seqs, np.int32), self.replicated)
+        self.last_tokens = self._no_tokens()
 
     def _launch(self, bucket: Bucket, tree: tuple, num_seqs: int, full: bool) -> Pending:
         """Enqueue `bucket`'s executable on a padded step's host inputs (caches donated)."""
