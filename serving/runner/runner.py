@@ -377,8 +377,9 @@ class ModelRunner:
         """Run every step executable and full sampler once, on an all-padding batch, and wait.
 
         A GPU executable's first run pays one-time costs (its CUDA graph captured, kernels
-        loaded): a request that first needs a bucket waited ~100 ms for it (H100, TTFT of
-        the first requests and TPOT of those decoding when a new mixed bucket first ran).
+        loaded), which a request would otherwise pay (H100, 16 req/s: the first requests'
+        TTFT was 155-176 ms against a 17.5 ms median; the cause is inferred, the warm-up's
+        own effect was not measured apart).
         Every row of the batch is padding: it reads and writes only the dummy page 0 and
         slot 0, so no sequence's state changes.
         """
