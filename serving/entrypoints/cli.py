@@ -290,6 +290,9 @@ def _http_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--default-chat-template-kwargs", default=None, metavar="JSON",
                    help="variables every chat template rendering sees unless a request's "
                         "chat_template_kwargs sets them, e.g. '{\"enable_thinking\": false}'")
+    g.add_argument("--profile-dir", default=None, metavar="DIR",
+                   help="enable POST /start_profile and /stop_profile: a jax.profiler trace of the "
+                        "running server and a per-step log (DIR/steps-N.jsonl) between the two")
 
 
 def _http_config(args: argparse.Namespace):
@@ -298,7 +301,7 @@ def _http_config(args: argparse.Namespace):
     from pathlib import Path
 
     if args.http_port is None:
-        for flag in ("chat_template", "default_chat_template_kwargs"):
+        for flag in ("chat_template", "default_chat_template_kwargs", "profile_dir"):
             if getattr(args, flag) is not None:
                 raise ValueError(f"--{flag.replace('_', '-')} needs --http-port")
         return None
@@ -315,7 +318,8 @@ def _http_config(args: argparse.Namespace):
     if args.chat_template is not None and not Path(args.chat_template).is_file():
         raise FileNotFoundError(f"--chat-template {args.chat_template}: no such file")
     return OpenAIConfig(port=args.http_port, model_name=args.served_model_name or args.model,
-                        chat_template=args.chat_template, default_chat_template_kwargs=kwargs)
+                        chat_template=args.chat_template, default_chat_template_kwargs=kwargs,
+                        profile_dir=args.profile_dir)
 
 
 def _with_model_dir(http, model: str):

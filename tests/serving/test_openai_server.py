@@ -16,6 +16,7 @@ import shutil
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from importlib import resources
+from pathlib import Path
 
 import openai
 import pytest
@@ -69,9 +70,10 @@ def refs(server_engine, hf_tokenizer):
 
 
 @pytest.fixture(scope="module")
-def served(server_engine, model_dir, refs):
+def served(server_engine, model_dir, refs, tmp_path_factory):
     config = OpenAIConfig(port=0, model_name=MODEL, model_dir=str(model_dir),
-                          default_chat_template_kwargs={"enable_thinking": True, "greeting": "Hello"})
+                          default_chat_template_kwargs={"enable_thinking": True, "greeting": "Hello"},
+                          profile_dir=str(tmp_path_factory.mktemp("profile")))
     server = GenerationServer(server_engine, model_name=MODEL, port=0, api_key=KEY, http=config).start()
     try:
         yield server
@@ -131,6 +133,25 @@ def test_completion_greedy_equals_python_api(client, refs):
     by_ids = client.completions.create(model=MODEL, prompt=want.prompt_token_ids, max_tokens=12,
                                        temperature=0, extra_body={"ignore_eos": True})
     assert by_ids.choices[0].text == want.text
+
+
+def test_profile_routes_trace_and_log_steps_without_changing_output(served, client, refs):
+    assert _raw(served, "POST", "/stop_profile")[0] == 409  # none running
+    status, body = _raw(served, "POST", "/start_profile")
+    assert status == 200 and json.loads(body)["profiling"] is True
+    assert _raw(served, "POST", "/start_profile")[0] == 409  # one at a time
+    got = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    assert got.choices[0].text == refs["text"].text
+    status, body = _raw(served, "POST", "/stop_profile")
+    info = json.loads(body)
+    assert status == 200 and info["steps"] >= 11
+    steps = [json.loads(line) for line in Path(info["step_log"]).read_text().splitlines()]
+    assert len(steps) == info["steps"] and {"t_s", "seqs", "decodes", "tokens"} <= set(steps[0])
+    assert steps[0]["tokens"] > 1 and steps[-1]["decodes"] == 1  # the prefill, then decodes
+    assert any(Path(info["trace_dir"]).rglob("*.xplane.pb"))
+    # the engine's methods are its own again
+    assert "dispatch" not in vars(served.core.engine.runner) and "step" not in vars(served.core.engine)
 
 
 def test_streamed_completion_matches_and_ends_with_done(served, client, refs):

@@ -12,7 +12,6 @@ changed). Only the public engine API is relied on: add_request, step, abort, sta
 from __future__ import annotations
 
 import contextlib
-import functools
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -21,12 +20,8 @@ from dataclasses import dataclass, field
 import jax
 import numpy as np
 
+from serving.entrypoints.profiling import trace_scopes  # noqa: F401 - re-exported
 from serving.sample.sampling_params import SamplingParams
-
-# (owner attribute on the engine or "" for the engine itself, method, scope name)
-SCOPES = (("scheduler", "schedule", "schedule"), ("", "_sampling", "host_prep"),
-          ("runner", "dispatch", "device_step"), ("runner", "fetch", "fetch"),
-          ("scheduler", "update", "update"))
 
 
 @dataclass
@@ -157,41 +152,6 @@ class StepTracer:
         if self.state == "tracing":
             jax.profiler.stop_trace()
             self.state = "done"
-
-
-@contextlib.contextmanager
-def trace_scopes(engine) -> Iterator[list[str]]:
-    """Wrap the engine's step and phases in jax.profiler.TraceAnnotation scopes.
-
-    Yields the scope names installed (phases the engine does not have are skipped);
-    the original methods are restored on exit.
-    """
-    patched: list[tuple[object, str]] = []
-    names = ["engine_step"]
-    _wrap(engine, "step", "engine_step", patched)
-    for owner_name, method, scope in SCOPES:
-        owner = getattr(engine, owner_name, None) if owner_name else engine
-        if owner is not None and callable(getattr(owner, method, None)):
-            _wrap(owner, method, scope, patched)
-            names.append(scope)
-    try:
-        yield names
-    finally:
-        for owner, method in reversed(patched):
-            with contextlib.suppress(AttributeError):
-                delattr(owner, method)
-
-
-def _wrap(owner: object, method: str, scope: str, patched: list) -> None:
-    fn = getattr(owner, method)
-
-    @functools.wraps(fn)
-    def annotated(*args, **kwargs):
-        with jax.profiler.TraceAnnotation(scope):
-            return fn(*args, **kwargs)
-
-    setattr(owner, method, annotated)
-    patched.append((owner, method))
 
 
 @contextlib.contextmanager

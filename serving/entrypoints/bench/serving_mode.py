@@ -18,6 +18,7 @@ with INVALID_ARGUMENT and are counted as such.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 from pathlib import Path
 from types import SimpleNamespace
@@ -37,12 +38,17 @@ def run(args: argparse.Namespace, out: Path) -> dict:
                     timeout_s=args.request_timeout, seed=args.seed)
     if args.server and args.in_process:
         raise ValueError("--server and --in-process exclude each other")
+    if args.profile and args.in_process:
+        raise ValueError("--profile traces a child server; it does not apply with --in-process")
     openai = args.backend == "openai"
     server = child = None
     if args.in_process:
         server = _local_server(args, http=openai)
     elif not args.server:
-        child = _child_server(args, out, http=openai)
+        child = _child_server(args, out, http=openai, profile=args.profile)
+    elif args.profile:
+        raise ValueError("--profile traces a child server: start yours with --profile-dir and "
+                         "POST /start_profile, /stop_profile yourself")
     local = server if server is not None else child
     port = None if local is None else local.http_port if openai else local.port
     target = args.server or (f"http://127.0.0.1:{port}" if openai else f"127.0.0.1:{port}")
@@ -53,6 +59,8 @@ def run(args: argparse.Namespace, out: Path) -> dict:
         ins = common.LengthDist(args.input_len, args.len_dist, args.range_ratio).sample(n, rng)
         outs = common.LengthDist(args.output_len, args.len_dist, args.range_ratio).sample(n, rng)
         prompts = common.random_prompts(ins, info.vocab_size, rng)
+        if child is not None and args.profile:
+            _profile(child, "start")
         if openai:
             from serving.entrypoints.bench.openai_load import Target, run_load_openai
 
@@ -60,6 +68,8 @@ def run(args: argparse.Namespace, out: Path) -> dict:
                                             spec, sampling={"temperature": 0.0})
         else:
             records, wall = run_load(target, prompts, outs, spec, sampling={"temperature": 0.0})
+        if child is not None and args.profile:
+            res_profile = _profile(child, "stop")
         res = {"mode": "serving", "backend": args.backend, "model": info.model, "dtype": info.dtype,
                **common.environment(),
                "server": args.server or ("in-process" if server is not None else "child process"),
@@ -78,6 +88,8 @@ def run(args: argparse.Namespace, out: Path) -> dict:
             res["note"] = IN_PROCESS_NOTE
         elif child is not None:
             res["server_counted"] = server_counts(_scrape(child.metrics_port))
+            if args.profile:
+                res["profile"] = res_profile
     finally:
         if server is not None:
             server.shutdown(grace_s=0)
@@ -104,11 +116,26 @@ def _max_model_len(args: argparse.Namespace) -> int:
     return args.max_model_len or 2 * (args.input_len + args.output_len)
 
 
-def _child_server(args: argparse.Namespace, out: Path, http: bool = False):
+def _child_server(args: argparse.Namespace, out: Path, http: bool = False, profile: str | None = None):
+    """The child server; `profile`: with --profile-dir (and an HTTP port for its routes)."""
     from serving.entrypoints.bench.server_process import ServerProcess, serve_command
 
-    cmd = serve_command(args, _max_model_len(args)) + (["--http-port", "0"] if http else [])
+    cmd = serve_command(args, _max_model_len(args))
+    if http or profile:
+        cmd += ["--http-port", "0"]
+    if profile:
+        cmd += ["--profile-dir", str(Path(profile).resolve())]
     return ServerProcess(cmd, out / "serving_server.log", start_timeout_s=args.server_start_timeout)
+
+
+def _profile(child, action: str) -> dict:
+    """POST /start_profile or /stop_profile to the child server; its JSON answer."""
+    import urllib.request
+
+    req = urllib.request.Request(f"http://127.0.0.1:{child.http_port}/{action}_profile", data=b"",
+                                 method="POST")
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        return json.loads(resp.read())
 
 
 def _scrape(metrics_port: int):

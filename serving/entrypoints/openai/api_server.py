@@ -64,6 +64,7 @@ class OpenAIConfig:
     model_dir: str | None = None  # where the chat template is looked for
     chat_template: str | None = None  # a template file that overrides the model's
     default_chat_template_kwargs: dict = field(default_factory=dict)
+    profile_dir: str | None = None  # --profile-dir: POST /start_profile and /stop_profile
 
     def __post_init__(self) -> None:
         if not isinstance(self.default_chat_template_kwargs, dict):
@@ -71,8 +72,11 @@ class OpenAIConfig:
                              "'{\"enable_thinking\": false}'")
 
 
-def build_app(front: Front, *, api_key: str | None, health: Callable[[], bool]) -> Starlette:
-    """The Starlette app over `front` (routes and error handling; no socket)."""
+def build_app(front: Front, *, api_key: str | None, health: Callable[[], bool],
+              profiler=None) -> Starlette:
+    """The Starlette app over `front` (routes and error handling; no socket). `profiler`
+    (serving/entrypoints/profiling.py's ServerProfiler) adds POST /start_profile and
+    /stop_profile, behind the API key like every route but /health."""
     expected = f"Bearer {api_key}".encode() if api_key else None
 
     def refuse(err: ApiError, request: Request) -> JSONResponse:
@@ -137,6 +141,19 @@ def build_app(front: Front, *, api_key: str | None, health: Callable[[], bool]) 
     async def health_check(request: Request) -> Response:
         return Response(status_code=200 if health() else 503)
 
+    async def start_profile(request: Request) -> Response:
+        try:
+            await asyncio.to_thread(profiler.start)
+        except ValueError as err:
+            raise ApiError(409, str(err), None, "profile_state") from None
+        return JSONResponse({"profiling": True, "trace_dir": str(profiler.directory)})
+
+    async def stop_profile(request: Request) -> Response:
+        try:
+            return JSONResponse({"profiling": False, **await asyncio.to_thread(profiler.stop)})
+        except ValueError as err:
+            raise ApiError(409, str(err), None, "profile_state") from None
+
     async def http_error(request: Request, exc: HTTPException) -> Response:
         what = {404: f"no such path: {request.url.path}", 405: f"{request.method} is not allowed on "
                 f"{request.url.path}"}.get(exc.status_code, str(exc.detail))
@@ -155,6 +172,9 @@ def build_app(front: Front, *, api_key: str | None, health: Callable[[], bool]) 
               Route("/v1/completions", endpoint(completions), methods=["POST"]),
               Route("/v1/chat/completions", endpoint(chat_completions), methods=["POST"]),
               Route("/health", health_check, methods=["GET"])]
+    if profiler is not None:
+        routes += [Route("/start_profile", endpoint(start_profile), methods=["POST"]),
+                   Route("/stop_profile", endpoint(stop_profile), methods=["POST"])]
     handlers = {HTTPException: http_error, ClientDisconnect: client_gone, Exception: server_error}
     return Starlette(routes=routes, exception_handlers=handlers)
 
@@ -171,7 +191,13 @@ class OpenAIServer:
         self.front = Front(self.client, metrics, config.model_name, engine.tokenizer,
                            engine.model_config.vocab_size, engine.plan.scheduler.max_model_len,
                            limits or RequestLimits(), template, dict(config.default_chat_template_kwargs))
-        self.app = build_app(self.front, api_key=api_key, health=health or (lambda: core.healthy))
+        self.profiler = None
+        if config.profile_dir is not None:
+            from serving.entrypoints.profiling import ServerProfiler
+
+            self.profiler = ServerProfiler(engine, config.profile_dir)
+        self.app = build_app(self.front, api_key=api_key, health=health or (lambda: core.healthy),
+                             profiler=self.profiler)
         self.host = host
         self._sock = _bind(host, config.port)
         self.port = self._sock.getsockname()[1]
@@ -197,6 +223,8 @@ class OpenAIServer:
         return self
 
     def stop(self) -> None:
+        if self.profiler is not None and self.profiler.running:
+            self.profiler.stop()  # keep what was traced
         self._server.should_exit = True
         if self._thread.is_alive():
             self._thread.join(timeout=10)

@@ -32,6 +32,7 @@ from serving.proto.hybrid_jax.v1 import generation_pb2 as pb
 ERRORS = {400: ("invalid_request_error", "INVALID_ARGUMENT"),
           401: ("authentication_error", "UNAUTHENTICATED"),
           404: ("invalid_request_error", "NOT_FOUND"), 405: ("invalid_request_error", "UNIMPLEMENTED"),
+          409: ("invalid_request_error", "FAILED_PRECONDITION"),
           413: ("invalid_request_error", "INVALID_ARGUMENT"),
           429: ("rate_limit_error", "RESOURCE_EXHAUSTED"), 500: ("server_error", "INTERNAL"),
           503: ("service_unavailable_error", "UNAVAILABLE")}
