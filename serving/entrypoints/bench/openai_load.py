@@ -2,10 +2,12 @@
 
 `hybrid-jax bench serving --backend openai --server http://HOST:PORT` sends each
 prompt as token ids (vLLM, SGLang and this project's server take them) with
-`max_tokens`, `ignore_eos: true`, `stream: true` and `stream_options.include_usage`,
-and times it as the gRPC transport does: TTFT at the first chunk whose text is not
-empty, one token time per such chunk (ITL), the output token count from the final
-usage chunk (chunks with text when a server sends no usage). A failure is counted
+`max_tokens`, `ignore_eos: true`, `stream: true`, `stream_options.include_usage` and
+`return_token_ids: true` (vLLM's extension: every chunk carries its token ids, so a token
+whose text is not decodable yet, as most of a random-weight preset's are, still counts),
+and times it as the gRPC transport does: TTFT at the first chunk with text or token ids,
+one token time per such chunk (ITL), the output token count from the final usage chunk
+(chunks with text when a server sends no usage). A failure is counted
 as `HTTP_<status>` (or the error event's code when a stream fails midway). The model
 id and max_model_len come from GET /v1/models; the vocabulary size for the random
 prompts from its `vocab_size` field (this server's) or `--vocab-size`. Plain
@@ -79,7 +81,7 @@ def run_load_openai(target: Target, model: str, prompts: list[list[int]], max_to
 
     def send(prompt: list[int], n: int, rec: Record) -> None:
         body = {"model": model, "prompt": prompt, "max_tokens": n, "ignore_eos": True, "stream": True,
-                "stream_options": {"include_usage": True}, **(sampling or {})}
+                "stream_options": {"include_usage": True}, "return_token_ids": True, **(sampling or {})}
         conn, resp = target.request("POST", "/v1/completions", body, timeout=spec.timeout_s)
         try:
             if resp.status != 200:
@@ -104,7 +106,7 @@ def _read_stream(resp: http.client.HTTPResponse, rec: Record) -> None:
         if "error" in event:
             rec.code = f"HTTP_{event['error'].get('code', 'error')}"
             return
-        if any(c.get("text") for c in event.get("choices") or ()):
+        if any(c.get("text") or c.get("token_ids") for c in event.get("choices") or ()):
             rec.token_times.append(time.perf_counter())
             chunks += 1
         usage = event.get("usage") or usage

@@ -61,6 +61,7 @@ class CompletionRequest(SamplingRequest):
     prompt: str | list[str] | TokenIds | list[TokenIds]
     logprobs: Annotated[int, Field(ge=0, le=INT32)] | None = None
     echo: bool = False
+    return_token_ids: bool = False  # vLLM's extension: the choices carry token ids
     best_of: int | None = None  # only equal to n
     suffix: str | None = None  # only absent
 
@@ -118,6 +119,10 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    # return_token_ids (vLLM's fields): the prompt's ids (a stream's first chunk of the
+    # choice) and the generated ids (a stream: the chunk's own)
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
 
 
 class CompletionResponse(BaseModel):

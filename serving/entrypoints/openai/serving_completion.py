@@ -3,7 +3,9 @@
 A text prompt is tokenized with the BOS that the Python API and gRPC add; token
 ids are used as given. Choice k of prompt p has index p * n + k (as vLLM). `echo`
 puts the prompt's text before the choice's text (not with `logprobs`: the engine
-computes no prompt log-probabilities). Streams are OpenAI's `text_completion`
+computes no prompt log-probabilities). `return_token_ids` (vLLM's extension) adds
+each choice's prompt and generated token ids; in a stream every chunk carries its own
+ids, so a token that decodes to no text yet still gets a chunk. Streams are OpenAI's `text_completion`
 chunks, one choice each, then a usage chunk when `stream_options.include_usage`,
 then `data: [DONE]`. This module knows nothing of the transport.
 """
@@ -88,14 +90,18 @@ async def create_completion(front: Front, body: CompletionRequest, gone: Callabl
     call = Call(front.client, front.metrics, "completions", reqs)
     await call.submit()
     prompt_lens = [len(reqs[i * n].prompt_token_ids) for i in range(len(prompts))]
-    out = _Output(front, rid, body, n, echo)
+    out = _Output(front, rid, body, n, echo,
+                  [list(r.prompt_token_ids) for r in reqs] if body.return_token_ids else None)
     if body.stream:
         usage = body.stream_options is not None and body.stream_options.include_usage
         return _stream(front, call, out, prompt_lens, usage)
     if not await collect(front, call, gone, out.add):
         return None
+    ids = body.return_token_ids
     choices = [CompletionChoice(index=i, text=out.texts[i], logprobs=out.logprobs[i],
-                                finish_reason=out.reasons[i]) for i in range(len(reqs))]
+                                finish_reason=out.reasons[i],
+                                prompt_token_ids=list(reqs[i].prompt_token_ids) if ids else None,
+                                token_ids=out.ids[i] if ids else None) for i in range(len(reqs))]
     return CompletionResponse(id=rid, model=front.model_name, choices=choices, usage=call.usage(prompt_lens))
 
 
@@ -108,8 +114,11 @@ def _echo_text(front: Front, prompt: str | list[int], ids: list[int]) -> str:
 class _Output:
     """The choices' text, log-probabilities and finish reasons, as deltas arrive."""
 
-    def __init__(self, front: Front, rid: str, body: CompletionRequest, n: int, echo: list[str] | None):
+    def __init__(self, front: Front, rid: str, body: CompletionRequest, n: int, echo: list[str] | None,
+                 prompt_ids: list[list[int]] | None = None):
         self.front, self.rid, self.k = front, rid, body.logprobs
+        self.prompt_ids = prompt_ids  # per choice, with return_token_ids
+        self.ids: list[list[int]] = [[] for _ in range(len(_prompts(body.prompt)) * n)]
         total = len(_prompts(body.prompt)) * n
         self.echo = [echo[i // n] for i in range(total)] if echo else None
         self.texts = list(self.echo) if self.echo else [""] * total
@@ -120,6 +129,7 @@ class _Output:
 
     def add(self, i: int, delta: RequestDelta) -> None:
         self.texts[i] += delta.text
+        self.ids[i] += delta.token_ids
         if self.logprobs[i] is not None:
             self.offsets[i] = _add_logprobs(self.front, delta, self.k, self.logprobs[i], self.offsets[i])
         if delta.finished:
@@ -132,10 +142,13 @@ class _Output:
         if self.k is not None and delta.token_ids:
             lp = CompletionLogprobs()
             self.offsets[i] = _add_logprobs(self.front, delta, self.k, lp, self.offsets[i])
-        if not text and lp is None and not delta.finished:
+        ids = list(delta.token_ids) if self.prompt_ids is not None else None
+        if not text and lp is None and not ids and not delta.finished:
             return None
         choice = CompletionChoice(index=i, text=text, logprobs=lp,
-                                  finish_reason=delta.finish_reason if delta.finished else None)
+                                  finish_reason=delta.finish_reason if delta.finished else None,
+                                  prompt_token_ids=self.prompt_ids[i] if first and ids is not None else None,
+                                  token_ids=ids)
         return CompletionResponse(id=self.rid, created=self.created, model=self.front.model_name,
                                   choices=[choice])
 
