@@ -16,9 +16,13 @@ RATES=${RATES:-16 32}
 LENGTHS=${LENGTHS:---input-len 512 --output-len 128}
 # a CPU smoke run of this script: MODEL=native-tiny N=24 RATES=8 LENGTHS="--input-len 40 --output-len 8"
 #   SIZING="--dtype float32 --max-num-seqs 4 --max-num-batched-tokens 64 --max-prefill-chunk 32 --max-model-len 256"
+# PROFILE=DIR: the gRPC run at the first rate is traced (serve --profile-dir, POST /start_profile,
+# /stop_profile): DIR's jax.profiler trace and DIR/steps-1.jsonl, the server's per-step log
+PROFILE=${PROFILE:-}
 SIZING=${SIZING:---dtype bfloat16 --max-num-seqs 64 --max-num-batched-tokens 2048 --max-prefill-chunk 512 --memory-fraction 0.9}
 mkdir -p "$OUT"
 python -m serving.entrypoints.cli serve --model "$MODEL" $SIZING --port 50051 --http-port 8000 --metrics-port 9464 \
+    ${PROFILE:+--profile-dir "$PROFILE"} \
     --max-waiting 1024 --log-level warning 2> "$OUT.server.log" &
 SERVER=$!
 trap 'kill -TERM $SERVER; wait $SERVER' EXIT
@@ -38,8 +42,11 @@ steps() { curl -s localhost:9464/metrics |
     awk '/^hybrid_jax_engine_step_seconds_sum / {s=$2} /^hybrid_jax_engine_step_seconds_count / {c=$2} END {print s, c}'; }
 for RATE in $RATES; do
     echo "$(steps)" > "$OUT.steps.grpc-$RATE"
+    TRACE=$([ -n "$PROFILE" ] && [ "$RATE" = "${RATES%% *}" ] && echo 1 || true)
+    [ -n "$TRACE" ] && curl -sf -X POST localhost:8000/start_profile > /dev/null
     python -m serving.entrypoints.cli bench serving --server localhost:50051 $LOAD --request-rate $RATE \
         --out "$OUT/grpc-$RATE"
+    [ -n "$TRACE" ] && curl -sf -X POST localhost:8000/stop_profile && echo
     echo "$(steps)" >> "$OUT.steps.grpc-$RATE"
     echo "$(steps)" > "$OUT.steps.openai-$RATE"
     python -m serving.entrypoints.cli bench serving --backend openai --server http://localhost:8000 $LOAD \

@@ -65,6 +65,9 @@ SWITCHES: tuple[Switch, ...] = (
            "when a compilation cache directory is set)"),
     Switch("HYBRID_JAX_EXECUTABLE_STORE_MAX_GB", "8",
            "disk budget of the executable store; least recently used executables go first"),
+    Switch("HYBRID_JAX_PROFILE_DEVICE", "unset",
+           "1: `serve --profile-dir` records a jax.profiler trace on GPUs too (unset: step log only "
+           "there; a CUPTI trace of a running engine poisoned the CUDA context, jax-ml/jax#40260)"),
     Switch("HYBRID_JAX_API_KEY", "unset",
            "default of `--api-key` (server and client): calls need `authorization: Bearer KEY`"),
     Switch("HYBRID_JAX_DEBUG", "unset",
@@ -72,7 +75,7 @@ SWITCHES: tuple[Switch, ...] = (
 )
 
 # Names that never key the executable store: secrets, debugging, the store's own switches.
-_NOT_KEYED = ("KEY", "SECRET", "TOKEN", "PASSWORD", "DEBUG", "EXECUTABLE_STORE")
+_NOT_KEYED = ("KEY", "SECRET", "TOKEN", "PASSWORD", "DEBUG", "EXECUTABLE_STORE", "PROFILE")
 
 
 def _get(name: str) -> str | None:
@@ -156,6 +159,11 @@ def sharded_runner() -> bool:
 def executable_store() -> str | None:
     """HYBRID_JAX_EXECUTABLE_STORE as set ("0", "1") or None."""
     return _get("HYBRID_JAX_EXECUTABLE_STORE")
+
+
+def profile_device() -> bool:
+    """HYBRID_JAX_PROFILE_DEVICE == "1"."""
+    return _get("HYBRID_JAX_PROFILE_DEVICE") == "1"
 
 
 def executable_store_max_bytes(default: int) -> int:

@@ -8,6 +8,12 @@ seconds since the profile started, its sequences, decoding sequences and tokens.
 answers "which steps were slow and what did they carry" without opening the trace; the
 trace (`DIR/plugins/profile/...`, TensorBoard / xprof / Perfetto) says where the time went.
 
+On a GPU only the step log is recorded unless HYBRID_JAX_PROFILE_DEVICE=1: with jax 0.11.2
+on an H100, a CUPTI trace of the running server made a later step fail with
+CUDA_ERROR_LAUNCH_FAILED and poisoned the CUDA context, during the trace or after
+stop_trace (2026-11-28, twice in two tries; jax-ml/jax#40260 reports the same), which the
+engine can only answer by exiting.
+
 The wrapping replaces attributes of the engine's objects, which the engine thread reads
 at every call, so it can be installed and removed while the engine runs. This module is
 imported by the HTTP front only when --profile-dir is given.
@@ -24,6 +30,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import jax
+
+from configs import switches
 
 # (owner attribute on the engine or "" for the engine itself, method, scope name)
 SCOPES = (("scheduler", "schedule", "schedule"), ("", "_sampling", "host_prep"),
@@ -69,8 +77,10 @@ def _wrap(owner: object, method: str, scope: str, patched: list) -> None:
 class ServerProfiler:
     """One profile at a time of `engine` into `directory` (start() / stop(), any thread)."""
 
-    def __init__(self, engine, directory: str | Path):
+    def __init__(self, engine, directory: str | Path, trace: bool | None = None):
         self.engine, self.directory = engine, Path(directory)
+        # trace: a jax.profiler trace beside the step log (default: not on GPUs, see above)
+        self.trace = (jax.default_backend() != "gpu" or switches.profile_device()) if trace is None else trace
         self._lock = threading.Lock()
         self._scopes: contextlib.ExitStack | None = None
         self._steps: list[dict] = []
@@ -87,9 +97,10 @@ class ServerProfiler:
             if self._scopes is not None:
                 raise ValueError("a profile is already running (POST /stop_profile first)")
             self.directory.mkdir(parents=True, exist_ok=True)
-            jax.profiler.start_trace(str(self.directory))
             stack = contextlib.ExitStack()
-            stack.enter_context(trace_scopes(self.engine))
+            if self.trace:
+                jax.profiler.start_trace(str(self.directory))
+                stack.enter_context(trace_scopes(self.engine))
             stack.enter_context(self._step_log())
             self._steps, self._t0 = [], time.perf_counter()
             self._scopes = stack
@@ -102,18 +113,20 @@ class ServerProfiler:
                 raise ValueError("no profile is running (POST /start_profile first)")
             self._scopes.close()
             self._scopes = None
-            jax.profiler.stop_trace()
+            if self.trace:
+                jax.profiler.stop_trace()
             self._count += 1
             log = self.directory / f"steps-{self._count}.jsonl"
             with open(log, "w") as f:
                 for rec in self._steps:
                     f.write(json.dumps(rec) + "\n")
-            return {"trace_dir": str(self.directory), "step_log": str(log), "steps": len(self._steps)}
+            return {"trace_dir": str(self.directory) if self.trace else None, "step_log": str(log),
+                    "steps": len(self._steps)}
 
     @contextlib.contextmanager
     def _step_log(self) -> Iterator[None]:
         runner = self.engine.runner
-        dispatch = runner.dispatch  # the scoped one: trace_scopes is entered first
+        dispatch = runner.dispatch  # the scoped one when tracing: trace_scopes is entered first
 
         @functools.wraps(dispatch)
         def logged(arrays, *args, **kwargs):
@@ -122,8 +135,12 @@ class ServerProfiler:
                                 "decodes": int(arrays.num_decodes), "tokens": int(len(arrays.token_ids))})
             return dispatch(arrays, *args, **kwargs)
 
+        had = "dispatch" in vars(runner)
         runner.dispatch = logged
         try:
             yield
         finally:
-            runner.dispatch = dispatch
+            if had:
+                runner.dispatch = dispatch
+            else:
+                del runner.dispatch

@@ -146,7 +146,7 @@ def build_app(front: Front, *, api_key: str | None, health: Callable[[], bool],
             await asyncio.to_thread(profiler.start)
         except ValueError as err:
             raise ApiError(409, str(err), None, "profile_state") from None
-        return JSONResponse({"profiling": True, "trace_dir": str(profiler.directory)})
+        return JSONResponse({"profiling": True, "trace": profiler.trace, "dir": str(profiler.directory)})
 
     async def stop_profile(request: Request) -> Response:
         try:
