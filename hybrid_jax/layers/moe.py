@@ -32,7 +32,7 @@ from flax import nnx
 from hybrid_jax.config import MoEConfig
 from hybrid_jax.layers.mlp import ACTIVATIONS, GatedMLP
 from pallas_kernels.backend import Impl
-from pallas_kernels.grouped_gemm import grouped_matmul, moe_config
+from pallas_kernels.grouped_gemm import GroupedConfig, grouped_matmul, moe_config
 
 F32 = jnp.float32
 
@@ -72,19 +72,20 @@ def _hidden(h: jax.Array, act, gated: bool) -> jax.Array:  # the dense reference
 
 def routed_experts(x: jax.Array, weights: jax.Array, experts: jax.Array, gate_up: jax.Array,
                    down: jax.Array, *, activation: str, gated: bool,
-                   impl: Impl | None = None) -> jax.Array:
+                   impl: Impl | None = None, cfg: GroupedConfig | None = None) -> jax.Array:
     """sum_j w_tj * expert_{e_tj}(x_t) -> [t, d] f32, by grouped GEMMs over the assignments
     sorted by expert. x [t, d], weights/experts [t, k], gate_up [e, d, w], down [e, f, d].
 
     `impl` picks the grouped GEMM (pallas_kernels/backend.py): the Pallas kernel
     (pallas_kernels/grouped_gemm.py; its tiles chosen by the row count t*k: decode tiles
-    stream each touched expert's weights once) or its `jax.lax.ragged_dot` reference."""
+    stream each touched expert's weights once; `cfg` overrides them) or its
+    `jax.lax.ragged_dot` reference."""
     t, k = experts.shape
     e = gate_up.shape[0]
     flat = experts.reshape(t * k)
     order = jnp.argsort(flat, stable=True)  # assignment rows grouped by expert
     sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
-    cfg = moe_config(t * k)
+    cfg = cfg or moe_config(t * k)
     # Gate/up and the activation in one pass; rows gathered from x by token (order // k).
     h = grouped_matmul(x, gate_up, sizes, src=(order // k).astype(jnp.int32), glu=gated,
                        act=ACTIVATIONS[activation], out_dtype=down.dtype, cfg=cfg, impl=impl)
