@@ -54,6 +54,7 @@ class GroupedConfig:
     bk: int = 64  # depth per step: the largest power of 2 <= bk dividing k
     num_warps: int = 4
     num_stages: int = 3
+    cols_major: bool = False  # grid (column blocks, items) instead of (items, column blocks)
 
     def __post_init__(self):
         for name in ("bm", "bn", "bk"):
@@ -62,7 +63,7 @@ class GroupedConfig:
                 raise ValueError(f"{name}={v} must be a power of 2 >= 16")
 
 
-DECODE = GroupedConfig(bm=16, bn=64, bk=128, num_warps=4, num_stages=4)
+DECODE = GroupedConfig(bm=16, bn=128, bk=64, num_warps=4, num_stages=4)
 PREFILL = GroupedConfig(bm=128, bn=128, bk=64, num_warps=8, num_stages=4)
 DECODE_ROWS = 1024  # sorted rows up to which decode tiles win (moe_config)
 
@@ -83,7 +84,9 @@ def work_table(sizes: jax.Array, m: int, bm: int) -> tuple[jax.Array, jax.Array,
     tile_end = jnp.cumsum(tiles)  # inclusive
     row_off = jnp.cumsum(sizes) - sizes
     i = jnp.arange(items, dtype=jnp.int32)
-    group = jnp.minimum(jnp.searchsorted(tile_end, i, side="right"), e - 1).astype(jnp.int32)
+    # The group of item i: how many groups end at or before it (one fusion; a scan-based
+    # searchsorted is a loop of small kernels, which decode pays for).
+    group = jnp.minimum(jnp.sum(tile_end[None, :] <= i[:, None], axis=1), e - 1).astype(jnp.int32)
     local = i - (tile_end[group] - tiles[group])  # tile index within its group
     row0 = row_off[group] + local * bm
     count = jnp.clip(sizes[group] - local * bm, 0, bm)
@@ -91,7 +94,7 @@ def work_table(sizes: jax.Array, m: int, bm: int) -> tuple[jax.Array, jax.Array,
     return group, jnp.where(used, row0, 0), jnp.where(used, count, 0).astype(jnp.int32)
 
 
-def _check(x, w, sizes, src, glu: bool):
+def _check(x, w, sizes, src, dst, glu: bool):
     e, k, nw = w.shape
     if x.shape[-1] != k:
         raise ValueError(f"x {x.shape} and w {w.shape} differ in depth")
@@ -99,19 +102,24 @@ def _check(x, w, sizes, src, glu: bool):
         raise ValueError(f"sizes {sizes.shape} must be [{e}] (one per group of w)")
     if src is not None and src.ndim != 1:
         raise ValueError(f"src {src.shape} must be 1-D (a row of x per sorted row)")
+    if dst is not None and dst.shape != (x.shape[0] if src is None else src.shape[0],):
+        raise ValueError(f"dst {dst.shape} must hold one output row per sorted row")
     if glu and nw % 2:
         raise ValueError(f"gated: w's {nw} columns must be gate then up (even)")
 
 
 def grouped_reference(x: jax.Array, w: jax.Array, sizes: jax.Array, *, src: jax.Array | None = None,
-                      glu: bool = False, act: Callable | None = None, out_dtype=None) -> jax.Array:
+                      dst: jax.Array | None = None, glu: bool = False, act: Callable | None = None,
+                      out_dtype=None, table=None) -> jax.Array:
     """XLA: the module's contract by `jax.lax.ragged_dot` (f32 accumulation, the epilogue in
-    f32, one rounding to `out_dtype`, default x's)."""
-    _check(x, w, sizes, src, glu)
+    f32, one rounding to `out_dtype`, default x's). `table` is ignored (kernel only)."""
+    del table
+    _check(x, w, sizes, src, dst, glu)
     rows = x if src is None else jnp.take(x, src, axis=0)
     y = jax.lax.ragged_dot(rows.astype(w.dtype), w, sizes.astype(jnp.int32),
                            preferred_element_type=F32)
-    return _epilogue(y, glu, act).astype(out_dtype or x.dtype)
+    y = _epilogue(y, glu, act).astype(out_dtype or x.dtype)
+    return y if dst is None else jnp.zeros_like(y).at[dst].set(y)
 
 
 def _epilogue(y: jax.Array, glu: bool, act: Callable | None) -> jax.Array:
@@ -122,14 +130,17 @@ def _epilogue(y: jax.Array, glu: bool, act: Callable | None) -> jax.Array:
 
 
 def grouped_matmul(x: jax.Array, w: jax.Array, sizes: jax.Array, *, src: jax.Array | None = None,
-                   glu: bool = False, act: Callable | None = None, out_dtype=None,
-                   cfg: GroupedConfig | None = None, impl: Impl | None = None) -> jax.Array:
+                   dst: jax.Array | None = None, glu: bool = False, act: Callable | None = None,
+                   out_dtype=None, cfg: GroupedConfig | None = None, table=None,
+                   impl: Impl | None = None) -> jax.Array:
     """x [t, k] (rows gathered by src [m]; x itself when src is None), w [e, k, n_w],
-    sizes [e] (sum == m) -> [m, n] with n = n_w / 2 gated, else n_w (module doc)."""
+    sizes [e] (sum == m) -> [m, n] with n = n_w / 2 gated, else n_w (module doc); sorted
+    row r is stored at output row dst[r] (a permutation of [0, m); r when None). `table`:
+    `work_table(sizes, m, cfg.bm)` when the caller shares one between calls."""
     impl = resolve_impl(impl)
     if impl == "reference":
-        return grouped_reference(x, w, sizes, src=src, glu=glu, act=act, out_dtype=out_dtype)
-    _check(x, w, sizes, src, glu)
+        return grouped_reference(x, w, sizes, src=src, dst=dst, glu=glu, act=act, out_dtype=out_dtype)
+    _check(x, w, sizes, src, dst, glu)
     e, k, nw = w.shape
     n = nw // 2 if glu else nw
     m = x.shape[0] if src is None else src.shape[0]
@@ -137,31 +148,36 @@ def grouped_matmul(x: jax.Array, w: jax.Array, sizes: jax.Array, *, src: jax.Arr
     bn, bk = channel_block(n, cfg.bn), channel_block(k, cfg.bk)
     if bn < 16 or bk < 16:
         raise ValueError(f"n={n} and k={k} must be multiples of 16 (tiles of >= 16 for the dot)")
-    src = jnp.arange(m, dtype=jnp.int32) if src is None else src.astype(jnp.int32)
-    # Padded by a tile so that the last tile's index load stays in bounds (its rows are masked).
-    src = jnp.pad(src, (0, cfg.bm))
-    table = work_table(sizes, m, cfg.bm)
-    return _launch(*table, src, x.astype(w.dtype).reshape(-1), w, m=m, n=n, bn=bn, bk=bk, glu=glu,
-                   act=act, out_dtype=jnp.dtype(out_dtype or x.dtype), cfg=cfg, impl=impl)
+    rows = jnp.arange(m, dtype=jnp.int32)
+    # Padded by a tile so that the last tile's index loads stay in bounds; its masked rows read
+    # row 0 and point past the output (m), where no store lands (the interpreter drops it).
+    src = jnp.pad(rows if src is None else src.astype(jnp.int32), (0, cfg.bm))
+    dst = jnp.pad(rows if dst is None else dst.astype(jnp.int32), (0, cfg.bm), constant_values=m)
+    table = work_table(sizes, m, cfg.bm) if table is None else table
+    return _launch(*table, src, dst, x.astype(w.dtype).reshape(-1), w, m=m, n=n, bn=bn, bk=bk,
+                   glu=glu, act=act, out_dtype=jnp.dtype(out_dtype or x.dtype), cfg=cfg, impl=impl)
 
 
 @functools.partial(jax.jit, static_argnames=("m", "n", "bn", "bk", "glu", "act", "out_dtype",
                                              "cfg", "impl"))
-def _launch(group, row0, count, src, x_flat, w, *, m, n, bn, bk, glu, act, out_dtype, cfg, impl):
+def _launch(group, row0, count, src, dst, x_flat, w, *, m, n, bn, bk, glu, act, out_dtype, cfg, impl):
     items = group.shape[0]
-    kernel = functools.partial(_kernel, bm=cfg.bm, bn=bn, bk=bk, n=n, k=w.shape[1], glu=glu, act=act)
-    return pl.pallas_call(
+    kernel = functools.partial(_kernel, bm=cfg.bm, bn=bn, bk=bk, n=n, k=w.shape[1], glu=glu, act=act,
+                               cols_major=cfg.cols_major)
+    grid = (n // bn, items) if cfg.cols_major else (items, n // bn)
+    out = pl.pallas_call(
         kernel,
-        grid=(items, n // bn),
-        out_shape=jax.ShapeDtypeStruct((m, n), out_dtype),
+        grid=grid,
+        out_shape=jax.ShapeDtypeStruct((m * n,), out_dtype),
         name="grouped_glu" if glu else "grouped_gemm",
         **impl_kwargs(impl, cfg.num_warps, cfg.num_stages),
-    )(group, row0, count, src, x_flat, w)
+    )(group, row0, count, src, dst, x_flat, w)
+    return out.reshape(m, n)
 
 
-def _kernel(group_ref, row0_ref, count_ref, src_ref, x_ref, w_ref, o_ref, *, bm, bn, bk, n, k,
-            glu, act):
-    item, j = pl.program_id(0), pl.program_id(1)
+def _kernel(group_ref, row0_ref, count_ref, src_ref, dst_ref, x_ref, w_ref, o_ref, *, bm, bn, bk,
+            n, k, glu, act, cols_major):
+    item, j = pl.program_id(int(cols_major)), pl.program_id(1 - int(cols_major))
     g, r0, count = group_ref[item], row0_ref[item], count_ref[item]
 
     @pl.when(count > 0)
@@ -186,7 +202,9 @@ def _kernel(group_ref, row0_ref, count_ref, src_ref, x_ref, w_ref, o_ref, *, bm,
         else:
             h = act(accs[0]) if act else accs[0]
         keep = jax.lax.broadcasted_iota(jnp.int32, (bm, bn), 0) < count
-        plgpu.store(o_ref.at[pl.ds(r0, bm), pl.ds(c0, bn)], h.astype(o_ref.dtype), mask=keep)
+        # Scattered to the output rows dst (flat, as x is gathered).
+        out = dst_ref[pl.ds(r0, bm)][:, None] * n + c0 + jax.lax.broadcasted_iota(jnp.int32, (bm, bn), 1)
+        plgpu.store(o_ref.at[out], h.astype(o_ref.dtype), mask=keep)
 
 
 def _dot(a: jax.Array, b: jax.Array) -> jax.Array:

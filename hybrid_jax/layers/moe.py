@@ -32,7 +32,7 @@ from flax import nnx
 from hybrid_jax.config import MoEConfig
 from hybrid_jax.layers.mlp import ACTIVATIONS, GatedMLP
 from pallas_kernels.backend import Impl
-from pallas_kernels.grouped_gemm import GroupedConfig, grouped_matmul, moe_config
+from pallas_kernels.grouped_gemm import GroupedConfig, grouped_matmul, moe_config, work_table
 
 F32 = jnp.float32
 
@@ -84,16 +84,16 @@ def routed_experts(x: jax.Array, weights: jax.Array, experts: jax.Array, gate_up
     e = gate_up.shape[0]
     flat = experts.reshape(t * k)
     order = jnp.argsort(flat, stable=True)  # assignment rows grouped by expert
-    sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
+    sizes = jnp.sum(flat[:, None] == jnp.arange(e), axis=0, dtype=jnp.int32)  # one fusion
     cfg = cfg or moe_config(t * k)
-    # Gate/up and the activation in one pass; rows gathered from x by token (order // k).
+    table = work_table(sizes, t * k, cfg.bm)  # shared by both passes
+    # Gate/up and the activation in one pass, rows gathered from x by token (order // k);
+    # down stores each sorted row back at its assignment (order): y [t*k, d] in (token, j) order.
     h = grouped_matmul(x, gate_up, sizes, src=(order // k).astype(jnp.int32), glu=gated,
-                       act=ACTIVATIONS[activation], out_dtype=down.dtype, cfg=cfg, impl=impl)
-    y = grouped_matmul(h, down, sizes, out_dtype=down.dtype, cfg=cfg, impl=impl)  # sorted order
-    # Back to (token, j) order by a gather of the rows at the inverse permutation (a scatter
-    # of t*k indices, not of t*k rows of d).
-    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(t * k, dtype=order.dtype))
-    y = jnp.take(y, inverse, axis=0).reshape(t, k, -1)
+                       act=ACTIVATIONS[activation], out_dtype=down.dtype, cfg=cfg, table=table,
+                       impl=impl)
+    y = grouped_matmul(h, down, sizes, dst=order.astype(jnp.int32), out_dtype=down.dtype, cfg=cfg,
+                       table=table, impl=impl).reshape(t, k, -1)
     return jnp.einsum("tkd,tk->td", y.astype(F32), weights.astype(F32))
 
 

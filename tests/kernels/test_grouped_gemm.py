@@ -1,6 +1,6 @@
 """grouped_matmul (pallas_kernels/grouped_gemm.py) against a float64 numpy loop over the
 sorted rows: empty groups, groups of several row tiles, a last tile past the end, rows
-gathered by `src`, the gated (silu) and plain (relu2) epilogues, and the MoE routed sum
+gathered by `src` and stored at `dst`, the gated (silu) and plain (relu2) epilogues, and the MoE routed sum
 through the kernel against the dense reference. Interpret mode on CPU; compiled on a GPU."""
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ def _relu2(v):
 
 CASES = [  # t, k, n_w, sizes, gathered, glu, dtype, config
     (12, 32, 64, [5, 0, 21, 3, 0, 7], True, True, jnp.float32, GroupedConfig(bm=16, bn=16, bk=16)),
-    (36, 48, 32, [0, 17, 0, 19], False, False, jnp.float32, GroupedConfig(bm=16, bn=32, bk=32)),
+    (36, 48, 32, [0, 17, 0, 19], False, False, jnp.float32,
+     GroupedConfig(bm=16, bn=32, bk=32, cols_major=True)),
     (8, 64, 96, [1, 2, 0, 9, 4], True, True, jnp.bfloat16, GroupedConfig(bm=32, bn=16, bk=64)),
 ]
 
@@ -53,14 +54,18 @@ def test_matches_float64(t, k, nw, sizes, gathered, glu, dtype, cfg):
     if not gathered:
         assert t == m
     act, np_act = (ACTIVATIONS["silu"], _silu) if glu else (ACTIVATIONS["relu2"], _relu2)
-    got = grouped_matmul(x, w, jnp.asarray(sizes), src=src, glu=glu, act=act, out_dtype=jnp.float32,
-                         cfg=cfg, impl=IMPL)
+    perm = rng.permutation(m)
+    dst = None if gathered else jnp.asarray(perm, jnp.int32)  # sorted row r -> output row perm[r]
+    got = grouped_matmul(x, w, jnp.asarray(sizes), src=src, dst=dst, glu=glu, act=act,
+                         out_dtype=jnp.float32, cfg=cfg, impl=IMPL)
     want = _numpy(x, w, sizes, src, glu, np_act)
+    if dst is not None:
+        want[perm] = want.copy()
     tol = 1e-4 if dtype == jnp.float32 else 2e-2
     assert got.shape == want.shape
     np.testing.assert_allclose(np.asarray(got), want, atol=tol * np.abs(want).max(), rtol=tol)
-    ref = grouped_matmul(x, w, jnp.asarray(sizes), src=src, glu=glu, act=act, out_dtype=jnp.float32,
-                         impl="reference")
+    ref = grouped_matmul(x, w, jnp.asarray(sizes), src=src, dst=dst, glu=glu, act=act,
+                         out_dtype=jnp.float32, impl="reference")
     np.testing.assert_allclose(np.asarray(ref), want, atol=tol * np.abs(want).max(), rtol=tol)
 
 
