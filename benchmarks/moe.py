@@ -55,8 +55,8 @@ GRANITE_SMALL = dict(d=4096, e=72, f=768, k=10)
 SMOKE = dict(d=64, e=8, f=32, k=2)
 # Tile choices tried beside the engine's
 # (bm, bn, bk, warps, stages, cols_major)
-DECODE_TRIES = [(16, 64, 128, 4, 4, False), (16, 128, 128, 4, 3, False), (16, 256, 64, 8, 3, False)]
-PREFILL_TRIES = [(128, 128, 64, 8, 4, True), (128, 256, 64, 8, 3, False), (64, 128, 64, 4, 4, True)]
+DECODE_TRIES = [(16, 128, 64, 4, 4, False), (16, 64, 128, 4, 4, False), (16, 256, 64, 8, 3, False)]
+PREFILL_TRIES = [(128, 128, 64, 8, 4, False), (64, 128, 64, 4, 4, True)]
 # vLLM fused_moe_kernel configs tried beside its default (BLOCK_SIZE_M/N/K, GROUP_SIZE_M, warps, stages).
 VLLM_DECODE = [(16, 64, 128, 1, 4, 4), (16, 128, 64, 1, 4, 4)]
 VLLM_PREFILL = [(64, 128, 64, 16, 4, 4), (128, 128, 64, 16, 8, 4)]
