@@ -35,6 +35,7 @@ weights at the copy bandwidth measured in the same process; TFLOP/s of the route
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 import os
@@ -46,7 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hybrid_jax.layers.moe import routed_experts, routed_reference
-from pallas_kernels.grouped_gemm import GroupedConfig, moe_config
+from pallas_kernels.grouped_gemm import DECODE, PREFILL, GroupedConfig, moe_config
 from serving.entrypoints.bench.floor import copy_bandwidth
 from serving.entrypoints.bench.trace_report import gpu_kernel_events
 from serving.runner.step_fns import compile_options
@@ -104,7 +105,9 @@ def jax_variants(t: int, k: int, smoke: bool) -> dict:
 
     out = {"kernel": kernel(None), "ragged": ragged, "batched_anchor": batched_anchor}
     if not smoke:
-        for c in DECODE_TRIES if t * k <= 1024 else PREFILL_TRIES:
+        tries = DECODE_TRIES if t <= 64 else PREFILL_TRIES if t >= 4096 else [
+            dataclasses.astuple(DECODE), dataclasses.astuple(PREFILL)]  # between: both regimes' tiles
+        for c in tries:
             out[f"kernel{list(c)}".replace(" ", "")] = kernel(GroupedConfig(*c))
     return out
 
@@ -170,7 +173,8 @@ def _record(row, name, us, kernels, gemm, floor_us, flops, err):
           f"{kernels} kernels, rel err {err:.1e}", flush=True)
 
 
-def run_case(t: int, shapes: dict, gu, dn, bw: float, reps: int, opts, smoke: bool, vllm: str | None) -> dict:
+def run_case(t: int, shapes: dict, gu, dn, bw: float, reps: int, opts, smoke: bool, vllm: str | None,
+             only: list[str] | None = None) -> dict:
     d, e, f, k = shapes["d"], shapes["e"], shapes["f"], shapes["k"]
     experts, weights = routing(t, e, k, seed=t)
     x = jax.random.normal(jax.random.key(t), (t, d), jnp.bfloat16)
@@ -188,6 +192,8 @@ def run_case(t: int, shapes: dict, gu, dn, bw: float, reps: int, opts, smoke: bo
     row = {"tokens": t, "touched_experts": touched, "floor_us": floor_us,
            "routed_tflop": flops / 1e12, "max_group": cap, "engine_config": str(moe_config(t * k))}
     for name, fn in jax_variants(t, k, smoke).items():
+        if only and not any(name.startswith(o) for o in only):
+            continue
         try:
             _jax_one(name, fn, routed, (padded, gu, dn), (e, k, sizes, order), want, reps, opts,
                      floor_us, flops, row)
@@ -221,6 +227,7 @@ def main() -> None:
     p.add_argument("--smoke", action="store_true", help="tiny shapes (CPU check of the script)")
     p.add_argument("--vllm", metavar="DIR", help="folder of the local vLLM fused-MoE copy (torch, GPU)")
     p.add_argument("--out", help="also append each row as a JSON line here")
+    p.add_argument("--variants", nargs="+", help="only the JAX variants whose names start so")
     a = p.parse_args()
     shapes = SMOKE if a.smoke else GRANITE_SMALL
     bw = copy_bandwidth(1 << 24 if a.smoke else 1 << 30)
@@ -233,7 +240,7 @@ def main() -> None:
     dn = jax.random.normal(jax.random.fold_in(key, 1), (e, f, d), jnp.bfloat16) * f**-0.5
     opts = compile_options()
     for t in a.tokens:
-        row = run_case(t, shapes, gu, dn, bw, a.reps, opts, a.smoke, a.vllm)
+        row = run_case(t, shapes, gu, dn, bw, a.reps, opts, a.smoke, a.vllm, a.variants)
         print(json.dumps(row), flush=True)
         if a.out:
             with open(a.out, "a") as fh:
