@@ -15,7 +15,7 @@ group with no rows costs nothing (decode at small batch reads only the touched e
 - The work table (built in XLA from `sizes`, static shapes): item i -> (group, first row,
   row count) for every tile of `bm` rows that lies inside one group. A group of s rows
   has ceil(s / bm) tiles, so at most ceil(m / bm) + e items; the rest have count 0 and
-  exit at once. The grid is (items, n / bn).
+  exit at once. The grid is (items, n / bn), or (n / bn, items) with `cols_major`.
 - A program streams its group's [k, bn] weight block (two blocks, gate and up, in the
   gated form) in tiles of bk, multiplying a [bm, bk] tile of its rows (bf16 in, f32
   accumulation), applies the epilogue and stores the rows it owns (masked). Tiles never
@@ -23,7 +23,9 @@ group with no rows costs nothing (decode at small batch reads only the touched e
 - `src` gathers the rows straight from x (the tokens; `src_r` = the token of assignment r),
   so the [m, k] sorted copy of x is never built; without `src` x is already sorted. `dst`
   scatters the output rows the same way (the MoE down pass stores each row back at its
-  assignment, so no unsorting pass follows). Masked rows of a tile never store.
+  assignment, so no unsorting pass follows). Masked rows of a tile never store (their
+  `dst` points past the output, where the interpreter drops the store too). x and the
+  output are indexed flat in int32: t * k and m * n must stay below 2**31.
 - One kernel serves prefill (bm 128: a tiled GEMM per group) and decode (bm 16: each
   touched expert's weights streamed once, its few rows riding along); `moe_config` picks
   the tiles by row count. H100 figures at Granite-4.0-H-Small shapes: docs/benchmarks.md.
@@ -113,6 +115,10 @@ def _check(x, w, sizes, src, dst, glu: bool):
         raise ValueError(f"dst {dst.shape} must hold one output row per sorted row")
     if glu and nw % 2:
         raise ValueError(f"gated: w's {nw} columns must be gate then up (even)")
+    m = x.shape[0] if src is None else src.shape[0]
+    if max(x.shape[0] * k, (m + 1) * nw) >= 2**31:
+        raise ValueError(f"x {x.shape} or the output [{m}, ..] of w {w.shape} is too large for "
+                         "the kernel's int32 flat offsets")
 
 
 def grouped_reference(x: jax.Array, w: jax.Array, sizes: jax.Array, *, src: jax.Array | None = None,
