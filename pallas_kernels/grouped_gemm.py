@@ -115,10 +115,7 @@ def _check(x, w, sizes, src, dst, glu: bool):
         raise ValueError(f"dst {dst.shape} must hold one output row per sorted row")
     if glu and nw % 2:
         raise ValueError(f"gated: w's {nw} columns must be gate then up (even)")
-    m = x.shape[0] if src is None else src.shape[0]
-    if max(x.shape[0] * k, (m + 1) * nw) >= 2**31:
-        raise ValueError(f"x {x.shape} or the output [{m}, ..] of w {w.shape} is too large for "
-                         "the kernel's int32 flat offsets")
+
 
 
 def grouped_reference(x: jax.Array, w: jax.Array, sizes: jax.Array, *, src: jax.Array | None = None,
@@ -157,6 +154,9 @@ def grouped_matmul(x: jax.Array, w: jax.Array, sizes: jax.Array, *, src: jax.Arr
     e, k, nw = w.shape
     n = nw // 2 if glu else nw
     m = x.shape[0] if src is None else src.shape[0]
+    if max(x.shape[0] * k, (m + 1) * n) >= 2**31:
+        raise ValueError(f"x {x.shape} or the output [{m}, {n}] is too large for the kernel's "
+                         "int32 flat offsets")
     cfg = cfg or moe_config(m)
     bn, bk = channel_block(n, cfg.bn), channel_block(k, cfg.bk)
     if bn < 16 or bk < 16:
