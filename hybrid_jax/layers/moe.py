@@ -31,7 +31,7 @@ from flax import nnx
 
 from hybrid_jax.config import MoEConfig
 from hybrid_jax.layers.mlp import ACTIVATIONS, GatedMLP
-from pallas_kernels.backend import Impl
+from pallas_kernels.backend import Impl, resolve_impl
 from pallas_kernels.grouped_gemm import GroupedConfig, grouped_matmul, moe_config, work_table
 
 F32 = jnp.float32
@@ -85,8 +85,9 @@ def routed_experts(x: jax.Array, weights: jax.Array, experts: jax.Array, gate_up
     flat = experts.reshape(t * k)
     order = jnp.argsort(flat, stable=True)  # assignment rows grouped by expert
     sizes = jnp.sum(flat[:, None] == jnp.arange(e), axis=0, dtype=jnp.int32)  # one fusion
+    impl = resolve_impl(impl)
     cfg = cfg or moe_config(t * k)
-    table = work_table(sizes, t * k, cfg.bm)  # shared by both passes
+    table = None if impl == "reference" else work_table(sizes, t * k, cfg.bm)  # both passes
     # Gate/up and the activation in one pass, rows gathered from x by token (order // k);
     # down stores each sorted row back at its assignment (order): y [t*k, d] in (token, j) order.
     h = grouped_matmul(x, gate_up, sizes, src=(order // k).astype(jnp.int32), glu=gated,
