@@ -46,7 +46,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.backend import Impl, resolve_impl
-from pallas_kernels.launch import channel_block, impl_kwargs, is_pow2
+from pallas_kernels.launch import channel_block, dot, impl_kwargs, is_pow2
 
 F32 = jnp.float32
 
@@ -200,13 +200,13 @@ def _kernel(group_ref, row0_ref, count_ref, src_ref, dst_ref, x_ref, w_ref, o_re
         cols = jax.lax.broadcasted_iota(jnp.int32, (bm, bk), 1)
         c0 = j * bn
 
-        def step(i, accs):
+        def step(i, accs):  # launch.dot: bf16 on the tensor cores, f32 at full precision
             k0 = pl.multiple_of(i * bk, bk)
             xt = x_ref[base[:, None] + k0 + cols]
-            acc_g = accs[0] + _dot(xt, w_ref[g, pl.ds(k0, bk), pl.ds(c0, bn)])
+            acc_g = accs[0] + dot(xt, w_ref[g, pl.ds(k0, bk), pl.ds(c0, bn)])
             if not glu:
                 return (acc_g,)
-            return acc_g, accs[1] + _dot(xt, w_ref[g, pl.ds(k0, bk), pl.ds(n + c0, bn)])
+            return acc_g, accs[1] + dot(xt, w_ref[g, pl.ds(k0, bk), pl.ds(n + c0, bn)])
 
         zero = jnp.zeros((bm, bn), F32)
         accs = jax.lax.fori_loop(0, k // bk, step, (zero, zero) if glu else (zero,))
@@ -218,7 +218,3 @@ def _kernel(group_ref, row0_ref, count_ref, src_ref, dst_ref, x_ref, w_ref, o_re
         # Scattered to the output rows dst (flat, as x is gathered).
         out = dst_ref[pl.ds(r0, bm)][:, None] * n + c0 + jax.lax.broadcasted_iota(jnp.int32, (bm, bn), 1)
         plgpu.store(o_ref.at[out], h.astype(o_ref.dtype), mask=keep)
-
-
-def _dot(a: jax.Array, b: jax.Array) -> jax.Array:
-    return jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=F32)
