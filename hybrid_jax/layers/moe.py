@@ -10,8 +10,10 @@ Shapes: t tokens, d hidden, e experts, k experts per token, f expert width.
 The experts' weights are three stacks read in place: `gate_up` [e, d, 2f] (gate columns
 first; `up` [e, d, f] for non-gated experts) and `down` [e, f, d]. The routed product
 sorts the t*k (token, expert) assignments by expert and runs one grouped GEMM per
-projection over the ragged groups (`jax.lax.ragged_dot`): every assignment's rows meet
-only their own expert's weights. `routed_reference` is the same sum written densely
+projection over the ragged groups (pallas_kernels/grouped_gemm.py: a Pallas kernel on the
+GPU, `jax.lax.ragged_dot` as its reference; the activation fused into the gate/up pass):
+every assignment's rows meet only their own expert's weights, and an expert no token chose
+is never read. `routed_reference` is the same sum written densely
 (every expert on every token, weighted by a dense [t, e] combine matrix), an independent
 check of the sorting and grouping.
 
@@ -29,6 +31,8 @@ from flax import nnx
 
 from hybrid_jax.config import MoEConfig
 from hybrid_jax.layers.mlp import ACTIVATIONS, GatedMLP
+from pallas_kernels.backend import Impl, resolve_impl
+from pallas_kernels.grouped_gemm import GroupedConfig, grouped_matmul, moe_config, work_table
 
 F32 = jnp.float32
 
@@ -59,7 +63,7 @@ def route(x: jax.Array, router: jax.Array, bias: jax.Array | None,
     return weights, experts.astype(jnp.int32)
 
 
-def _hidden(h: jax.Array, act, gated: bool) -> jax.Array:
+def _hidden(h: jax.Array, act, gated: bool) -> jax.Array:  # the dense reference's
     if not gated:
         return act(h)
     gate, up = jnp.split(h, 2, axis=-1)
@@ -67,21 +71,30 @@ def _hidden(h: jax.Array, act, gated: bool) -> jax.Array:
 
 
 def routed_experts(x: jax.Array, weights: jax.Array, experts: jax.Array, gate_up: jax.Array,
-                   down: jax.Array, *, activation: str, gated: bool) -> jax.Array:
+                   down: jax.Array, *, activation: str, gated: bool,
+                   impl: Impl | None = None, cfg: GroupedConfig | None = None) -> jax.Array:
     """sum_j w_tj * expert_{e_tj}(x_t) -> [t, d] f32, by grouped GEMMs over the assignments
-    sorted by expert. x [t, d], weights/experts [t, k], gate_up [e, d, w], down [e, f, d]."""
+    sorted by expert. x [t, d], weights/experts [t, k], gate_up [e, d, w], down [e, f, d].
+
+    `impl` picks the grouped GEMM (pallas_kernels/backend.py): the Pallas kernel
+    (pallas_kernels/grouped_gemm.py; its tiles chosen by the row count t*k: decode tiles
+    stream each touched expert's weights once; `cfg` overrides them) or its
+    `jax.lax.ragged_dot` reference."""
     t, k = experts.shape
     e = gate_up.shape[0]
     flat = experts.reshape(t * k)
     order = jnp.argsort(flat, stable=True)  # assignment rows grouped by expert
-    sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
-    rows = jnp.take(x.astype(gate_up.dtype), order // k, axis=0)  # [t*k, d]
-    h = _hidden(jax.lax.ragged_dot(rows, gate_up, sizes), ACTIVATIONS[activation], gated)
-    y = jax.lax.ragged_dot(h.astype(down.dtype), down, sizes)  # [t*k, d], sorted order
-    # Back to (token, j) order by a gather of the rows at the inverse permutation (a scatter
-    # of t*k indices, not of t*k rows of d).
-    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(t * k, dtype=order.dtype))
-    y = jnp.take(y, inverse, axis=0).reshape(t, k, -1)
+    sizes = jnp.sum(flat[:, None] == jnp.arange(e), axis=0, dtype=jnp.int32)  # one fusion
+    impl = resolve_impl(impl)
+    cfg = cfg or moe_config(t * k)
+    table = None if impl == "reference" else work_table(sizes, t * k, cfg.bm)  # both passes
+    # Gate/up and the activation in one pass, rows gathered from x by token (order // k);
+    # down stores each sorted row back at its assignment (order): y [t*k, d] in (token, j) order.
+    h = grouped_matmul(x, gate_up, sizes, src=(order // k).astype(jnp.int32), glu=gated,
+                       act=ACTIVATIONS[activation], out_dtype=down.dtype, cfg=cfg, table=table,
+                       impl=impl)
+    y = grouped_matmul(h, down, sizes, dst=order.astype(jnp.int32), out_dtype=down.dtype, cfg=cfg,
+                       table=table, impl=impl).reshape(t, k, -1)
     return jnp.einsum("tkd,tk->td", y.astype(F32), weights.astype(F32))
 
 

@@ -230,12 +230,54 @@ def refusals(results: dict) -> None:
                 "tensor_parallel_size" in msg and want in msg) or msg
 
 
+def moe_kernel_on_shards(results: dict, n: int = 2) -> None:
+    """The grouped GEMM kernel (interpret mode) on per-device expert shards under shard_map,
+    as the local model runs it: experts split by width f (gate/up per half), the routed
+    partial sums added by psum, against the dense reference on the whole experts."""
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
+
+    from hybrid_jax.layers.moe import routed_experts, routed_reference
+
+    rng = np.random.default_rng(0)
+    t, d, e, f, k = 6, 32, 4, 64, 2
+    x = jnp.asarray(rng.standard_normal((t, d)), jnp.float32)
+    experts = jnp.asarray(np.stack([rng.choice(e, k, replace=False) for _ in range(t)]), jnp.int32)
+    weights = jnp.asarray(rng.random((t, k)), jnp.float32)
+    gate_up = rng.standard_normal((e, d, 2 * f)).astype(np.float32) * d**-0.5
+    down = rng.standard_normal((e, f, d)).astype(np.float32) * f**-0.5
+    w = f // n  # each device: its slice of the gate columns, then of the up columns
+    gu_local = np.stack([np.concatenate([gate_up[..., i * w:(i + 1) * w],
+                                         gate_up[..., f + i * w:f + (i + 1) * w]], -1) for i in range(n)])
+    dn_local = np.stack([down[:, i * w:(i + 1) * w] for i in range(n)])
+
+    def local(x, weights, experts, gu, dn):
+        y = routed_experts(x, weights, experts, gu[0], dn[0], activation="silu", gated=True,
+                           impl="interpret")
+        return jax.lax.psum(y, "x")
+
+    mesh = Mesh(np.array(jax.devices()[:n]), ("x",))
+    rep = P()
+    # check_vma=False as the serving step's shard_map (serving/runner/step_fns.py).
+    got = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(rep, rep, rep, P("x"), P("x")),
+                                out_specs=rep, check_vma=False))(x, weights, experts, jnp.asarray(gu_local),
+                                                jnp.asarray(dn_local))
+    want = routed_reference(x, weights, experts, jnp.asarray(gate_up), jnp.asarray(down),
+                            activation="silu", gated=True)
+    err = float(jnp.abs(got - want).max())
+    results["moe kernel on device shards == dense"] = err < 1e-4 or f"max error {err}"
+
+
 def main() -> None:
     assert len(jax.devices()) == 4, jax.devices()
     results: dict[str, object] = {}
     only = sys.argv[1:]
     try:
         refusals(results)
+        if not only or "moe_kernel" in only:
+            moe_kernel_on_shards(results)
         for name, cfg in models().items():
             if not only or name in only:
                 check_model(name, cfg, results)

@@ -55,6 +55,12 @@ def test_sharded_engine_equals_single_device(child_results, model):
 
 
 @pytest.mark.slow
+def test_moe_kernel_runs_on_device_shards(child_results):
+    """The grouped GEMM kernel (interpret mode) under shard_map on width-split experts."""
+    assert child_results.get("moe kernel on device shards == dense") is True, child_results
+
+
+@pytest.mark.slow
 def test_engine_refuses_what_cannot_be_sharded(child_results):
     refusals = {k: v for k, v in child_results.items() if "refused" in k}
     assert len(refusals) == 2 and all(v is True for v in refusals.values()), refusals
