@@ -43,21 +43,27 @@ WARPS = (4, 4, 4)  # num_warps of steps 1, 2, 3
 
 def gated_delta_prefill_pallas(q, k, v, g, beta, cu_seqlens, states, slot_ids, has_initial, *,
                                scale: float, chunk_size: int, impl, pass_block_v=PASS_BLOCK_V,
-                               out_block_v=OUT_BLOCK_V, warps=WARPS):
-    """Checked arguments in; (o [t, hv, dv] in v.dtype, states) out. Pads to >= l tokens."""
+                               out_block_v=OUT_BLOCK_V, warps=WARPS, stages=3):
+    """Checked arguments in; (o [t, hv, dv] in v.dtype, states) out. Pads to >= l tokens.
+
+    Benchmarks time a prefix of the pipeline with `stages` < 3 (the outputs of that step).
+    """
     t, dv = v.shape[0], v.shape[2]
-    o, states = _prefill_jit(
+    run = _prefill_jit(
         q, k, v, g.astype(jnp.float32), beta.astype(jnp.float32),
         cu_seqlens.astype(jnp.int32), states, slot_ids.astype(jnp.int32),
         has_initial.astype(jnp.int32), scale=scale, l=chunk_size, impl=impl,
         bv=channel_block(dv, pass_block_v), bvo=channel_block(dv, out_block_v),
-        warps=tuple(warps))
+        warps=tuple(warps), stages=stages)
+    if stages < 3:
+        return run
+    o, states = run
     return o[:t], states
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "l", "impl", "bv", "bvo", "warps"))
+@functools.partial(jax.jit, static_argnames=("scale", "l", "impl", "bv", "bvo", "warps", "stages"))
 def _prefill_jit(q, k, v, g, beta, cu, states, slot_ids, has_initial, *, scale, l, impl, bv,
-                 bvo, warps):
+                 bvo, warps, stages):
     q, k, v, g, beta = pad_tokens(l, q, k, v, g, beta)
     t, hk, dk = q.shape
     hv, dv = v.shape[1:]
@@ -76,6 +82,8 @@ def _prefill_jit(q, k, v, g, beta, cu, states, slot_ids, has_initial, *, scale, 
                    jax.ShapeDtypeStruct((hv, nc, l), f32)],
         num_warps=warps[0], name="gated_delta_wy",
     )(table, g, beta, k, v)
+    if stages == 1:
+        return w, u, cum
 
     enter, u, states = launch(
         functools.partial(_state_pass_kernel, bv=bv, **geo), impl=impl, grid=(dv // bv, hv, b),
@@ -84,6 +92,8 @@ def _prefill_jit(q, k, v, g, beta, cu, states, slot_ids, has_initial, *, scale, 
                    jax.ShapeDtypeStruct(states.shape, states.dtype)],
         aliases={6: 1, 7: 2}, num_warps=warps[1], name="gated_delta_state_pass",
     )(table, tab.first, slot_ids, has_initial, cum, k, u, states, w)
+    if stages == 2:
+        return enter, u, states
 
     (o,) = launch(
         functools.partial(_chunk_out_kernel, bv=bvo, scale=scale, **geo), impl=impl,
