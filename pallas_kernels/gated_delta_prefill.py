@@ -5,9 +5,10 @@ derived in `gated_delta_chunked.py`. Three launches over a chunk table built in 
 (chunks of l tokens never straddle sequences), as the SSD pipeline (`ssd_kernel.py`):
 
 1. WY transform, grid (hv, c): G = cumsum(g) over the chunk (stored for steps 2 and 3),
-   A = beta_i e^{G_i - G_j} (k_i . k_j) [j < i], T = (I + A)^-1 by forward substitution
-   (l steps over rows, in registers, f32), W = T (beta e^G K) and U~ = T (beta V),
-   stored in the dot dtype. No state: every chunk in parallel.
+   A = beta_i e^{G_i - G_j} (k_i . k_j) [j < i], T = (I + A)^-1 in f32 (forward
+   substitution on the 16 x 16 diagonal blocks, 16 x 16 dots for the rest, as
+   flash-linear-attention's solve_tril), W = T (beta e^G K) and U~ = T (beta V), stored
+   in the dot dtype. No state: every chunk in parallel.
 2. State pass, grid (dv / bv, hv, b): a sequential loop over the chunks of one sequence
    from the slot's state (or zero): stores the state entering each chunk, turns U~ into
    the true writes U = U~ - W S in place, and S <- e^{G_l} S + (e^{G_l - G} K)^T U; the
@@ -39,6 +40,7 @@ from pallas_kernels.ragged import chunk_table, pad_tokens
 PASS_BLOCK_V = 32  # state columns per program in step 2
 OUT_BLOCK_V = 128  # output columns per program in step 3 (Q K^T is recomputed per block)
 WARPS = (4, 4, 4)  # num_warps of steps 1, 2, 3
+SUB = 16  # rows of the blocks of step 1's triangular inverse (the smallest dot tile)
 
 
 def gated_delta_prefill_pallas(q, k, v, g, beta, cu_seqlens, states, slot_ids, has_initial, *,
@@ -122,40 +124,69 @@ def _decay(cum, mask):
     return jnp.where(mask, jnp.exp(jnp.where(mask, cum[:, None] - cum[None, :], -jnp.inf)), 0.0)
 
 
-def _unit_lower_inverse(a, l):
-    """(I + a)^-1 for strictly lower triangular a [l, l] f32, by forward substitution:
+def _unit_lower_inverse(a, n):
+    """(I + a)^-1 for strictly lower triangular a [n, n] f32, by forward substitution:
     row i of T is e_i - a_i T (rows < i already final, a_ik = 0 for k >= i)."""
-    ri = jax.lax.broadcasted_iota(jnp.int32, (l, l), 0)
-    ci = jax.lax.broadcasted_iota(jnp.int32, (l, l), 1)
+    ri = jax.lax.broadcasted_iota(jnp.int32, (n, n), 0)
+    ci = jax.lax.broadcasted_iota(jnp.int32, (n, n), 1)
 
     def body(i, tm):  # picking a row with a masked sum: values cannot be sliced
-        a_i = jnp.sum(jnp.where(ri == i, a, 0.0), axis=0)  # [l] over k
+        a_i = jnp.sum(jnp.where(ri == i, a, 0.0), axis=0)  # [n] over k
         r = jnp.sum(a_i[:, None] * tm, axis=0)
         return tm - jnp.where(ri == i, r[None, :], 0.0)
 
-    return jax.lax.fori_loop(1, l, body, jnp.where(ri == ci, 1.0, 0.0).astype(jnp.float32))
+    return jax.lax.fori_loop(1, n, body, jnp.where(ri == ci, 1.0, 0.0).astype(jnp.float32))
 
 
 def _wy_kernel(table_ref, g_ref, beta_ref, k_ref, v_ref, w_ref, u_ref, cum_ref, *, l, rep, b,
                dd):
+    """The chunk in SUB-row blocks I (values cannot be sliced, so each block is loaded from
+    its ref): the diagonal blocks of T = (I + A)^-1 by forward substitution on [SUB, SUB]
+    tiles, the others by the block recurrence T_IJ = -T_II sum_{J <= K < I} A_IK T_KJ."""
     hd, c = pl.program_id(0), pl.program_id(1)
+    f32, nb = jnp.float32, l // SUB
 
     @pl.when(table_ref[0, c] < b)  # real chunks only
     def _():
         win, valid = _window(table_ref, c, l)
-        cum = jnp.cumsum(_masked(g_ref, win, l, valid, hd))
-        bt = _masked(beta_ref, win, l, valid, hd)
-        kk = _masked(k_ref, win, l, valid, hd // rep, slice(None))  # [l, dk]
-        vv = _masked(v_ref, win, l, valid, hd, slice(None))  # [l, dv]
-        ri = jax.lax.broadcasted_iota(jnp.int32, (l, l), 0)
-        ci = jax.lax.broadcasted_iota(jnp.int32, (l, l), 1)
-        a = bt[:, None] * _decay(cum, ri > ci) * dot(kk.astype(dd), kk.astype(dd), trans_b=True)
-        tm = _unit_lower_inverse(a, l).astype(dd)
-        kw = kk.astype(jnp.float32) * (bt * jnp.exp(cum))[:, None]
-        w_ref[c, hd, :, :] = dot(tm, kw.astype(dd)).astype(w_ref.dtype)
-        u_ref[c, hd, :, :] = dot(tm, (vv.astype(jnp.float32) * bt[:, None]).astype(dd)).astype(
-            u_ref.dtype)
-        cum_ref[hd, c, :] = cum
+        start, end = table_ref[1, c], table_ref[2, c]
+        blocks, total = [], jnp.float32(0.0)
+        for i in range(nb):
+            rows = win + i * SUB + jax.lax.broadcasted_iota(jnp.int32, (SUB,), 0)
+            ok = (rows >= start) & (rows < end)
+            w0 = win + i * SUB
+            cum = total + jnp.cumsum(_masked(g_ref, w0, SUB, ok, hd))
+            total = total + jnp.sum(_masked(g_ref, w0, SUB, ok, hd))
+            bt = _masked(beta_ref, w0, SUB, ok, hd)
+            kk = _masked(k_ref, w0, SUB, ok, hd // rep, slice(None)).astype(dd)  # [SUB, dk]
+            vv = _masked(v_ref, w0, SUB, ok, hd, slice(None)).astype(f32)
+            blocks.append((cum, bt, kk, vv))
+            cum_ref[hd, c, pl.ds(i * SUB, SUB)] = cum
+        ri = jax.lax.broadcasted_iota(jnp.int32, (SUB, SUB), 0)
+        ci = jax.lax.broadcasted_iota(jnp.int32, (SUB, SUB), 1)
+        full = jnp.full((SUB, SUB), True)
+
+        def a_block(i, j):  # A_IJ = beta_i e^{G_i - G_j} (k_i . k_j), strictly lower on I = J
+            (cum_i, bt_i, k_i, _), (cum_j, _, k_j, _) = blocks[i], blocks[j]
+            mask = ri > ci if i == j else full
+            dec = jnp.where(mask, jnp.exp(jnp.where(mask, cum_i[:, None] - cum_j[None, :],
+                                                    -jnp.inf)), 0.0)
+            return bt_i[:, None] * dec * dot(k_i, k_j, trans_b=True)
+
+        a = {(i, j): a_block(i, j) for i in range(nb) for j in range(i + 1)}
+        t = {(i, i): _unit_lower_inverse(a[i, i], SUB) for i in range(nb)}
+        for d in range(1, nb):  # block sub-diagonals, nearest first
+            for i in range(d, nb):
+                j = i - d
+                acc = sum(dot(a[i, m], t[m, j]) for m in range(j, i))
+                t[i, j] = -dot(t[i, i], acc)
+        for i in range(nb):
+            w = sum(dot(t[i, j].astype(dd), (blocks[j][2].astype(f32) * (
+                blocks[j][1] * jnp.exp(blocks[j][0]))[:, None]).astype(dd)) for j in range(i + 1))
+            u = sum(dot(t[i, j].astype(dd), (blocks[j][3] * blocks[j][1][:, None]).astype(dd))
+                    for j in range(i + 1))
+            w_ref[c, hd, pl.ds(i * SUB, SUB), :] = w.astype(w_ref.dtype)
+            u_ref[c, hd, pl.ds(i * SUB, SUB), :] = u.astype(u_ref.dtype)
 
 
 def _state_pass_kernel(table_ref, first_ref, slot_ref, init_ref, cum_ref, k_ref, u_ref, st_ref,

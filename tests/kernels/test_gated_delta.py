@@ -112,18 +112,20 @@ def _max_err(got, want):
     return float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-6))
 
 
-@pytest.mark.parametrize("dtype,state_dtype,tol", [
-    (jnp.float32, jnp.float32, 2e-5),
-    (jnp.bfloat16, jnp.bfloat16, 3e-2),
+@pytest.mark.parametrize("dtype,state_dtype,tol,lens,chunk", [
+    # chunks of 64 (four 16-row blocks in the kernel's triangular inverse): a sequence of
+    # two chunks, one shorter than a chunk, an empty one; a padding tail
+    (jnp.float32, jnp.float32, 2e-5, [70, 5], 64),
+    # chunks of 16: sequences of 1, 2 and 3 chunks and one exactly a chunk long
+    (jnp.bfloat16, jnp.bfloat16, 3e-2, [37, 16, 5, 40], 16),
 ])
-def test_chunked_reference_and_prefill_kernel_match_the_sequential_scan(dtype, state_dtype, tol):
-    # Chunks of 16: sequences of 1, 2 and 3 chunks (the state crosses chunk boundaries),
-    # one shorter than a chunk, an empty one, and a padding tail past a chunk.
-    args, live = _ragged_case(np.random.default_rng(2), [37, 16, 5, 40], 19, dtype, state_dtype)
+def test_chunked_reference_and_prefill_kernel_match_the_sequential_scan(dtype, state_dtype, tol,
+                                                                        lens, chunk):
+    args, live = _ragged_case(np.random.default_rng(2), lens, 19, dtype, state_dtype)
     want_o, want_s = gated_delta_ragged_reference(*args, scale=0.25)
     untouched = np.setdiff1d(np.arange(args[6].shape[0]), np.concatenate([live, [0]]))
     for impl in ("reference", KERNEL_IMPL):
-        o, s = gated_delta_ragged(*args, scale=0.25, chunk_size=16, impl=impl)
+        o, s = gated_delta_ragged(*args, scale=0.25, chunk_size=chunk, impl=impl)
         assert _max_err(o, want_o) < tol, (impl, _max_err(o, want_o))
         assert _max_err(s[live], want_s[live]) < tol, (impl, _max_err(s[live], want_s[live]))
         assert not np.asarray(o[int(args[5][-1]):], np.float32).any(), impl  # padding: 0
