@@ -146,11 +146,14 @@ def bench_prefill(rows, cfg, anchor, args):
     hk, hv, d, l = cfg["hk"], cfg["hv"], cfg["d"], cfg["l"]
     scale = d ** -0.5
     variants = [dict(pass_block_v=gated_delta_prefill.PASS_BLOCK_V,
-                     out_block_v=gated_delta_prefill.OUT_BLOCK_V, warps=gated_delta_prefill.WARPS)]
+                     out_block_v=gated_delta_prefill.OUT_BLOCK_V, warps=gated_delta_prefill.WARPS,
+                     pass_stages=gated_delta_prefill.PASS_STAGES)]
     if args.variants:
         variants += [dict(variants[0], **kw) for kw in (
             dict(pass_block_v=16), dict(pass_block_v=64), dict(out_block_v=64),
-            dict(warps=(8, 4, 4)), dict(warps=(4, 8, 4)), dict(warps=(4, 4, 8)))]
+            dict(pass_stages=2), dict(pass_stages=3), dict(pass_block_v=16, pass_stages=3),
+            dict(warps=(8, 4, 4)), dict(warps=(4, 8, 4)), dict(warps=(4, 4, 8)),
+            dict(warps=(2, 4, 4)))]
     for lens in cfg["prefill"]:
         t, b = sum(lens), len(lens)
         q, k, v, g, beta = make_inputs(1, (t,), cfg)
@@ -164,7 +167,7 @@ def bench_prefill(rows, cfg, anchor, args):
         nbytes = (2 * q.nbytes + 2 * v.nbytes + g.nbytes + beta.nbytes + 2 * b * hv * d * d * 4)
         want_o, want_s = gated_delta_ragged(*common[:6], pool, slots, init, scale=scale,
                                             chunk_size=l, impl="reference")
-        for vi, tuning in enumerate(variants if b > 1 else variants[:1]):
+        for vi, tuning in enumerate(variants):
             for stages in (1, 2, 3) if vi == 0 else (3,):
                 fn = jax.jit(functools.partial(_prefill_call, scale=scale, l=l, impl=cfg["impl"],
                                                stages=stages, **tuning), donate_argnums=0)

@@ -40,12 +40,14 @@ from pallas_kernels.ragged import chunk_table, pad_tokens
 PASS_BLOCK_V = 32  # state columns per program in step 2
 OUT_BLOCK_V = 128  # output columns per program in step 3 (Q K^T is recomputed per block)
 WARPS = (4, 4, 4)  # num_warps of steps 1, 2, 3
+PASS_STAGES = None  # Triton software-pipelining depth of step 2's chunk loop (None: default)
 SUB = 16  # rows of the blocks of step 1's triangular inverse (the smallest dot tile)
 
 
 def gated_delta_prefill_pallas(q, k, v, g, beta, cu_seqlens, states, slot_ids, has_initial, *,
                                scale: float, chunk_size: int, impl, pass_block_v=PASS_BLOCK_V,
-                               out_block_v=OUT_BLOCK_V, warps=WARPS, stages=3):
+                               out_block_v=OUT_BLOCK_V, warps=WARPS, pass_stages=PASS_STAGES,
+                               stages=3):
     """Checked arguments in; (o [t, hv, dv] in v.dtype, states) out. Pads to >= l tokens.
 
     Benchmarks time a prefix of the pipeline with `stages` < 3 (the outputs of that step).
@@ -56,16 +58,17 @@ def gated_delta_prefill_pallas(q, k, v, g, beta, cu_seqlens, states, slot_ids, h
         cu_seqlens.astype(jnp.int32), states, slot_ids.astype(jnp.int32),
         has_initial.astype(jnp.int32), scale=scale, l=chunk_size, impl=impl,
         bv=channel_block(dv, pass_block_v), bvo=channel_block(dv, out_block_v),
-        warps=tuple(warps), stages=stages)
+        warps=tuple(warps), pass_stages=pass_stages, stages=stages)
     if stages < 3:
         return run
     o, states = run
     return o[:t], states
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "l", "impl", "bv", "bvo", "warps", "stages"))
+@functools.partial(jax.jit, static_argnames=(
+    "scale", "l", "impl", "bv", "bvo", "warps", "pass_stages", "stages"))
 def _prefill_jit(q, k, v, g, beta, cu, states, slot_ids, has_initial, *, scale, l, impl, bv,
-                 bvo, warps, stages):
+                 bvo, warps, pass_stages, stages):
     q, k, v, g, beta = pad_tokens(l, q, k, v, g, beta)
     t, hk, dk = q.shape
     hv, dv = v.shape[1:]
@@ -92,7 +95,8 @@ def _prefill_jit(q, k, v, g, beta, cu, states, slot_ids, has_initial, *, scale, 
         out_shape=[jax.ShapeDtypeStruct((nc, hv, dk, dv), dd),
                    jax.ShapeDtypeStruct(u.shape, u.dtype),
                    jax.ShapeDtypeStruct(states.shape, states.dtype)],
-        aliases={6: 1, 7: 2}, num_warps=warps[1], name="gated_delta_state_pass",
+        aliases={6: 1, 7: 2}, num_warps=warps[1], num_stages=pass_stages,
+        name="gated_delta_state_pass",
     )(table, tab.first, slot_ids, has_initial, cum, k, u, states, w)
     if stages == 2:
         return enter, u, states
@@ -152,25 +156,25 @@ def _wy_kernel(table_ref, g_ref, beta_ref, k_ref, v_ref, w_ref, u_ref, cum_ref, 
         start, end = table_ref[1, c], table_ref[2, c]
         blocks, total = [], jnp.float32(0.0)
         for i in range(nb):
-            rows = win + i * SUB + jax.lax.broadcasted_iota(jnp.int32, (SUB,), 0)
-            ok = (rows >= start) & (rows < end)
             w0 = win + i * SUB
-            cum = total + jnp.cumsum(_masked(g_ref, w0, SUB, ok, hd))
-            total = total + jnp.sum(_masked(g_ref, w0, SUB, ok, hd))
+            rows = w0 + jax.lax.broadcasted_iota(jnp.int32, (SUB,), 0)
+            ok = (rows >= start) & (rows < end)
+            g = _masked(g_ref, w0, SUB, ok, hd)
+            cum = total + jnp.cumsum(g)
+            total = total + jnp.sum(g)
             bt = _masked(beta_ref, w0, SUB, ok, hd)
             kk = _masked(k_ref, w0, SUB, ok, hd // rep, slice(None)).astype(dd)  # [SUB, dk]
-            vv = _masked(v_ref, w0, SUB, ok, hd, slice(None)).astype(f32)
-            blocks.append((cum, bt, kk, vv))
+            blocks.append((w0, ok, cum, bt, kk))
             cum_ref[hd, c, pl.ds(i * SUB, SUB)] = cum
         ri = jax.lax.broadcasted_iota(jnp.int32, (SUB, SUB), 0)
         ci = jax.lax.broadcasted_iota(jnp.int32, (SUB, SUB), 1)
-        full = jnp.full((SUB, SUB), True)
 
         def a_block(i, j):  # A_IJ = beta_i e^{G_i - G_j} (k_i . k_j), strictly lower on I = J
-            (cum_i, bt_i, k_i, _), (cum_j, _, k_j, _) = blocks[i], blocks[j]
-            mask = ri > ci if i == j else full
-            dec = jnp.where(mask, jnp.exp(jnp.where(mask, cum_i[:, None] - cum_j[None, :],
-                                                    -jnp.inf)), 0.0)
+            (_, _, cum_i, bt_i, k_i), (_, _, cum_j, _, k_j) = blocks[i], blocks[j]
+            if i == j:
+                dec = _decay(cum_i, ri > ci)
+            else:  # rows of block I follow those of J: G_i - G_j <= 0 everywhere
+                dec = jnp.exp(cum_i[:, None] - cum_j[None, :])
             return bt_i[:, None] * dec * dot(k_i, k_j, trans_b=True)
 
         a = {(i, j): a_block(i, j) for i in range(nb) for j in range(i + 1)}
@@ -180,12 +184,18 @@ def _wy_kernel(table_ref, g_ref, beta_ref, k_ref, v_ref, w_ref, u_ref, cum_ref, 
                 j = i - d
                 acc = sum(dot(a[i, m], t[m, j]) for m in range(j, i))
                 t[i, j] = -dot(t[i, i], acc)
+        # The right-hand sides per block: beta e^G K (kept) and beta V (loaded when used).
+        xk = [(blk[4].astype(f32) * (blk[3] * jnp.exp(blk[2]))[:, None]).astype(dd)
+              for blk in blocks]
         for i in range(nb):
-            w = sum(dot(t[i, j].astype(dd), (blocks[j][2].astype(f32) * (
-                blocks[j][1] * jnp.exp(blocks[j][0]))[:, None]).astype(dd)) for j in range(i + 1))
-            u = sum(dot(t[i, j].astype(dd), (blocks[j][3] * blocks[j][1][:, None]).astype(dd))
-                    for j in range(i + 1))
+            w = sum(dot(t[i, j].astype(dd), xk[j]) for j in range(i + 1))
             w_ref[c, hd, pl.ds(i * SUB, SUB), :] = w.astype(w_ref.dtype)
+        for i in range(nb):
+            u = 0.0
+            for j in range(i + 1):
+                w0, ok, _, bt, _ = blocks[j]
+                vv = _masked(v_ref, w0, SUB, ok, hd, slice(None)).astype(f32) * bt[:, None]
+                u = u + dot(t[i, j].astype(dd), vv.astype(dd))
             u_ref[c, hd, pl.ds(i * SUB, SUB), :] = u.astype(u_ref.dtype)
 
 
