@@ -170,3 +170,25 @@ def test_bad_arguments_are_refused_by_name():
     q, k, v, g, beta = (x[:, None] for x in args[:5])
     with pytest.raises(ValueError, match="slot_ids"):
         gated_delta_step(q, k, v, g, beta, args[6], args[7][:1], scale=1.0, candidates=False)
+
+
+def test_kernels_lower_to_triton():
+    """The kernel bodies use only ops the Pallas Triton lowering has (checked on CPU by
+    lowering for CUDA; PTX compilation itself needs the GPU)."""
+    pytest.importorskip("jax._src.lib.triton")
+    spec = lambda *s, dt=jnp.bfloat16: jax.ShapeDtypeStruct(s, dt)  # noqa: E731
+    f32 = jnp.float32
+    t, b, d = 64, 3, 16
+    ragged = (spec(t, 2, d), spec(t, 2, d), spec(t, 4, d), spec(t, 4, dt=f32), spec(t, 4, dt=f32),
+              spec(b + 1, dt=jnp.int32), spec(5, 4, d, d, dt=f32), spec(b, dt=jnp.int32),
+              spec(b, dt=jnp.bool_))
+    f = jax.jit(lambda *a: gated_delta_ragged(*a, scale=0.1, impl="pallas"))
+    assert f.trace(*ragged).lower(lowering_platforms=("cuda",)).as_text().count(
+        "__gpu$xla.gpu.triton") == 3
+    for n, candidates, state_dtype in ((1, False, f32), (3, True, jnp.bfloat16)):
+        step = (spec(b, n, 2, d), spec(b, n, 2, d), spec(b, n, 4, d), spec(b, n, 4, dt=f32),
+                spec(b, n, 4, dt=f32), spec(5, 4, d, d, dt=state_dtype), spec(b, dt=jnp.int32))
+        f = jax.jit(lambda *a, c=candidates: gated_delta_step(*a, scale=0.1, candidates=c,
+                                                              impl="pallas"))
+        assert f.trace(*step).lower(lowering_platforms=("cuda",)).as_text().count(
+            "__gpu$xla.gpu.triton") == 1
