@@ -17,7 +17,7 @@ Every Pallas output is compared on the GPU with the pure-JAX chunked reference (
 or the sequential step (decode), and with the anchor's output where it ran
 (max-normalised error; bf16 dots on both sides).
 
-    PYTHONPATH=. python benchmarks/gated_delta.py [--variants] [--out r.json]
+    PYTHONPATH=. python benchmarks/gated_delta.py [--what prefill|decode] [--variants] [--out r.json]
     PYTHONPATH=. python benchmarks/gated_delta.py --smoke     # CPU: interpret mode, tiny
 
 Knows nothing of models: the shapes are the issue's targets.
@@ -210,7 +210,7 @@ def bench_decode(rows, cfg, anchor, copy, args):
     scale = d ** -0.5
     variants = [None]
     if args.variants:
-        variants += [dict(block_v=bv, num_warps=w) for bv in (16, 32, 64) for w in (2, 4, 8)]
+        variants += [dict(block_v=bv, num_warps=w) for bv in (16, 32, 64, 128) for w in (2, 4, 8)]
     for bsz in cfg["decode"]:
         for n, cand in ((1, False), (3, True)):
             q, k, v, g, beta = make_inputs(3, (bsz, n), cfg)
@@ -219,7 +219,8 @@ def bench_decode(rows, cfg, anchor, copy, args):
             pool = jax.random.normal(jax.random.PRNGKey(4), (bsz + 1, hv, d, d), F32) * 0.1
             common = (q, k, v, g, beta, slots)
             state_bytes = bsz * hv * d * d * 4
-            nbytes = state_bytes * (1 + n if cand else 2) + sum(x.nbytes for x in common[:3]) * 2
+            # states read once, written once (or n candidates); q, k, v read, o written
+            nbytes = state_bytes * (1 + n if cand else 2) + q.nbytes + k.nbytes + 2 * v.nbytes
             want = gated_delta_step(q, k, v, g, beta, pool, slots, scale=scale,
                                     candidates=cand, impl="reference")
             shape = f"b{bsz} n{n} hk{hk} hv{hv} d{d} f32" + (" candidates" if cand else "")
@@ -272,6 +273,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode (CPU)")
     ap.add_argument("--variants", action="store_true", help="also sweep the launch tunings")
+    ap.add_argument("--what", choices=("all", "prefill", "decode"), default="all")
     ap.add_argument("--anchors", default=".anchors", help="folder holding fla/ (and einops/)")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--inner", type=int, default=10)
@@ -285,8 +287,10 @@ def main():
     print(f"device {jax.devices()[0].device_kind}; copy {copy:.2f} TB/s; anchor: "
           f"{anchor.error or 'fla from ' + args.anchors}", flush=True)
     rows = []
-    bench_prefill(rows, cfg, anchor, args)
-    bench_decode(rows, cfg, anchor, copy, args)
+    if args.what in ("all", "prefill"):
+        bench_prefill(rows, cfg, anchor, args)
+    if args.what in ("all", "decode"):
+        bench_decode(rows, cfg, anchor, copy, args)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(device=jax.devices()[0].device_kind, copy_TBs=copy,
