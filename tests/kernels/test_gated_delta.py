@@ -58,7 +58,8 @@ def test_ragged_reference_matches_float64_loop_with_initial_states_and_padding()
     slots, has_init = np.array([2, 0, 3]), np.array([True, False, False])
     cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
     args = tuple(map(jnp.asarray, (q, k, v, g, beta, cu, states, slots, has_init)))
-    for fn in (gated_delta_ragged_reference, gated_delta_ragged):  # sequential, then chunked
+    chunked = functools.partial(gated_delta_ragged, impl="reference")
+    for fn in (gated_delta_ragged_reference, chunked):
         _check_against_loop(*fn(*args, scale=scale), q, k, v, g, beta, cu, states, slots,
                             has_init, scale)
 
@@ -75,20 +76,23 @@ def _check_against_loop(o, new, q, k, v, g, beta, cu, states, slots, has_init, s
     np.testing.assert_array_equal(new[1], states[1])  # untouched slot
 
 
-@pytest.mark.parametrize("state_dtype", ["float32", "bfloat16"])
-def test_step_candidates_equal_token_by_token_decode(state_dtype):
+@pytest.mark.parametrize("state_dtype,impl", [
+    ("float32", "reference"), ("bfloat16", "reference"), ("bfloat16", KERNEL_IMPL)])
+def test_step_candidates_equal_token_by_token_decode(state_dtype, impl):
+    # Exact equality: speculative decoding keeps a candidate in place of a plain decode.
     rng = np.random.default_rng(1)
-    b, n = 3, 3
-    q, k, v, g, beta = _inputs(rng, b * n)
+    b, n, dk = 3, 3, 16
+    q, k, v, g, beta = _inputs(rng, b * n, dk=dk)
     shape = lambda x: jnp.asarray(x.reshape(b, n, *x.shape[1:]))  # noqa: E731
     q, k, v, g, beta = map(shape, (q, k, v, g, beta))
-    states = jnp.asarray(rng.standard_normal((5, 4, 8, 16)), state_dtype)
+    states = jnp.asarray(rng.standard_normal((5, 4, dk, 16)), state_dtype)
     slots = jnp.array([4, 1, 2])
-    o_all, cand = gated_delta_step(q, k, v, g, beta, states, slots, scale=0.3, candidates=True)
+    step = functools.partial(gated_delta_step, scale=0.3, impl=impl)
+    o_all, cand = step(q, k, v, g, beta, states, slots, candidates=True)
     s = states
     for j in range(n):
-        o, s = gated_delta_step(q[:, j:j + 1], k[:, j:j + 1], v[:, j:j + 1], g[:, j:j + 1],
-                                beta[:, j:j + 1], s, slots, scale=0.3, candidates=False)
+        o, s = step(q[:, j:j + 1], k[:, j:j + 1], v[:, j:j + 1], g[:, j:j + 1],
+                    beta[:, j:j + 1], s, slots, candidates=False)
         np.testing.assert_array_equal(np.asarray(o[:, 0]), np.asarray(o_all[:, j]))
         np.testing.assert_array_equal(np.asarray(cand[j]), np.asarray(s[slots]))
 
