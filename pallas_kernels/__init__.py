@@ -19,6 +19,13 @@ from pallas_kernels.decode_glue import (
     mixer_merge,
     mixer_merge_reference,
 )
+from pallas_kernels.gated_delta import (
+    gated_delta_ragged,
+    gated_delta_ragged_reference,
+    gated_delta_step,
+    gated_delta_step_reference,
+)
+from pallas_kernels.gated_delta_chunked import gated_delta_ragged_chunked
 from pallas_kernels.index_offsets import offset_indices, offset_indices_reference
 from pallas_kernels.linear_scan import (
     linear_scan_decode,
@@ -56,6 +63,11 @@ __all__ = [
     "conv1d_ragged",
     "conv1d_ragged_reference",
     "default_impl",
+    "gated_delta_ragged",
+    "gated_delta_ragged_chunked",
+    "gated_delta_ragged_reference",
+    "gated_delta_step",
+    "gated_delta_step_reference",
     "linear_scan_decode",
     "linear_scan_decode_reference",
     "linear_scan_ragged",

@@ -20,7 +20,10 @@ state after EACH position, [q, b, hv, dk, dv], for the caller to choose from (as
 where a token-by-token decode stores it, so a verified candidate equals a plain decode.
 
 Both dispatch on the kernel switch. The references here are sequential scans (the
-contract; tests compare kernels against them).
+contract and the tests' oracle). `impl="reference"` runs the pure-JAX chunk (WY) form
+for prefill (`gated_delta_chunked.py`: t / 64 sequential steps instead of t) and the
+sequential step; "pallas" / "interpret" run the Pallas kernels
+(`gated_delta_prefill.py`, `gated_delta_decode.py`).
 This module knows nothing of models or of how slots are allocated (slot 0 is the dummy).
 """
 
@@ -32,6 +35,10 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.backend import Impl, resolve_impl
+from pallas_kernels.gated_delta_chunked import gated_delta_ragged_chunked
+from pallas_kernels.gated_delta_decode import gated_delta_step_pallas
+from pallas_kernels.gated_delta_prefill import gated_delta_prefill_pallas
+from pallas_kernels.launch import is_pow2
 from pallas_kernels.ragged import segments
 from pallas_kernels.ssm_common import check_ragged
 
@@ -54,6 +61,13 @@ def _check_heads(q, k, v, g, beta, states):
         raise ValueError(f"states {states.shape} must be [num_slots, {hv}, {dk}, {dv}]")
     if jnp.dtype(states.dtype).name not in STATE_DTYPES:
         raise ValueError(f"states dtype {states.dtype} must be one of {STATE_DTYPES}")
+
+
+def _check_kernel_dims(q, v):
+    dk, dv = q.shape[-1], v.shape[-1]
+    if not (is_pow2(dk) and is_pow2(dv) and dk >= 16 and dv >= 16):
+        raise ValueError(f"head dims dk={dk} and dv={dv} must be powers of 2 >= 16 for the "
+                         "Pallas kernels (impl='reference' takes any)")
 
 
 def _update(s, q, k, v, g, beta, scale):
@@ -82,9 +96,17 @@ def gated_delta_ragged(q, k, v, g, beta, cu_seqlens, states, slot_ids, has_initi
     impl = resolve_impl(impl)
     _check_heads(q, k, v, g, beta, states)
     check_ragged(cu_seqlens, slot_ids, has_initial)
-    del chunk_size  # the chunked kernels' tile; the sequential reference has none
-    return gated_delta_ragged_reference(q, k, v, g, beta, cu_seqlens, states, slot_ids,
-                                        has_initial, scale=float(scale))
+    if q.ndim != 3:
+        raise ValueError(f"q {q.shape} must be [t, hk, dk]")
+    if not (is_pow2(chunk_size) and chunk_size >= 16):
+        raise ValueError(f"{chunk_size=} must be a power of 2 >= 16")
+    if impl == "reference":
+        return gated_delta_ragged_chunked(q, k, v, g, beta, cu_seqlens, states, slot_ids,
+                                          has_initial, scale=float(scale), chunk_size=chunk_size)
+    _check_kernel_dims(q, v)
+    return gated_delta_prefill_pallas(q, k, v, g, beta, cu_seqlens, states, slot_ids,
+                                      has_initial, scale=float(scale), chunk_size=chunk_size,
+                                      impl=impl)
 
 
 @functools.partial(jax.jit, static_argnames=("scale",))
@@ -122,10 +144,16 @@ def gated_delta_step(q, k, v, g, beta, states, slot_ids, *, scale: float, candid
     """
     impl = resolve_impl(impl)
     _check_heads(q, k, v, g, beta, states)
+    if q.ndim != 4:
+        raise ValueError(f"q {q.shape} must be [b, n, hk, dk]")
     if slot_ids.shape != q.shape[:1]:
         raise ValueError(f"slot_ids {slot_ids.shape} must be [{q.shape[0]}]")
-    return gated_delta_step_reference(q, k, v, g, beta, states, slot_ids, scale=float(scale),
-                                      candidates=candidates)
+    if impl == "reference":
+        return gated_delta_step_reference(q, k, v, g, beta, states, slot_ids,
+                                          scale=float(scale), candidates=candidates)
+    _check_kernel_dims(q, v)
+    return gated_delta_step_pallas(q, k, v, g, beta, states, slot_ids, scale=float(scale),
+                                   candidates=candidates, impl=impl)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "candidates"))

@@ -1,0 +1,125 @@
+"""The gated delta rule over a ragged batch in chunk (WY / UT-transform) form, pure JAX.
+
+Contract: `gated_delta.gated_delta_ragged` (this is what `impl="reference"` runs; the
+token-sequential scan there is the test oracle). Within a chunk of l tokens of one
+sequence, with G_i = sum_{j <= i} g_j (cumulative log decay from the chunk start) and
+S_0 the state entering the chunk, the rule's per-token writes u_i = beta_i (v_i -
+e^{G_i} S_0^T k_i - sum_{j<i} e^{G_i - G_j} (k_i . k_j) u_j) solve a unit lower
+triangular system,
+
+    (I + A) U = diag(beta) V - diag(beta e^G) K S_0,
+    A_ij = beta_i e^{G_i - G_j} (k_i . k_j)   for j < i, else 0,
+
+so with W = (I + A)^-1 diag(beta e^G) K and U~ = (I + A)^-1 diag(beta) V (no state in
+either: computed for all chunks at once),
+
+    U   = U~ - W S_0                                       the chunk's true writes
+    S_l = e^{G_l} S_0 + (e^{G_l - G} K)^T U                the state leaving the chunk
+    O   = scale (e^G Q S_0 + (Q K^T * e^{G_i - G_j} [j <= i]) U).
+
+Only the last two lines depend on S_0: they run in a sequential scan over chunks
+(t / l + b + 1 steps instead of t). Chunks never straddle sequences (`ragged.chunk_table`);
+the state resets to the slot's (or zero) at each sequence's first chunk.
+This module knows nothing of kernels, models or slot allocation.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.ragged import chunk_table, pad_tokens, segments
+
+_HI = jax.lax.Precision.HIGHEST
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "chunk_size"))
+def gated_delta_ragged_chunked(q, k, v, g, beta, cu_seqlens, states, slot_ids, has_initial, *,
+                               scale: float, chunk_size: int = 64):
+    """Chunked gated delta rule; same arguments and results as `gated_delta_ragged`.
+
+    Shapes: t tokens, b sequences, h key heads, r value heads per key head (hv = h r),
+    k = dk, v = dv, l = chunk_size, c chunks (static bound t // l + b + 1).
+    """
+    t = v.shape[0]
+    hk, dk = q.shape[1:]
+    hv, dv = v.shape[1:]
+    r, l, b = hv // hk, chunk_size, cu_seqlens.shape[0] - 1
+    f32 = jnp.float32
+    q, k, v, g, beta = pad_tokens(l, q, k, v, g, beta)
+    tab = chunk_table(cu_seqlens, q.shape[0], l)
+    nc = tab.seq.shape[0]
+    real = tab.seq < b
+    seg = jnp.minimum(tab.seq, b - 1)
+
+    # 1. Gather tokens into chunks [c, l]; rows outside the chunk are zero (g = 0 keeps
+    #    the decay, beta = k = 0 writes nothing), so they leave the state alone.
+    idx = tab.start[:, None] + jnp.arange(l)
+    valid = (idx < tab.end[:, None]) & real[:, None]
+    idx = jnp.minimum(idx, q.shape[0] - 1)
+
+    def take(x, shape):
+        x = x[idx].astype(f32).reshape(nc, l, *shape)
+        return jnp.where(valid.reshape(nc, l, *(1,) * len(shape)), x, 0.0)
+
+    qc, kc = take(q, (hk, dk)), take(k, (hk, dk))  # [c, l, h, k]
+    vc = take(v, (hk, r, dv))  # [c, l, h, r, v]
+    gc, bc = take(g, (hk, r)), take(beta, (hk, r))  # [c, l, h, r]
+
+    # 2. Cumulative log decay within the chunk, G [c, h, r, l] (head-major from here on).
+    G = jnp.moveaxis(jnp.cumsum(gc, axis=1), 1, -1)
+    bt = jnp.moveaxis(bc, 1, -1)
+    seg_decay = G[..., :, None] - G[..., None, :]  # [c, h, r, i, j]
+    lower = jnp.tril(jnp.ones((l, l), bool))
+    strict = jnp.tril(jnp.ones((l, l), bool), -1)
+    gamma = lambda mask: jnp.where(mask, jnp.exp(jnp.where(mask, seg_decay, -jnp.inf)), 0.0)  # noqa: E731
+
+    # 3. The UT transform: solve (I + A) [W | U~] = [diag(beta e^G) K | diag(beta) V].
+    kk = jnp.einsum("cihk,cjhk->chij", kc, kc, precision=_HI)
+    a = bt[..., :, None] * gamma(strict) * kk[:, :, None]
+    k_h = jnp.moveaxis(kc, 1, 2)[:, :, None]  # [c, h, 1, l, k]
+    rhs = jnp.concatenate([(bt * jnp.exp(G))[..., None] * k_h,
+                           bt[..., None] * jnp.moveaxis(vc, 1, 3)], axis=-1)
+    eye = jnp.eye(l, dtype=f32)
+    wu = jax.lax.linalg.triangular_solve(eye + a, rhs, left_side=True, lower=True,
+                                         unit_diagonal=True)
+    w, u = wu[..., :dk], wu[..., dk:]  # [c, h, r, l, k], [c, h, r, l, v]
+
+    # 4. The state-free parts of the output and of the state update.
+    qk = jnp.einsum("cihk,cjhk->chij", qc, kc, precision=_HI)
+    p = qk[:, :, None] * gamma(lower)  # [c, h, r, i, j]
+    q_dec = jnp.moveaxis(qc, 1, 2)[:, :, None] * jnp.exp(G)[..., None]  # [c, h, r, l, k]
+    k_dec = k_h * jnp.exp(G[..., -1:] - G)[..., None]  # e^{G_l - G_j} k_j
+    chunk_decay = jnp.exp(G[..., -1])  # [c, h, r]
+
+    # 5. Sequential pass over chunks: the state entering each chunk (the slot's, or zero,
+    #    at a sequence's first chunk), its writes U, its output, and each final state.
+    init = jnp.where(has_initial[:, None, None, None], states[slot_ids].astype(f32), 0.0)
+    init = init.reshape(b, hk, r, dk, dv)
+    first = real & (jnp.arange(nc) == tab.first[seg])
+    last = real & (jnp.arange(nc) == tab.first[seg + 1] - 1)
+
+    def body(carry, x):
+        s, finals = carry
+        c_first, c_last, c_seg, w_c, u_c, p_c, qd_c, kd_c, dec_c = x
+        s = jnp.where(c_first, init[c_seg], s)
+        u_true = u_c - jnp.einsum("hrlk,hrkv->hrlv", w_c, s, precision=_HI)
+        o = (jnp.einsum("hrlk,hrkv->hrlv", qd_c, s, precision=_HI)
+             + jnp.einsum("hrij,hrjv->hriv", p_c, u_true, precision=_HI))
+        s = dec_c[..., None, None] * s + jnp.einsum("hrlk,hrlv->hrkv", kd_c, u_true, precision=_HI)
+        finals = finals.at[c_seg].set(jnp.where(c_last, s, finals[c_seg]))
+        return (s, finals), o
+
+    xs = (first, last, seg, w, u, p, q_dec, k_dec, chunk_decay)
+    (_, finals), oc = jax.lax.scan(body, (jnp.zeros_like(init[0]), init), xs)
+
+    # 6. Back to token order; padding tokens get 0.
+    oc = jnp.moveaxis(oc, 3, 1).reshape(nc * l, hv, dv) * scale  # [c, h, r, l, v] -> rows
+    sg = segments(cu_seqlens, t)
+    flat = (tab.first[jnp.maximum(sg.seq, 0)] + sg.pos // l) * l + sg.pos % l
+    o = jnp.where((sg.pos >= 0)[:, None, None], oc[jnp.where(sg.pos >= 0, flat, 0)], 0.0)
+    # An empty sequence keeps its initial state (finals starts as init).
+    finals = finals.reshape(b, hv, dk, dv)
+    return o.astype(v.dtype), states.at[slot_ids].set(finals.astype(states.dtype))
