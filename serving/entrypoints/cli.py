@@ -253,7 +253,8 @@ def _parser() -> argparse.ArgumentParser:
                        help="health turns NOT_SERVING after N consecutive requests failed in the "
                             f"engine, SERVING again when one succeeds (default {UNHEALTHY_AFTER}; 0 = never)")
     sec = serve.add_argument_group("security and limits")
-    sec.add_argument("--tls-cert", metavar="PEM", help="serve TLS with this certificate chain (+ --tls-key)")
+    sec.add_argument("--tls-cert", metavar="PEM", help="serve TLS with this certificate chain (+ --tls-key): "
+                     "gRPC, and HTTPS on --http-port")
     sec.add_argument("--tls-key", metavar="PEM", help="the private key of --tls-cert")
     sec.add_argument("--api-key", default=switches.api_key(),
                      help="require 'authorization: Bearer KEY' on every gRPC call and HTTP request but "
@@ -317,6 +318,13 @@ def _http_config(args: argparse.Namespace):
             raise ValueError(f"--default-chat-template-kwargs: not JSON ({err})") from err
     if args.chat_template is not None and not Path(args.chat_template).is_file():
         raise FileNotFoundError(f"--chat-template {args.chat_template}: no such file")
+    if args.tls_cert is not None and args.tls_key is not None:
+        import ssl
+
+        try:  # HTTPS: the same pair must load as a TLS server context
+            ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(args.tls_cert, args.tls_key)
+        except (OSError, ssl.SSLError) as err:
+            raise ValueError(f"--tls-cert / --tls-key do not load for HTTPS: {err}") from err
     return OpenAIConfig(port=args.http_port, model_name=args.served_model_name or args.model,
                         chat_template=args.chat_template, default_chat_template_kwargs=kwargs,
                         profile_dir=args.profile_dir)

@@ -3,8 +3,11 @@ certificate made here, and the API key (UNAUTHENTICATED without it; health stays
 
 from __future__ import annotations
 
+import http.client
 import inspect
+import json
 import shutil
+import ssl
 import subprocess
 
 import grpc
@@ -16,6 +19,7 @@ from serving.entrypoints.grpc.client import GenerationClient, open_channel
 from serving.entrypoints.grpc.security import tls_credentials
 from serving.entrypoints.grpc.server import GenerationServer
 from serving.entrypoints.llm import LLM
+from serving.entrypoints.openai.api_server import OpenAIConfig
 from serving.proto.hybrid_jax.v1 import generation_pb2 as pb
 from serving.proto.hybrid_jax.v1 import generation_pb2_grpc as pb_grpc
 from serving.sample.sampling_params import SamplingParams
@@ -42,8 +46,9 @@ def served(server_engine, tmp_path_factory):
     """(server, CA file, expected greedy output) for a TLS + API key server on 127.0.0.1."""
     cert, key = _self_signed(tmp_path_factory.mktemp("tls"))
     want = LLM.from_engine(server_engine).generate(["Secure hello"], GOOD)[0]
+    http = OpenAIConfig(port=0, model_name="native-tiny", tls_cert=cert, tls_key=key)
     server = GenerationServer(server_engine, model_name="native-tiny", port=0, metrics_port=0,
-                              tls=tls_credentials(cert, key), api_key=KEY).start()
+                              tls=tls_credentials(cert, key), api_key=KEY, http=http).start()
     try:
         yield server, cert, want
     finally:
@@ -70,6 +75,23 @@ def test_tls_and_the_key_serve_the_expected_stream(served):
         assert [t for m in msgs for t in m.token_ids] == want.token_ids
         assert "".join(m.text for m in msgs) == want.text
         assert client.model_info(timeout=10).model == "native-tiny"
+
+
+def test_https_serves_the_same_tokens_and_plain_http_gets_nothing(served):
+    server, ca, want = served
+    ctx = ssl.create_default_context(cafile=ca)
+    conn = http.client.HTTPSConnection("127.0.0.1", server.http_port, context=ctx, timeout=60)
+    body = {"model": "native-tiny", "prompt": "Secure hello", "max_tokens": 6, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True}
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Authorization": f"Bearer {KEY}"})
+    resp = conn.getresponse()
+    assert resp.status == 200 and json.loads(resp.read())["choices"][0]["token_ids"] == want.token_ids
+    conn.close()
+    plain = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=10)
+    with pytest.raises((http.client.HTTPException, ConnectionError, OSError)):
+        plain.request("GET", "/health")
+        plain.getresponse()
+    plain.close()
 
 
 def test_plaintext_client_gets_no_answer_from_the_tls_server(served):

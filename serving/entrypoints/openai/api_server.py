@@ -65,6 +65,8 @@ class OpenAIConfig:
     chat_template: str | None = None  # a template file that overrides the model's
     default_chat_template_kwargs: dict = field(default_factory=dict)
     profile_dir: str | None = None  # --profile-dir: POST /start_profile and /stop_profile
+    tls_cert: str | None = None  # --tls-cert / --tls-key: HTTPS with gRPC's certificate
+    tls_key: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.default_chat_template_kwargs, dict):
@@ -201,8 +203,11 @@ class OpenAIServer:
         self.host = host
         self._sock = _bind(host, config.port)
         self.port = self._sock.getsockname()[1]
+        self.tls = config.tls_cert is not None
         self._server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", access_log=False,
-                                                     lifespan="off", timeout_graceful_shutdown=5))
+                                                     lifespan="off", timeout_graceful_shutdown=5,
+                                                     ssl_certfile=config.tls_cert,
+                                                     ssl_keyfile=config.tls_key))
         self._thread = threading.Thread(target=self._run, name="http-server", daemon=True)
 
     def _run(self) -> None:
@@ -218,8 +223,8 @@ class OpenAIServer:
             time.sleep(0.01)
         if not self._server.started:
             raise OSError(f"the HTTP server did not start on {self.host}:{self.port}")
-        log_event("server.http_started", host=self.host, port=self.port, model=self.front.model_name,
-                  chat_template=self.front.chat_template is not None)
+        log_event("server.http_started", host=self.host, port=self.port, tls=self.tls,
+                  model=self.front.model_name, chat_template=self.front.chat_template is not None)
         return self
 
     def stop(self) -> None:
