@@ -199,8 +199,6 @@ BUILDERS = {
     "granite_moe": (granite_moe_config, T.GraniteMoeHybridForCausalLM),
     "lfm2_moe": (lfm2_moe_config, T.Lfm2MoeForCausalLM),
     "nemotron_h_moe": (nemotron_h_moe_config, T.NemotronHForCausalLM),
-    "falcon_mamba": (falcon_mamba_config, T.FalconMambaForCausalLM),
-    "jamba": (jamba_config, T.JambaForCausalLM),
 }
 
 # Config variants checked by their logits only (tests/model/test_zamba2_lfm2.py), to keep
@@ -213,7 +211,11 @@ VARIANTS = {
                             T.GraniteMoeHybridForCausalLM),
     "gemma3_vlm": (gemma3_vlm_config, T.Gemma3ForConditionalGeneration),
     "gemma2": (gemma2_config, T.Gemma2ForCausalLM),
+    # Mamba1 models: logits in tests/model/test_mamba1.py, the engine in
+    # tests/serving/test_mamba1_engine.py (CI time: no greedy_steps run here).
     "mamba": (mamba_config, T.MambaForCausalLM),
+    "falcon_mamba": (falcon_mamba_config, T.FalconMambaForCausalLM),
+    "jamba": (jamba_config, T.JambaForCausalLM),
 }
 
 # Zamba2 at std 0.2 is ill-conditioned: transformers' own f32 forward is 2.6e-4 (relative)
