@@ -19,6 +19,10 @@ the H100 the fused kernel plus its conv-state scatter measured ~0.1 ms per step 
 than conv1d_decode + ssm_decode (native-1b-parallel, batch 1 and 64; docs/history/benchmarks-2026.md);
 `FUSED_MAMBA_DECODE` switches decode to it. Prefill uses the separate kernels.
 
+Mamba1 layers run the conv1d kernels and the selective-scan kernels
+(`selective_scan_ragged` for prefill chunks, `selective_scan_step` for decode and, with
+candidates, verification).
+
 `forward_verify` is the speculative-decoding variant: every sequence has the same q
 tokens (the last sampled token and q - 1 drafts). Attention takes the q-token queries
 through the paged decode kernel's multi-query form; Mamba2 takes all q tokens in one
