@@ -22,6 +22,7 @@ anchors are compared (max relative difference) on the same inputs.
 
     XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 PYTHONPATH=.:.anchors python benchmarks/mamba1.py \
         --out bench_out/mamba1.json                                # GPU (torch gets the rest)
+    ... benchmarks/mamba1.py --sweep        # also the prefill kernel's block / tile / warps
     PYTHONPATH=.:.anchors python benchmarks/mamba1.py --smoke      # CPU: tiny shapes, interpret
 """
 
@@ -36,6 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels import selective_scan as ss
 from pallas_kernels.selective_scan import selective_scan_ragged, selective_scan_step
 
 FALCON_MAMBA_7B = dict(c=8192, n=16)
@@ -123,6 +125,19 @@ def bench_prefill(args, c: int, n: int, impl: str) -> dict:
         out[f"{name}_mtok_s"] = t / out[f"{name}_us"]
     if "reference" in ys:
         out["pallas_vs_reference"] = _rel(ys["pallas"], ys["reference"])
+    if args.sweep:  # launch knobs of the prefill kernel (untuned defaults: block 64, tile 16, 4 warps)
+        out["sweep"] = []
+        ids = (cu, slots, init.astype(jnp.int32))
+        for block_c in (32, 64, 128):
+            for tile in (8, 16, 32):
+                for warps in (2, 4, 8):
+                    def call(block_c=block_c, tile=tile, warps=warps):
+                        return ss._ragged_pallas(x, dt, A, B, C, D, bias, z, ids[0], states, ids[1], ids[2],
+                                                 impl=impl, tile=tile if impl == "pallas" else 4,
+                                                 block_c=block_c, warps=warps)
+                    us = _time_us(call, max(2, args.reps // 4))
+                    out["sweep"].append({"block_c": block_c, "tile": tile, "warps": warps, "us": us})
+                    print(json.dumps(out["sweep"][-1]), flush=True)
     if (device := _torch_device(args.smoke)) is not None:
         out |= _prefill_anchor(args, device, x, dt, z, B, C, A, D, bias, ys["pallas"])
     return out
@@ -230,6 +245,7 @@ def main() -> None:
     p.add_argument("--batches", type=int, nargs="+", default=[64, 256])
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--reference", action="store_true", help="also time the pure-JAX references")
+    p.add_argument("--sweep", action="store_true", help="time the prefill kernel's launch knobs")
     p.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode (CPU)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
