@@ -34,6 +34,8 @@ from tests.serving.test_speculative import (  # noqa: E402
     spec_engine,
 )
 
+pytestmark = pytest.mark.slow  # about a minute on a 2-core CPU: outside the quick subset
+
 NEW = 12
 
 
