@@ -30,6 +30,11 @@ class Mamba2State(NamedTuple):
     ssm: jax.Array  # [slots, h, p, n]
 
 
+class Mamba1State(NamedTuple):
+    conv: jax.Array  # [slots, conv_kernel - 1, d_inner] (oldest input first)
+    ssm: jax.Array  # [slots, d_inner, n]
+
+
 class RGLRUState(NamedTuple):
     conv: jax.Array  # [slots, conv_kernel - 1, c]
     h: jax.Array  # [slots, c] f32
@@ -44,6 +49,7 @@ class LayerCache(NamedTuple):
     mamba: Mamba2State | None = None
     rglru: RGLRUState | None = None
     short_conv: ShortConvState | None = None
+    mamba1: Mamba1State | None = None
 
 
 class RaggedBatch(NamedTuple):
@@ -98,6 +104,7 @@ class CacheStacks(NamedTuple):
     mamba       Mamba2State of [n, S, ...]: row j the slots of the j-th Mamba2 layer
     rglru       RGLRUState of [n, S, ...] (RG-LRU layers), or None
     short_conv  ShortConvState of [n, S, ...] (short-conv layers), or None
+    mamba1      Mamba1State of [n, S, ...] (Mamba1 layers), or None
 
     Inside a forward the rows are flattened ([k, n_g * P_g, s, e], [n * S, ...]: free
     reshapes) and each layer's page and slot indices are offset to its row (`layer_batches`):
@@ -108,9 +115,10 @@ class CacheStacks(NamedTuple):
     mamba: Mamba2State | None = None
     rglru: RGLRUState | None = None
     short_conv: ShortConvState | None = None
+    mamba1: Mamba1State | None = None
 
 
-_STATE_FIELDS = ("mamba", "rglru", "short_conv")
+_STATE_FIELDS = ("mamba", "rglru", "short_conv", "mamba1")
 
 
 class LayerSite(NamedTuple):
@@ -129,6 +137,8 @@ def _state_field(spec: LayerSpec) -> str | None:
         return "rglru"
     if spec.kind == LayerKind.SHORT_CONV:
         return "short_conv"
+    if spec.kind == LayerKind.MAMBA1:
+        return "mamba1"
     return None
 
 
@@ -184,7 +194,12 @@ def init_caches(cfg: ModelConfig, *, num_pages: tuple[int, ...], page_size: int,
         k = cfg.short_conv.conv_kernel
         c = cfg.short_conv.channels or cfg.hidden_size
         short_conv = ShortConvState(jnp.zeros((n, num_slots, k - 1, c), dtype))
-    return CacheStacks(tuple(kv), mamba, rglru, short_conv)
+    mamba1 = None
+    if n := per_state["mamba1"]:
+        m1 = cfg.mamba1
+        mamba1 = Mamba1State(jnp.zeros((n, num_slots, m1.conv_kernel - 1, m1.d_inner), dtype),
+                             jnp.zeros((n, num_slots, m1.d_inner, m1.state_size), state_dtype))
+    return CacheStacks(tuple(kv), mamba, rglru, short_conv, mamba1)
 
 
 def states_of(stacks: CacheStacks) -> CacheStacks:

@@ -8,6 +8,7 @@ or more mixers on the same normed input, summed into the residual) and, when
 - ATTENTION: GQA/MQA attention, sliding (`window` = W: a query at q sees keys
   q-W < k <= q) or global (`window` None).
 - MAMBA2: the Mamba2 mixer (SSD).
+- MAMBA1: the Mamba1 mixer (selective scan: per-channel dt, A [d_inner, n]; Falcon-Mamba, Jamba).
 - RGLRU: Griffin's recurrent block (conv1d + RG-LRU).
 - HYBRID: attention AND Mamba2 in parallel on the same input, outputs summed
   (Falcon-H1's layer; with a window it is hybrid-jax's native parallel hybrid layer).
@@ -40,6 +41,7 @@ from typing import Any
 class LayerKind(enum.StrEnum):
     ATTENTION = "attention"
     MAMBA2 = "mamba2"
+    MAMBA1 = "mamba1"
     RGLRU = "rglru"
     HYBRID = "hybrid"
     SHORT_CONV = "short_conv"
@@ -173,6 +175,37 @@ class Mamba2Config:
     def in_proj_width(self) -> int:
         """Columns of in_proj's output: z, xBC, dt."""
         return self.d_inner + self.conv_dim + self.num_heads
+
+
+MAMBA1_NORMS = ("none", "unweighted", "weighted")
+
+
+@dataclass(frozen=True)
+class Mamba1Config:
+    """Mamba1 mixer: in_proj -> [x | z] (d_inner each); x = silu(conv1d(x)); x_proj(x) ->
+    [dt (dt_rank) | B (n) | C (n)], each optionally RMS-normalised (`bcdt_norm`:
+    "unweighted" Falcon-Mamba, "weighted" Jamba, "none" Mamba); dt = softplus(dt_proj(dt));
+    s = exp(dt A) s + dt x B with A = -exp(A_log) [d_inner, n]; y = (s . C + D x) * silu(z);
+    out_proj."""
+
+    d_inner: int
+    state_size: int
+    dt_rank: int
+    conv_kernel: int = 4
+    conv_bias: bool = True
+    proj_bias: bool = False  # in_proj and out_proj biases (use_bias / mamba_proj_bias)
+    bcdt_norm: str = "none"  # one of MAMBA1_NORMS
+    norm_eps: float = 1e-6
+
+    def __post_init__(self) -> None:
+        _positive(d_inner=self.d_inner, state_size=self.state_size, dt_rank=self.dt_rank,
+                  conv_kernel=self.conv_kernel, norm_eps=self.norm_eps)
+        if self.bcdt_norm not in MAMBA1_NORMS:
+            raise ValueError(f"bcdt_norm={self.bcdt_norm!r} must be one of {MAMBA1_NORMS}")
+
+    @property
+    def x_proj_width(self) -> int:
+        return self.dt_rank + 2 * self.state_size
 
 
 @dataclass(frozen=True)
@@ -320,6 +353,7 @@ class ModelConfig:
     layers: tuple[LayerSpec, ...]
     attention: AttentionConfig | None = None
     mamba2: Mamba2Config | None = None
+    mamba1: Mamba1Config | None = None
     rglru: RGLRUConfig | None = None
     mlp: MLPConfig | None = None
     short_conv: ShortConvConfig | None = None
@@ -358,6 +392,7 @@ class ModelConfig:
         needs = {
             "attention": any(k.has_attention for k in kinds),
             "mamba2": any(k.has_mamba2 for k in kinds),
+            "mamba1": LayerKind.MAMBA1 in kinds,
             "rglru": LayerKind.RGLRU in kinds,
             "short_conv": LayerKind.SHORT_CONV in kinds,
             "shared_block": LayerKind.SHARED_BLOCK in kinds,
@@ -412,7 +447,8 @@ class ModelConfig:
         unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
             raise ValueError(f"unknown ModelConfig fields: {sorted(unknown)}")
-        subs = {"attention": AttentionConfig, "mamba2": Mamba2Config, "rglru": RGLRUConfig,
+        subs = {"attention": AttentionConfig, "mamba2": Mamba2Config, "mamba1": Mamba1Config,
+                "rglru": RGLRUConfig,
                 "mlp": MLPConfig, "short_conv": ShortConvConfig,
                 "shared_block": SharedBlockConfig, "moe": MoEConfig}
         for name, sub in subs.items():

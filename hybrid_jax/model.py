@@ -1,6 +1,6 @@
 """The causal LM: embedding, a stack of residual layers built from the layer pattern, head.
 
-Each layer: u = norm(h); h = h + sum of its mixers on u (attention, Mamba2, RG-LRU,
+Each layer: u = norm(h); h = h + sum of its mixers on u (attention, Mamba2, Mamba1, RG-LRU,
 short conv; HYBRID layers run attention and Mamba2 in parallel, each with in/out
 multipliers); then, if the layer has an MLP, h = h + mlp(norm(h)). MLP-kind layers
 (Nemotron-H) have only the MLP sub-block. A layer's channel sub-block is the dense MLP or
@@ -21,6 +21,7 @@ from flax import nnx
 from hybrid_jax.config import LayerKind, LayerSpec, ModelConfig
 from hybrid_jax.layers.attention import Attention
 from hybrid_jax.layers.linear import Embed, Linear
+from hybrid_jax.layers.mamba1 import Mamba1Mixer
 from hybrid_jax.layers.mamba2 import Mamba2Mixer
 from hybrid_jax.layers.mlp import GatedMLP
 from hybrid_jax.layers.moe import MoE
@@ -47,6 +48,8 @@ class Block(nnx.Module):
                                     norm_eps=cfg.norm_eps, norm_offset=cfg.norm_offset)
                           if own_attention else None)
         self.mamba = Mamba2Mixer(d, cfg.mamba2, dtype=dtype, rngs=rngs) if kind.has_mamba2 else None
+        self.mamba1 = (Mamba1Mixer(d, cfg.mamba1, dtype=dtype, rngs=rngs)
+                       if kind == LayerKind.MAMBA1 else None)
         self.recurrent = (RecurrentBlock(d, cfg.rglru, dtype=dtype, rngs=rngs)
                           if kind == LayerKind.RGLRU else None)
         self.conv = (ShortConv(d, cfg.short_conv, dtype=dtype, rngs=rngs)
@@ -113,6 +116,8 @@ class Block(nnx.Module):
                 * cfg.attention_out_multiplier
         if self.mamba is not None:
             out = out + self.mamba(_scale(u, cfg.ssm_in_multiplier)) * cfg.ssm_out_multiplier
+        if self.mamba1 is not None:
+            out = out + self.mamba1(u)
         if self.recurrent is not None:
             out = out + self.recurrent(u, positions)
         if self.conv is not None:

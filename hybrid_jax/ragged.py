@@ -19,6 +19,10 @@ the H100 the fused kernel plus its conv-state scatter measured ~0.1 ms per step 
 than conv1d_decode + ssm_decode (native-1b-parallel, batch 1 and 64; docs/history/benchmarks-2026.md);
 `FUSED_MAMBA_DECODE` switches decode to it. Prefill uses the separate kernels.
 
+Mamba1 layers run the conv1d kernels and the selective-scan kernels
+(`selective_scan_ragged` for prefill chunks, `selective_scan_step` for decode and, with
+candidates, verification).
+
 `forward_verify` is the speculative-decoding variant: every sequence has the same q
 tokens (the last sampled token and q - 1 drafts). Attention takes the q-token queries
 through the paged decode kernel's multi-query form; Mamba2 takes all q tokens in one
@@ -43,6 +47,7 @@ from hybrid_jax.cache import (
     CacheStacks,
     KVCache,
     LayerCache,
+    Mamba1State,
     Mamba2State,
     RaggedBatch,
     RGLRUState,
@@ -56,6 +61,7 @@ from hybrid_jax.cache import (
 )
 from hybrid_jax.config import ModelConfig
 from hybrid_jax.layers.attention import Attention
+from hybrid_jax.layers.mamba1 import Mamba1Mixer
 from hybrid_jax.layers.mamba2 import Mamba2Mixer
 from hybrid_jax.layers.rglru import RecurrentBlock
 from hybrid_jax.layers.rotary import rope_cos_sin
@@ -76,6 +82,8 @@ from pallas_kernels import (
     paged_attention_decode,
     paged_attention_decode_fused,
     paged_attention_prefill,
+    selective_scan_ragged,
+    selective_scan_step,
     ssd_ragged,
     ssm_decode,
     ssm_decode_packed,
@@ -359,6 +367,35 @@ def _short_conv(layer: ShortConv, x: jax.Array, batch: RaggedBatch, st: ShortCon
     return layer.output(y, C), ShortConvState(conv)
 
 
+def _mamba1(layer: Mamba1Mixer, x: jax.Array, batch: RaggedBatch, st: Mamba1State,
+            decode: bool, q: int = 0) -> tuple[jax.Array, Mamba1State]:
+    """A Mamba1 layer over the ragged tokens: conv and selective scan from the slots' states.
+    q > 0 (verification): the conv in XLA over the q positions and the q-token scan kernel,
+    both returning the state after each position (candidates [q, b, ...])."""
+    xs, z = layer.branches(x)
+    w, bias = layer.conv_weight[...], layer.conv_bias_value()
+    A, D, dt_bias = layer.A(), layer.D[...], layer.dt_bias[...]
+    if q or decode:
+        n = max(q, 1)
+        if q:  # the conv in f32, activated, then rounded once (as conv1d_decode does)
+            v, conv = _conv_positions(xs.astype(jnp.float32), w, bias, st.conv, batch.slot_ids, q)
+            u = jax.nn.silu(v).astype(xs.dtype)
+        else:
+            u, conv = conv1d_decode(xs, w, bias, st.conv, batch.slot_ids, activation="silu")
+        dt, B, C = layer.ssm_inputs(u)
+        b = batch.slot_ids.shape[0]
+        seq = lambda a: a.reshape(b, n, a.shape[-1])  # noqa: E731
+        y, ssm = selective_scan_step(seq(u), seq(dt), A, seq(B), seq(C), D, dt_bias, st.ssm,
+                                     batch.slot_ids, z=seq(z), candidates=q > 0)
+        return layer.output(y.reshape(b * n, -1), x.dtype), Mamba1State(conv, ssm)
+    u, conv = conv1d_ragged(xs, w, bias, batch.cu_seqlens, st.conv, batch.slot_ids,
+                            batch.has_initial, activation="silu")
+    dt, B, C = layer.ssm_inputs(u)
+    y, ssm = selective_scan_ragged(u, dt, A, B, C, D, dt_bias, batch.cu_seqlens, st.ssm,
+                                   batch.slot_ids, batch.has_initial, z=z)
+    return layer.output(y, x.dtype), Mamba1State(conv, ssm)
+
+
 def _shared_block(shared: SharedBlock, block: Block, h: jax.Array, e: jax.Array,
                   batch: RaggedBatch, kv: KVCache, group: int,
                   decode: bool, q: int = 0) -> tuple[jax.Array, KVCache]:
@@ -390,7 +427,7 @@ def _temporal(block: Block, u: jax.Array, batch: RaggedBatch, cache: LayerCache,
     (`Linear.partials`; `_forward_decode_glued` sums them in the next norm's launch)."""
     cfg = block.cfg
     out = jnp.zeros_like(u)
-    kv, mamba, rglru, short_conv = cache
+    kv, mamba, rglru, short_conv, mamba1 = cache
     merged = _merged_decode(block, kv, decode, q)
     # A merged layer's small decode steps run the conv inside the Mamba2 state update; then
     # mixer_merge rolls B's and C's conv states (FOLD_CONV_ROWS).
@@ -439,7 +476,7 @@ def _temporal(block: Block, u: jax.Array, batch: RaggedBatch, cache: LayerCache,
             x = mixer_merge(branches[0][0], branches[1][0], proj, norm.weight[...], **common)
         split = block.fused_out.split_k_parts(x.shape[0])
         if parts and split > 1 and block.recurrent is None and block.conv is None:
-            return block.fused_out.partials(x, split), LayerCache(kv, mamba, rglru, short_conv)
+            return block.fused_out.partials(x, split), LayerCache(kv, mamba, rglru, short_conv, mamba1)
         out = out + block.fused_out(x)
     elif project_out:
         for y, multiplier in branches:
@@ -461,7 +498,10 @@ def _temporal(block: Block, u: jax.Array, batch: RaggedBatch, cache: LayerCache,
     if block.conv is not None:
         c, short_conv = _short_conv(block.conv, u, batch, short_conv, decode, q)
         out = out + c
-    return out, LayerCache(kv, mamba, rglru, short_conv)
+    if block.mamba1 is not None:
+        m1, mamba1 = _mamba1(block.mamba1, u, batch, mamba1, decode, q)
+        out = out + m1
+    return out, LayerCache(kv, mamba, rglru, short_conv, mamba1)
 
 
 # Decode steps of fused models run the glue between their GEMMs as one launch where XLA

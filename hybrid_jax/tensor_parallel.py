@@ -55,6 +55,11 @@ def check_shardable(cfg: ModelConfig, n: int) -> None:
         return
     dims: list[tuple[str, int, bool]] = []  # (what, count, may replicate when count < n)
     kinds = {s.kind for s in cfg.layers}
+    if LayerKind.MAMBA1 in kinds:
+        # Splitting d_inner needs x_proj's contraction over d_inner reduced across devices
+        # before dt_proj and the scan (B, C are shared by all channels): not written yet.
+        raise ValueError(f"tensor_parallel_size={n}: Mamba1 layers ({cfg.architecture}) are not "
+                         "sharded yet; serve them on one device (tensor_parallel_size=1)")
     if cfg.attention is not None and any(k.has_attention for k in kinds):
         a = cfg.attention
         dims += [("attention heads (num_heads)", a.num_heads, False),

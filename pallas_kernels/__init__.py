@@ -46,6 +46,12 @@ from pallas_kernels.paged_attention_ref import (
     paged_attention_prefill_reference,
 )
 from pallas_kernels.parallel_decode import attention_ssm_decode
+from pallas_kernels.selective_scan import (
+    selective_scan_ragged,
+    selective_scan_ragged_reference,
+    selective_scan_step,
+    selective_scan_step_reference,
+)
 from pallas_kernels.ssd import ssd_ragged, ssd_ragged_reference
 from pallas_kernels.ssm_decode import ssm_decode, ssm_decode_packed, ssm_decode_reference
 
@@ -83,6 +89,10 @@ __all__ = [
     "paged_attention_prefill",
     "paged_attention_prefill_reference",
     "resolve_impl",
+    "selective_scan_ragged",
+    "selective_scan_ragged_reference",
+    "selective_scan_step",
+    "selective_scan_step_reference",
     "ssd_ragged",
     "ssd_ragged_reference",
     "ssm_decode",

@@ -25,12 +25,15 @@ from safetensors import safe_open
 from hybrid_jax.checkpoints import (
     bamba,
     falcon_h1,
+    falcon_mamba,
     gemma2,
     gemma3,
     gemma3_vlm,
     granite_hybrid,
+    jamba,
     lfm2,
     lfm2_moe,
+    mamba1,
     mamba2,
     mistral,
     nemotron_h,
@@ -44,13 +47,10 @@ from hybrid_jax.model import CausalLM
 
 _MODULES: tuple[ModuleType, ...] = (mamba2, mistral, recurrent_gemma, falcon_h1, zamba2, lfm2,
                                     gemma3, gemma2, bamba, granite_hybrid, nemotron_h,
-                                    gemma3_vlm, lfm2_moe)
+                                    gemma3_vlm, lfm2_moe, mamba1, falcon_mamba, jamba)
 _BY_ARCH = {m.ARCHITECTURE: m for m in _MODULES}
 # Known architectures whose math is not implemented: refused naming what is missing.
 _UNSUPPORTED = {
-    "JambaForCausalLM": "the Mamba1 selective scan and mixture-of-experts layers",
-    "MambaForCausalLM": "the Mamba1 selective scan",
-    "FalconMambaForCausalLM": "the Mamba1 selective scan",
     "Qwen3NextForCausalLM": "Gated DeltaNet and mixture-of-experts layers",
 }
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Literal, NamedTuple
 
-from hybrid_jax.config import Mamba2Config, MoEConfig
+from hybrid_jax.config import Mamba1Config, Mamba2Config, MoEConfig
 
 Transform = Literal["linear", "conv", "experts", "same"]
 Path = tuple[str | int, ...]
@@ -68,6 +68,25 @@ def mamba2(hf: str, path: Path, cfg: Mamba2Config) -> WeightMap:
         out |= vector(f"{hf}.{name}", (*path, name))
     if cfg.gated_norm:
         out |= vector(f"{hf}.norm.weight", (*path, "norm", "weight"))
+    return out
+
+
+def mamba1(hf: str, path: Path, cfg: Mamba1Config) -> WeightMap:
+    """A Mamba1 mixer: dt_proj's bias is our dt_bias (added inside the scan)."""
+    out = linear(f"{hf}.in_proj", (*path, "in_proj"), bias=cfg.proj_bias)
+    out |= linear(f"{hf}.out_proj", (*path, "out_proj"), bias=cfg.proj_bias)
+    out |= linear(f"{hf}.x_proj", (*path, "x_proj"), bias=False)
+    out |= linear(f"{hf}.dt_proj", (*path, "dt_proj"), bias=False)
+    out |= vector(f"{hf}.dt_proj.bias", (*path, "dt_bias"))
+    out[f"{hf}.conv1d.weight"] = Target((*path, "conv_weight"), "conv")
+    if cfg.conv_bias:
+        out |= vector(f"{hf}.conv1d.bias", (*path, "conv_bias"))
+    for name in ("A_log", "D"):
+        out |= vector(f"{hf}.{name}", (*path, name))
+    if cfg.bcdt_norm == "weighted":  # Jamba's dt/B/C norms
+        for hf_name, ours in (("dt_layernorm", "dt_norm"), ("b_layernorm", "b_norm"),
+                              ("c_layernorm", "c_norm")):
+            out |= vector(f"{hf}.{hf_name}.weight", (*path, ours, "weight"))
     return out
 
 

@@ -86,6 +86,25 @@ def ssd_np(x, dt, A, B, C, D, dt_bias, rg: Ragged, states, z=None, dt_limit=(0.0
     return y, states
 
 
+def selective_scan_np(x, dt, A, B, C, D, dt_bias, rg: Ragged, states, z=None):
+    """Sequential Mamba1 selective scan (per-channel dt, A [c, n]) over a ragged batch;
+    returns (y [t, c], states [num_slots, c, n]) in float64."""
+    f = lambda a: np.asarray(a, np.float64)
+    x, dt, A, B, C, D, dt_bias = map(f, (x, dt, A, B, C, D, dt_bias))
+    states = f(states).copy()
+    y = np.zeros_like(x)
+    for i in range(len(rg.cu) - 1):
+        s = states[rg.slots[i]].copy() if rg.has_initial[i] else np.zeros(states.shape[1:])
+        for tt in range(rg.cu[i], rg.cu[i + 1]):
+            d = softplus(dt[tt] + dt_bias)  # [c]
+            s = np.exp(d[:, None] * A) * s + np.outer(d * x[tt], B[tt])  # every channel c
+            y[tt] = s @ C[tt] + D * x[tt]
+            if z is not None:
+                y[tt] *= silu(f(z[tt]))
+        states[rg.slots[i]] = s
+    return y, states
+
+
 def conv_np(x, weight, bias, rg: Ragged, states, activation):
     """Sequential causal depthwise conv; states [num_slots, k-1, c]; returns (y, states)."""
     x, weight, states = np.asarray(x, np.float64), np.asarray(weight, np.float64), np.asarray(

@@ -162,6 +162,26 @@ def nemotron_h_moe_config() -> T.PretrainedConfig:
         routed_scaling_factor=1.3, norm_topk_prob=True)
 
 
+def mamba_config() -> T.PretrainedConfig:
+    return T.MambaConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, state_size=8,
+                         time_step_rank=4, expand=2, tie_word_embeddings=False)
+
+
+def falcon_mamba_config() -> T.PretrainedConfig:
+    return T.FalconMambaConfig(vocab_size=128, hidden_size=32, num_hidden_layers=3, state_size=8,
+                               time_step_rank=4, expand=2, mixer_rms_eps=1e-6)
+
+
+def jamba_config() -> T.PretrainedConfig:
+    # Layers: mamba (dense MLP), attention (MoE), mamba (dense), mamba (MoE). Softmax router,
+    # top-2 of 4 experts not renormalised; weighted dt/B/C norms; attention without RoPE.
+    return T.JambaConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+        attn_layer_period=4, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
+        mamba_d_state=8, mamba_dt_rank=4, mamba_expand=2)
+
+
 BUILDERS = {
     "mamba2": (mamba2_config, T.Mamba2ForCausalLM),
     "mistral": (mistral_config, T.MistralForCausalLM),
@@ -191,6 +211,11 @@ VARIANTS = {
                             T.GraniteMoeHybridForCausalLM),
     "gemma3_vlm": (gemma3_vlm_config, T.Gemma3ForConditionalGeneration),
     "gemma2": (gemma2_config, T.Gemma2ForCausalLM),
+    # Mamba1 models: logits in tests/model/test_mamba1.py, the engine in
+    # tests/serving/test_mamba1_engine.py (CI time: no greedy_steps run here).
+    "mamba": (mamba_config, T.MambaForCausalLM),
+    "falcon_mamba": (falcon_mamba_config, T.FalconMambaForCausalLM),
+    "jamba": (jamba_config, T.JambaForCausalLM),
 }
 
 # Zamba2 at std 0.2 is ill-conditioned: transformers' own f32 forward is 2.6e-4 (relative)

@@ -46,6 +46,9 @@ def decode_floor_bytes(cfg: ModelConfig, *, batch: int, context: int, weight_byt
             m = cfg.mamba2
             state += 2 * batch * m.num_heads * m.head_dim * m.state_size * st_b
             state += 2 * batch * (m.conv_kernel - 1) * m.conv_dim * kv_b
+        if spec.kind == LayerKind.MAMBA1:
+            m1 = cfg.mamba1
+            state += 2 * batch * m1.d_inner * (m1.state_size * st_b + (m1.conv_kernel - 1) * kv_b)
         if spec.kind == LayerKind.RGLRU:
             r = cfg.rglru
             state += 2 * batch * (r.width * 4 + (r.conv_kernel - 1) * r.width * kv_b)
@@ -137,4 +140,6 @@ def model_flops(engine, context: int) -> float:
         if spec.kind.has_mamba2:
             m = cfg.mamba2
             ssm += 2 * m.num_heads * m.head_dim * (3 * m.state_size + m.chunk_size)
+        if spec.kind == LayerKind.MAMBA1:  # the scan's elementwise work: ~6 flops per state entry
+            ssm += 6 * cfg.mamba1.d_inner * cfg.mamba1.state_size
     return dense + att + ssm

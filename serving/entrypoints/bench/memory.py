@@ -26,13 +26,17 @@ def page_bytes(cfg: ModelConfig, page_size: int, dtype: str) -> tuple[int, ...]:
 
 
 def state_bytes(cfg: ModelConfig, dtype: str, state_dtype: str = "float32") -> int:
-    """Recurrent state of one sequence: conv and SSM states of Mamba2 layers, RG-LRU states."""
+    """Recurrent state of one sequence: conv and SSM states of Mamba2 and Mamba1 layers, RG-LRU states."""
     total = 0
     for spec in cfg.layers:
         if spec.kind.has_mamba2:
             m = cfg.mamba2
             total += m.num_heads * m.head_dim * m.state_size * DTYPE_BYTES[state_dtype]
             total += (m.conv_kernel - 1) * m.conv_dim * DTYPE_BYTES[dtype]
+        if spec.kind == LayerKind.MAMBA1:
+            m1 = cfg.mamba1
+            total += m1.d_inner * m1.state_size * DTYPE_BYTES[state_dtype]
+            total += (m1.conv_kernel - 1) * m1.d_inner * DTYPE_BYTES[dtype]
         if spec.kind == LayerKind.RGLRU:
             r = cfg.rglru
             total += r.width * 4 + (r.conv_kernel - 1) * r.width * DTYPE_BYTES[dtype]

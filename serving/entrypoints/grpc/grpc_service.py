@@ -267,6 +267,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         if cfg.mamba2 is not None:
             info.ssm_state_size, info.ssm_num_heads = cfg.mamba2.state_size, cfg.mamba2.num_heads
             info.ssm_head_dim = cfg.mamba2.head_dim
+        elif cfg.mamba1 is not None:  # per-channel state: no heads (d_inner channels of n)
+            info.ssm_state_size = cfg.mamba1.state_size
         if cfg.rglru is not None:
             info.rglru_width = cfg.rglru.width
         if sc.prefix_caching:
