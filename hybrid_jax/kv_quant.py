@@ -17,6 +17,8 @@ Knows the model's serving forward and the cache layout, nothing of the engine.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -70,11 +72,8 @@ def calibrate_kv_scales(model: CausalLM, kv_scale: str, tokens: np.ndarray | Non
         slot_ids=i32([1]), has_initial=jnp.asarray([False]),
         page_tables=(i32(np.arange(1, pages + 1)[None]),) * groups,  # page 0: the dummy
         slot_mappings=(i32(s + np.arange(n)),) * groups, last_token=i32([n - 1]))
-    from hybrid_jax.ragged import forward_ragged  # the serving forward imports this package's kin
-
     graphdef, state = nnx.split(model)
-    run = jax.jit(lambda st, b, c: forward_ragged(nnx.merge(graphdef, st), b, c, decode=False)[1])
-    out = run(state, batch, caches)
+    out = _prefill(graphdef)(state, batch, caches)
     scales = []
     for kv in out.kv:
         pair = []
@@ -85,6 +84,14 @@ def calibrate_kv_scales(model: CausalLM, kv_scale: str, tokens: np.ndarray | Non
             pair.append(np.where(amax > 0, amax * HEADROOM / FP8_MAX, 1.0).astype(np.float32))
         scales.append(tuple(pair))
     return tuple(scales)
+
+
+@functools.lru_cache(maxsize=4)
+def _prefill(graphdef):
+    """The calibration prefill, compiled once per model graph (engines of one model share it)."""
+    from hybrid_jax.ragged import forward_ragged  # imports the layers; kept off this module's import
+
+    return jax.jit(lambda st, b, c: forward_ragged(nnx.merge(graphdef, st), b, c, decode=False)[1])
 
 
 def with_kv_scales(caches, scales: tuple[tuple[np.ndarray, np.ndarray], ...]):

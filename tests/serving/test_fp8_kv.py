@@ -7,8 +7,8 @@ greedy tokens identical and logprobs within 1e-5 (the fp8 engine's own invariant
 Against the f32-KV engine, the rule for "close": every request's first token equal, and
 at least 3/4 of all greedy tokens equal position by position (FP8 rounding, 2^-4 relative,
 may flip a near-tie of a random model's flat logits later on), and the first token's
-logprob within 0.05. Memory planning holds twice the pages of the f32 pool's bytes... for
-the same page count the KV bytes are a quarter of f32's; stats() reports the dtype.
+logprob within 0.05. The same page count takes a quarter of f32's KV bytes, and the same
+memory plans more pages and sequences; stats() reports the pages' dtype.
 """
 
 from __future__ import annotations
@@ -75,13 +75,14 @@ def test_fp8_kv_engine(lm):
 
 
 def test_fp8_kv_planning_scales_and_refusals(lm):
-    sized = dataclasses.replace(CFG, num_pages=None, memory_fraction=0.5)
-    plan = {d: plan_pools(lm.config, dataclasses.replace(sized, kv_cache_dtype=d), free_bytes=2**24,
+    sized = dataclasses.replace(CFG, num_pages=None, memory_fraction=0.5, max_num_seqs=64)
+    plan = {d: plan_pools(lm.config, dataclasses.replace(sized, kv_cache_dtype=d), free_bytes=5 * 2**17,
                           weight_bytes=0, dtype=np.float32) for d in ("auto", "fp8")}
-    # the same memory holds more pages: FP8 pages take a quarter of f32's bytes
+    # the same memory holds more pages (and sequences): FP8 pages take a quarter of f32's bytes
     assert all(4 * b == a for a, b in zip(plan["auto"].page_bytes, plan["fp8"].page_bytes, strict=True))
-    assert all(f.num_pages > a.num_pages for f, a in zip(plan["fp8"].scheduler.groups,
-                                                        plan["auto"].scheduler.groups, strict=True))
+    assert all(f.num_pages > 2 * a.num_pages for f, a in zip(plan["fp8"].scheduler.groups,
+                                                            plan["auto"].scheduler.groups, strict=True))
+    assert plan["fp8"].scheduler.max_num_seqs > plan["auto"].scheduler.max_num_seqs
     head = calibrate_kv_scales(lm.model, "head")
     tensor = calibrate_kv_scales(lm.model, "tensor")
     for (kh, vh), (kt, vt) in zip(head, tensor, strict=True):
