@@ -95,3 +95,13 @@ def test_fp8_kv_planning_scales_and_refusals(lm):
         EngineConfig(kv_cache_dtype="fp8", kv_scale="token")
     with pytest.raises(ValueError, match="tensor_parallel_size=2"):
         EngineConfig(kv_cache_dtype="fp8", tensor_parallel_size=2)
+
+
+def test_cli_subcommands_take_kv_cache_dtype():
+    from serving.entrypoints.cli import _parser
+
+    for command, rest in (("generate", ["x"]), ("serve", [])):
+        args = _parser().parse_args([command, "--kv-cache-dtype", "fp8", "--kv-scale", "tensor", *rest])
+        assert (args.kv_cache_dtype, args.kv_scale) == ("fp8", "tensor")
+        args = _parser().parse_args([command, *rest])
+        assert (args.kv_cache_dtype, args.kv_scale) == ("auto", "head")
