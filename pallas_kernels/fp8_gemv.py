@@ -11,14 +11,15 @@ x's dtype in registers, multiplies (f32 accumulation) and scales the partial pro
 the block's scale (exact in real arithmetic: a block's scale factors out of its sum).
 No dequantized copy of W is ever written.
 
-- Grid (n / bn, splits): program (j, s) owns output columns [j bn, (j + 1) bn) (bn <= 128
-  divides 128: one scale column) and the s-th share of the k blocks; splits > 1 (few
+- Grid (n / bn, splits): program (j, s) owns output columns [j bn, (j + 1) bn) (bn in
+  64 / 32 / 16, dividing 128 and n: one scale column, the last one an edge block when n
+  is not whole blocks) and the s-th share of the k blocks; splits > 1 (few
   column tiles: small n) write f32 partial sums [splits, m, n] that XLA adds.
 - x [m, k] is padded to a power of two of at least 16 rows (Triton's smallest dot).
 - `transposed`: W held [n, k] (`Linear.transposed`, the fused copy's layout) with scales
   [n / 128, k / 128]; else [k, n] with scales [k / 128, n / 128].
-- Takes k and n multiples of 128 (`fits`); the dequantize path (`fp8_reference`) takes
-  the rest and is the reference.
+- Takes k a multiple of 128 and n of 16 (`fits`); the dequantize path (`fp8_reference`)
+  takes the rest and is the reference.
 
 Runs compiled on a GPU and in interpret mode on CPU (tests). Knows nothing of models:
 hybrid_jax/layers/fp8.fp8_matmul decides where it runs.
@@ -41,9 +42,9 @@ NUM_SMS = 132
 
 
 def fits(x_rows: int, k: int, n: int, block: int) -> bool:
-    """Whether the kernel takes this product: 128 x 128 scale blocks, k and n whole blocks,
-    at most MAX_ROWS rows."""
-    return block == BLOCK and 1 <= x_rows <= MAX_ROWS and k % BLOCK == 0 and n % BLOCK == 0
+    """Whether the kernel takes this product: 128 x 128 scale blocks, k whole blocks, n a
+    multiple of 16, at most MAX_ROWS rows."""
+    return block == BLOCK and 1 <= x_rows <= MAX_ROWS and k % BLOCK == 0 and n % 16 == 0
 
 
 def fp8_reference(x, w, scale, *, transposed: bool, out_dtype):
@@ -86,7 +87,7 @@ def _kernel(x_ref, w_ref, s_ref, o_ref, *, bn: int, per_split: int, kb_total: in
 def default_tiling(m: int, n: int, kb_total: int) -> tuple[int, int]:
     """(bn, splits): 64-column tiles (twice the programs of 128 for the same bytes each),
     and splits of the k blocks until about two programs per SM."""
-    bn = 64
+    bn = next(b for b in (64, 32, 16) if n % b == 0)
     tiles = n // bn
     splits = max(1, min(kb_total, -(-2 * NUM_SMS // tiles)))
     return bn, splits
@@ -102,17 +103,18 @@ def fp8_gemv(x, w, scale, *, transposed: bool, out_dtype=None, bn: int | None = 
     m, k = x.shape
     n = w.shape[0] if transposed else w.shape[1]
     want_w = (n, k) if transposed else (k, n)
-    want_s = (n // BLOCK, k // BLOCK) if transposed else (k // BLOCK, n // BLOCK)
+    nb = -(-n // BLOCK)
+    want_s = (nb, k // BLOCK) if transposed else (k // BLOCK, nb)
     if w.dtype != jnp.float8_e4m3fn or w.shape != want_w or not fits(m, k, n, BLOCK):
-        raise ValueError(f"fp8_gemv takes x [m <= {MAX_ROWS}, k] and e4m3 W {want_w} with k, n multiples "
-                         f"of {BLOCK}: got x {x.shape}, W {w.dtype}{w.shape}")
+        raise ValueError(f"fp8_gemv takes x [m <= {MAX_ROWS}, k] and e4m3 W {want_w} with k a multiple "
+                         f"of {BLOCK} and n of 16: got x {x.shape}, W {w.dtype}{w.shape}")
     if scale.shape != want_s:
         raise ValueError(f"scale must be {want_s} ({BLOCK} x {BLOCK} blocks of W), got {scale.shape}")
     kb_total = k // BLOCK
     d_bn, d_splits = default_tiling(m, n, kb_total)
     bn, splits = bn or d_bn, splits or d_splits
-    if BLOCK % bn or bn < 16:
-        raise ValueError(f"bn={bn} must divide {BLOCK} and be >= 16")
+    if BLOCK % bn or n % bn or bn < 16:
+        raise ValueError(f"bn={bn} must divide {BLOCK} and n={n}, and be >= 16")
     per_split = -(-kb_total // splits)
     rows = max(MIN_ROWS, pl.next_power_of_2(m))
     xp = jnp.pad(x, ((0, rows - m), (0, 0)))
