@@ -11,8 +11,11 @@ gate/up 2048 x 11264, out 4096 x 2048, down 5632 x 2048), kernels held [N, K] as
 engine's fused copy holds them, each timed as a jit of a chain of `--chain` products on
 distinct weights (so they stream from HBM), per product:
   bf16        XLA's dot with bf16 weights (the engine's bf16 path)
-  fp8_deq     hybrid_jax.layers.fp8.fp8_matmul: dequantize then the bf16 product (what
-              the engine runs for FP8 weights today, docs/kernels.md)
+  fp8_deq     hybrid_jax.layers.fp8.fp8_matmul's reference: dequantize then the bf16
+              product (what the engine runs for FP8 weights at more than 64 rows)
+  fp8_gemv    the FP8 decode GEMV kernel (pallas_kernels/fp8_gemv.py: e4m3 weights and
+              block scales streamed once, dequantized in registers), at <= 64 rows: what
+              fp8_matmul runs there on a GPU
   torch_bf16  torch.matmul, bf16 (cuBLAS), when torch with CUDA is importable
   scaled_mm   torch._scaled_mm, e4m3 x e4m3 -> bf16 with 1 x 128 activation and
               128 x 128 weight block scales where this torch takes them, else per-tensor
@@ -22,6 +25,7 @@ bytes over the measured copy bandwidth are printed beside each time.
 
     PYTHONPATH=. python benchmarks/fp8.py                   # decode steps (4 processes)
     PYTHONPATH=. python benchmarks/fp8.py --gemm --no-decode [--rows 8192 1 64] [--out r.jsonl]
+    PYTHONPATH=. python benchmarks/fp8.py --gemm --no-decode --rows 1 64   # the decode GEMV (< 1 min)
 """
 
 from __future__ import annotations
@@ -80,6 +84,7 @@ def jax_products(rows: int, k: int, n: int, chain: int, reps: int) -> dict[str, 
     import jax.numpy as jnp
 
     from hybrid_jax.layers.fp8 import fp8_matmul, quantize
+    from pallas_kernels.fp8_gemv import fits as gemv_fits
 
     key = jax.random.key(0)
     x = jax.random.normal(key, (rows, k), jnp.bfloat16)
@@ -92,11 +97,17 @@ def jax_products(rows: int, k: int, n: int, chain: int, reps: int) -> dict[str, 
     def plain(x, ws):
         return [jax.lax.dot_general(x, w, (((1,), (1,)), ((), ()))) for w in ws]
 
-    @jax.jit
-    def deq(x, qs):
-        return [fp8_matmul(x, w, s, block=BLOCK, dtype=jnp.bfloat16, transposed=True) for w, s in qs]
+    def fp8(impl):
+        return jax.jit(lambda x, qs: [fp8_matmul(x, w, s, block=BLOCK, dtype=jnp.bfloat16, transposed=True,
+                                                 impl=impl) for w, s in qs])
 
-    return {"bf16": _time(plain, (x, bf16), reps) / chain, "fp8_deq": _time(deq, (x, q), reps) / chain}
+    out = {"bf16": _time(plain, (x, bf16), reps) / chain,
+           "fp8_deq": _time(fp8("reference"), (x, q), reps) / chain}
+    if gemv_fits(rows, k, n, BLOCK):
+        # interpret mode off a GPU: a smoke run, not a timing
+        out["fp8_gemv"] = _time(fp8("pallas" if jax.default_backend() == "gpu" else "interpret"),
+                                (x, q), reps) / chain
+    return out
 
 
 def torch_products(rows: int, k: int, n: int, chain: int, reps: int) -> dict[str, object]:
@@ -156,7 +167,7 @@ def gemms(rows_list: list[int], chain: int, reps: int) -> list[dict]:
             for prod, s in times.items():
                 if not isinstance(s, float):
                     continue
-                wbytes = k * n * (1 if prod in ("fp8_deq", "scaled_mm") else 2)
+                wbytes = k * n * (1 if prod in ("fp8_deq", "fp8_gemv", "scaled_mm") else 2)
                 tflops = 2 * rows * k * n / s / 1e12
                 print(f"{rows} | {name} {k}x{n} | {prod} | {1e6 * s:.1f} | {tflops:.1f} | "
                       f"{100 * wbytes / bw / s:.0f}%")
