@@ -23,10 +23,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from configs import switches
 from pallas_kernels.backend import Impl, resolve_impl
 from pallas_kernels.fp8_gemv import fits as gemv_fits
 from pallas_kernels.fp8_gemv import fp8_gemv
 
+FP8_GEMV = switches.fp8_gemv()  # HYBRID_JAX_FP8_GEMV=0: the dequantize path at every row count
 FP8 = jnp.dtype(jnp.float8_e4m3fn)
 FP8_MAX = float(jnp.finfo(FP8).max)  # 448
 
@@ -60,7 +62,8 @@ def fp8_matmul(x: jax.Array, kernel: jax.Array, scale: jax.Array, *, block: int,
                transposed: bool, impl: Impl | None = None) -> jax.Array:
     """x [..., i] times the FP8 kernel [i, o] (or [o, i] when `transposed`) -> [..., o] in
     `dtype`. Few rows (decode: at most 64) with 128 x 128 blocks and whole blocks, where
-    the kernel switch (`impl`, pallas_kernels/backend.py) picks Pallas: the FP8 GEMV
+    the kernel switch (`impl`, pallas_kernels/backend.py) picks Pallas and
+    HYBRID_JAX_FP8_GEMV is not 0: the FP8 GEMV
     (pallas_kernels/fp8_gemv.py), which streams the e4m3 weight once and dequantizes in
     registers. Otherwise, and as the reference: the dequantized kernel through the plain
     product (layers/linear.matmul, which also takes the one-row reduction, where XLA fuses
@@ -70,7 +73,7 @@ def fp8_matmul(x: jax.Array, kernel: jax.Array, scale: jax.Array, *, block: int,
     rows, k = math.prod(x.shape[:-1]), x.shape[-1]
     n = kernel.shape[0] if transposed else kernel.shape[1]
     impl = resolve_impl(impl)
-    if impl != "reference" and gemv_fits(rows, k, n, block):
+    if impl != "reference" and FP8_GEMV and gemv_fits(rows, k, n, block):
         y = fp8_gemv(x.reshape(rows, k).astype(dtype), kernel, scale, transposed=transposed,
                      interpret=impl == "interpret")
         return y.reshape(*x.shape[:-1], n)
