@@ -135,7 +135,7 @@ class LLMEngine:
             tp.check_weights_shardable(lm.model, n)
         self.model_config, self.tokenizer = lm.config, lm.tokenizer
         weights = (sum(x.nbytes for x in jax.tree.leaves(lm.model)) if n == 1 else
-                   tp.param_bytes_per_device(lm.config, n, lm.model.dtype))
+                   tp.param_bytes_per_device(lm.config, n, lm.model.dtype, tp.fp8_layout(lm.model)))
         self._draft_lm = None
         if self.config.speculative_method == "draft":  # loaded first: planned with the pools
             self._draft_lm = load_model(self.config.speculative_model, dtype=self.config.dtype)

@@ -238,13 +238,14 @@ class ModelRunner:
         that device only; caches and checkpoints created sharded (by head / channel)."""
         n, mesh = self.mesh.size, self.mesh
         tp.check_weights_shardable(model, n)
-        local = tp.local_abstract_model(self.cfg, n, model.dtype)
+        fp8 = tp.fp8_layout(model)  # FP8 kernels and their block scales split together
+        local = tp.local_abstract_model(self.cfg, n, model.dtype, fp8)
         self.graphdef, local_state = nnx.split(local)
         self.layout = plan_layout(local_state)
         state = nnx.state(model)
         per_device = []
         for d, dev in enumerate(mesh.devices.flat):
-            bufs = pack_host(self.layout, tp.shard_params(self.cfg, state, n, d, local_state))
+            bufs = pack_host(self.layout, tp.shard_params(self.cfg, state, n, d, local_state, fp8))
             per_device.append([jax.device_put(b, dev) for b in bufs])
         split = NamedSharding(mesh, PartitionSpec(tp.AXIS))
         self.params = tuple(
