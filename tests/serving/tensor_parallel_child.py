@@ -242,10 +242,10 @@ def check_fp8(results: dict) -> None:
     results["fp8: tp=2 shards hold FP8"] = dtypes.get("float8_e4m3fn", 0) > 0 or f"{dtypes}"
     try:
         fp8_engine(2, 16)
-        results["fp8: 16-blocks refused"] = "accepted"
+        results["fp8: 16-blocks raise ValueError"] = "accepted"
     except ValueError as e:
         msg = str(e)
-        results["fp8: 16-blocks refused"] = ("tensor_parallel_size=2" in msg and "scale blocks" in msg) or msg
+        results["fp8: 16-blocks raise ValueError"] = ("tensor_parallel_size=2" in msg and "scale blocks" in msg) or msg
 
 
 def refusals(results: dict) -> None:
