@@ -11,8 +11,11 @@ gate/up 2048 x 11264, out 4096 x 2048, down 5632 x 2048), kernels held [N, K] as
 engine's fused copy holds them, each timed as a jit of a chain of `--chain` products on
 distinct weights (so they stream from HBM), per product:
   bf16        XLA's dot with bf16 weights (the engine's bf16 path)
-  fp8_deq     hybrid_jax.layers.fp8.fp8_matmul: dequantize then the bf16 product (what
-              the engine runs for FP8 weights today, docs/kernels.md)
+  fp8_deq     hybrid_jax.layers.fp8.fp8_matmul's reference: dequantize then the bf16
+              product (what the engine runs for FP8 weights at more than 64 rows)
+  fp8_gemv    the FP8 decode GEMV kernel (pallas_kernels/fp8_gemv.py: e4m3 weights and
+              block scales streamed once, dequantized in registers), at <= 64 rows: what
+              fp8_matmul runs there on a GPU
   torch_bf16  torch.matmul, bf16 (cuBLAS), when torch with CUDA is importable
   scaled_mm   torch._scaled_mm, e4m3 x e4m3 -> bf16 with 1 x 128 activation and
               128 x 128 weight block scales where this torch takes them, else per-tensor
@@ -21,7 +24,9 @@ at `--rows` (default prefill 8192 and 2048, decode 1, 8, 64). TFLOP/s and weight
 bytes over the measured copy bandwidth are printed beside each time.
 
     PYTHONPATH=. python benchmarks/fp8.py                   # decode steps (4 processes)
+    PYTHONPATH=. python benchmarks/fp8.py --kv-fp8 --batches 64 256   # + FP8 KV, bf16 state
     PYTHONPATH=. python benchmarks/fp8.py --gemm --no-decode [--rows 8192 1 64] [--out r.jsonl]
+    PYTHONPATH=. python benchmarks/fp8.py --gemm --no-decode --rows 1 64   # the decode GEMV (< 1 min)
 """
 
 from __future__ import annotations
@@ -39,24 +44,33 @@ SHAPES = {"in": (2048, 4384), "gate_up": (2048, 11264), "out": (4096, 2048), "do
 BLOCK = 128
 
 
-def decode_steps(model: str, batches: list[int], prompt_len: int, steps: int) -> list[dict]:
+def decode_steps(model: str, batches: list[int], prompt_len: int, steps: int, kv_fp8: bool) -> list[dict]:
     rows = []
+    # (weights, K/V pages, recurrent state): bf16; FP8 weights; and with --kv-fp8 FP8 weights,
+    # FP8 K/V pages and bf16 state (issue 43's fewest-bytes decode step)
+    variants = [(None, "auto", None), ("fp8", "auto", None)]
+    variants += [("fp8", "fp8", "bfloat16")] if kv_fp8 else []
     for batch in batches:
-        for quant in (None, "fp8"):
+        for quant, kv, state in variants:
             with tempfile.NamedTemporaryFile(suffix=".jsonl") as out:
                 cmd = [sys.executable, "benchmarks/step_anatomy.py", "--model", model, "--dtype", "bfloat16",
                        "--batch", str(batch), "--prompt-len", str(prompt_len), "--steps", str(steps),
-                       "--top", "20", "--out", out.name] + (["--quantization", quant] if quant else [])
+                       "--top", "20", "--out", out.name, "--kv-cache-dtype", kv] + \
+                    (["--quantization", quant] if quant else []) + (["--state-dtype", state] if state else [])
                 subprocess.run(cmd, check=True, env=os.environ | {"PYTHONPATH": "."})
                 with open(out.name) as f:
                     res = json.loads(f.read().splitlines()[-1])
-            rows.append({k: res[k] for k in ("batch_run", "quantization", "engine_ms", "compiled_ms",
+            rows.append({k: res[k] for k in ("batch_run", "quantization", "kv_cache_dtype", "state_dtype",
+                                             "engine_ms", "compiled_ms",
                                              "kernel_ms", "floor_ms", "engine_over_floor",
                                              "weight_bytes_by_dtype", "context")})
-    print("batch | weights | engine_ms | compiled_ms | kernel_ms | floor_ms | engine/floor | vs bf16")
+    print("batch | weights | KV | state | engine_ms | compiled_ms | kernel_ms | floor_ms | engine/floor "
+          "| vs bf16")
     for r in rows:
         base = next(b for b in rows if b["batch_run"] == r["batch_run"] and b["quantization"] is None)
-        print(f"{r['batch_run']} | {r['quantization'] or 'bf16'} | {r['engine_ms']:.3f} | "
+        print(f"{r['batch_run']} | {r['quantization'] or 'bf16'} | {r['kv_cache_dtype']} | "
+              f"{r['state_dtype']} | "
+              f"{r['engine_ms']:.3f} | "
               f"{r['compiled_ms']:.3f} | {r['kernel_ms']:.3f} | {r['floor_ms']:.3f} | "
               f"{r['engine_over_floor']:.2f} | {r['engine_ms'] / base['engine_ms']:.2f}x")
     return rows
@@ -80,6 +94,7 @@ def jax_products(rows: int, k: int, n: int, chain: int, reps: int) -> dict[str, 
     import jax.numpy as jnp
 
     from hybrid_jax.layers.fp8 import fp8_matmul, quantize
+    from pallas_kernels.fp8_gemv import fits as gemv_fits
 
     key = jax.random.key(0)
     x = jax.random.normal(key, (rows, k), jnp.bfloat16)
@@ -92,11 +107,17 @@ def jax_products(rows: int, k: int, n: int, chain: int, reps: int) -> dict[str, 
     def plain(x, ws):
         return [jax.lax.dot_general(x, w, (((1,), (1,)), ((), ()))) for w in ws]
 
-    @jax.jit
-    def deq(x, qs):
-        return [fp8_matmul(x, w, s, block=BLOCK, dtype=jnp.bfloat16, transposed=True) for w, s in qs]
+    def fp8(impl):
+        return jax.jit(lambda x, qs: [fp8_matmul(x, w, s, block=BLOCK, dtype=jnp.bfloat16, transposed=True,
+                                                 impl=impl) for w, s in qs])
 
-    return {"bf16": _time(plain, (x, bf16), reps) / chain, "fp8_deq": _time(deq, (x, q), reps) / chain}
+    out = {"bf16": _time(plain, (x, bf16), reps) / chain,
+           "fp8_deq": _time(fp8("reference"), (x, q), reps) / chain}
+    if gemv_fits(rows, k, n, BLOCK):
+        # interpret mode off a GPU: a smoke run, not a timing
+        out["fp8_gemv"] = _time(fp8("pallas" if jax.default_backend() == "gpu" else "interpret"),
+                                (x, q), reps) / chain
+    return out
 
 
 def torch_products(rows: int, k: int, n: int, chain: int, reps: int) -> dict[str, object]:
@@ -156,7 +177,7 @@ def gemms(rows_list: list[int], chain: int, reps: int) -> list[dict]:
             for prod, s in times.items():
                 if not isinstance(s, float):
                     continue
-                wbytes = k * n * (1 if prod in ("fp8_deq", "scaled_mm") else 2)
+                wbytes = k * n * (1 if prod in ("fp8_deq", "fp8_gemv", "scaled_mm") else 2)
                 tflops = 2 * rows * k * n / s / 1e12
                 print(f"{rows} | {name} {k}x{n} | {prod} | {1e6 * s:.1f} | {tflops:.1f} | "
                       f"{100 * wbytes / bw / s:.0f}%")
@@ -172,6 +193,8 @@ def main() -> None:
     p.add_argument("--batches", type=int, nargs="+", default=[1, 64])
     p.add_argument("--prompt-len", type=int, default=600)
     p.add_argument("--steps", type=int, default=24)
+    p.add_argument("--kv-fp8", action="store_true",
+                   help="also FP8 weights with FP8 K/V pages and bf16 recurrent state")
     p.add_argument("--gemm", action="store_true", help="also the product comparison")
     p.add_argument("--rows", type=int, nargs="+", default=[8192, 2048, 1, 8, 64])
     p.add_argument("--chain", type=int, default=8)
@@ -182,7 +205,7 @@ def main() -> None:
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     res: dict[str, object] = {}
     if not a.no_decode:
-        res["decode"] = decode_steps(a.model, a.batches, a.prompt_len, a.steps)
+        res["decode"] = decode_steps(a.model, a.batches, a.prompt_len, a.steps, a.kv_fp8)
     if a.gemm:
         import jax
 

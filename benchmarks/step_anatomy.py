@@ -166,7 +166,8 @@ def run(a: argparse.Namespace) -> dict:
     cfg = EngineConfig(max_num_seqs=rows, max_num_batched_tokens=max(a.chunk, rows),
                        max_prefill_chunk=a.chunk, max_model_len=a.prompt_len + a.steps + extra,
                        page_size=16, dtype=a.dtype, memory_fraction=0.85, quantization=a.quantization,
-                       seq_buckets=(rows,), token_buckets=(max(a.chunk, rows),),
+                       kv_cache_dtype=a.kv_cache_dtype, seq_buckets=(rows,),
+                       token_buckets=(max(a.chunk, rows),),
                        async_scheduling=not a.sync,
                        **({"ssm_state_dtype": a.state_dtype} if a.state_dtype else {}))
     t0 = time.perf_counter()
@@ -292,7 +293,8 @@ def run(a: argparse.Namespace) -> dict:
     context = round(float(ctx.mean()), 1)
     res = {
         "model": a.model, "dtype": a.dtype, "state_dtype": a.state_dtype or "float32",
-        "quantization": a.quantization, "weight_bytes_by_dtype": engine.stats()["weight_bytes_by_dtype"],
+        "quantization": a.quantization, "kv_cache_dtype": engine.stats()["kv_cache_dtype"],
+        "weight_bytes_by_dtype": engine.stats()["weight_bytes_by_dtype"],
         "loop": "sync" if a.sync else "async",
         "batch_run": a.batch, "context": context, "context_min": int(ctx.min()),
         "context_max": int(ctx.max()), "device": str(jax.devices()[0]),
@@ -319,6 +321,8 @@ def main() -> None:
     p.add_argument("--state-dtype", default=None, help="ssm_state_dtype (engine default if unset)")
     p.add_argument("--quantization", default=None, choices=["fp8"],
                    help="EngineConfig.quantization (fp8: FP8 decoder weights; benchmarks/fp8.py)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
+                   help="EngineConfig.kv_cache_dtype (fp8: e4m3 K/V pages; the floor counts their bytes)")
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--seq-bucket", type=int, default=0,
                    help="run the batch in a decode bucket of this many rows (padded; default: the batch)")

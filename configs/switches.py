@@ -55,6 +55,9 @@ SWITCHES: tuple[Switch, ...] = (
            "Mosaic GPU `stream_glu` launch (Hopper, 8-64 rows)"),
     Switch("HYBRID_JAX_STREAM_GEMM_CONFIG", "unset",
            "tn,tk,stages,swap: overrides `stream_glu`'s launch (tuning on another GPU)"),
+    Switch("HYBRID_JAX_FP8_GEMV", "1",
+           "0 runs FP8 Linears' decode products (<= 64 rows) through the dequantize path "
+           "instead of the Pallas `fp8_gemv` kernel"),
     Switch("HYBRID_JAX_XLA_OPTIONS", "unset",
            "JSON object of XLA compile options added to, or overriding, the step executables' own"),
     Switch("HYBRID_JAX_SHARDED_RUNNER", "0",
@@ -131,6 +134,10 @@ def fold_conv_rows() -> int:
 
 def stream_gemm() -> bool:
     return _on("HYBRID_JAX_STREAM_GEMM")
+
+
+def fp8_gemv() -> bool:
+    return _on("HYBRID_JAX_FP8_GEMV")
 
 
 def stream_gemm_config() -> tuple[int, int, int, int] | None:

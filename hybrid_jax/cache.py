@@ -21,8 +21,14 @@ from pallas_kernels import offset_indices
 
 
 class KVCache(NamedTuple):
+    """K/V pages [k, num_pages, s, e]. FP8 (float8_e4m3fn) pages carry their scales, f32,
+    one per KV head and layer (the real K/V are page values x scale): [k, n] in the stacks
+    (n layers of the group), [k] in a layer's view (`layer_cache`). None otherwise."""
+
     k: jax.Array  # [k, num_pages, s, e]
     v: jax.Array
+    k_scale: jax.Array | None = None
+    v_scale: jax.Array | None = None
 
 
 class Mamba2State(NamedTuple):
@@ -160,9 +166,11 @@ def layer_sites(cfg: ModelConfig) -> tuple[LayerSite, ...]:
 
 
 def init_caches(cfg: ModelConfig, *, num_pages: tuple[int, ...], page_size: int, num_slots: int,
-                dtype: jnp.dtype, state_dtype: jnp.dtype = jnp.float32) -> CacheStacks:
+                dtype: jnp.dtype, state_dtype: jnp.dtype = jnp.float32,
+                kv_dtype: jnp.dtype | None = None) -> CacheStacks:
     """Zeroed stacks; `num_pages[g]` pages per layer of window group g, `num_slots` state
-    slots per recurrent layer."""
+    slots per recurrent layer. K/V pages in `kv_dtype` (default `dtype`); FP8 pages get
+    scales of 1 (the engine sets calibrated ones: hybrid_jax/kv_quant.py)."""
     if len(num_pages) != len(cfg.windows):
         raise ValueError(f"num_pages={num_pages} needs one entry per window group {cfg.windows}")
     sites = layer_sites(cfg)
@@ -177,10 +185,13 @@ def init_caches(cfg: ModelConfig, *, num_pages: tuple[int, ...], page_size: int,
     if (deepest := max(per_state.values())) * num_slots >= 2**31:
         raise ValueError(f"num_slots={num_slots} x {deepest} layers reaches 2**31")
     a = cfg.attention
+    kv_dtype = jnp.dtype(dtype if kv_dtype is None else kv_dtype)
     kv = []
     for g, n in enumerate(per_group):
         shape = (a.num_kv_heads, n, num_pages[g], page_size, kv_head_dim(a.head_dim))
-        kv.append(KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)))
+        scales = ((jnp.ones((a.num_kv_heads, n), jnp.float32),) * 2
+                  if kv_dtype == jnp.float8_e4m3fn else ())
+        kv.append(KVCache(jnp.zeros(shape, kv_dtype), jnp.zeros(shape, kv_dtype), *scales))
     mamba = rglru = short_conv = None
     if n := per_state["mamba"]:
         m = cfg.mamba2
@@ -230,7 +241,7 @@ def flatten_stacks(stacks: CacheStacks) -> tuple[CacheStacks, Geometry]:
     def merge_kv(x):
         return x.reshape(x.shape[0], x.shape[1] * x.shape[2], *x.shape[3:])
 
-    kv = tuple(KVCache(merge_kv(c.k), merge_kv(c.v)) for c in stacks.kv)
+    kv = tuple(c._replace(k=merge_kv(c.k), v=merge_kv(c.v)) for c in stacks.kv)  # scales stay [k, n]
     states = jax.tree.map(lambda x: x.reshape(x.shape[0] * x.shape[1], *x.shape[2:]), states_of(stacks))
     page_size = stacks.kv[0].k.shape[3] if stacks.kv else 0
     return with_states(stacks._replace(kv=kv), states), Geometry(pages, slots, page_size)
@@ -243,17 +254,20 @@ def unflatten_stacks(flat: CacheStacks, like: CacheStacks) -> CacheStacks:
 
 def layer_cache(flat: CacheStacks, site: LayerSite) -> LayerCache:
     """A layer's cache as the kernels take it: the flattened stacks of its kinds (indexed
-    through `layer_batches`' offset pages and slots)."""
+    through `layer_batches`' offset pages and slots), FP8 scales the layer's own [k]."""
     kv = flat.kv[site.group] if site.group is not None else None
+    if kv is not None and kv.k_scale is not None:
+        kv = kv._replace(k_scale=kv.k_scale[:, site.kv_rank], v_scale=kv.v_scale[:, site.kv_rank])
     return LayerCache(kv=kv, **({site.state: getattr(flat, site.state)} if site.state else {}))
 
 
 def store_layer(flat: CacheStacks, site: LayerSite, cache: LayerCache) -> CacheStacks:
     """The flattened stacks with what a layer returned (its kinds' updated stacks).
-    Fields of `cache` that are None are left as they are."""
+    Fields of `cache` that are None are left as they are; so are FP8 scales (never written
+    by a step)."""
     if site.group is not None and cache.kv is not None:
         kv = list(flat.kv)
-        kv[site.group] = cache.kv
+        kv[site.group] = kv[site.group]._replace(k=cache.kv.k, v=cache.kv.v)
         flat = flat._replace(kv=tuple(kv))
     if site.state is not None and getattr(cache, site.state) is not None:
         flat = flat._replace(**{site.state: getattr(cache, site.state)})
@@ -297,13 +311,15 @@ def layer_batches(batch: RaggedBatch, sites: tuple[LayerSite, ...], geom: Geomet
 
 
 def cache_bytes(cfg: ModelConfig, *, page_size: int, dtype: jnp.dtype,
-                state_dtype: jnp.dtype = jnp.float32) -> tuple[tuple[int, ...], int]:
+                state_dtype: jnp.dtype = jnp.float32,
+                kv_dtype: jnp.dtype | None = None) -> tuple[tuple[int, ...], int]:
     """(bytes of one page per window group across its layers, bytes of one state slot
     across the recurrent layers). Derived from the shapes `init_caches` allocates (no
-    arrays are created)."""
+    arrays are created); FP8 pages count one byte per value (their per-layer scales are
+    not per page)."""
     one = jax.eval_shape(lambda: init_caches(
         cfg, num_pages=(1,) * len(cfg.windows), page_size=page_size, num_slots=1, dtype=dtype,
-        state_dtype=state_dtype))
-    page = tuple(sum(x.size * x.dtype.itemsize for x in kv) for kv in one.kv)
+        state_dtype=state_dtype, kv_dtype=kv_dtype))
+    page = tuple(sum(x.size * x.dtype.itemsize for x in (kv.k, kv.v)) for kv in one.kv)
     slot = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(states_of(one)))
     return page, slot

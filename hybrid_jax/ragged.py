@@ -124,14 +124,18 @@ def _attention(layer: Attention | DepthAttention, x: jax.Array | None, batch: Ra
     pad = kv.k.shape[-1] - e  # pages may be wider than the head (see cache.kv_head_dim)
     if pad:
         q, k, v = (jnp.pad(a, [(0, 0), (0, 0), (0, pad)]) for a in (q, k, v))
-    k_pages, v_pages = write_kv(kv.k, kv.v, k.astype(kv.k.dtype),
-                                                v.astype(kv.v.dtype), batch.slot_mappings[group])
+    scales = {}
+    if kv.k_scale is not None:  # FP8 pages: write_kv quantizes, attention dequantizes
+        scales = dict(k_scale=kv.k_scale, v_scale=kv.v_scale)
+    else:
+        k, v = k.astype(kv.k.dtype), v.astype(kv.v.dtype)
+    k_pages, v_pages = write_kv(kv.k, kv.v, k, v, batch.slot_mappings[group], **scales)
     if decode or q_len:
         o = paged_attention_decode(q, k_pages, v_pages, batch.lengths, table,
-                                   queries=max(q_len, 1), **common)
+                                   queries=max(q_len, 1), **common, **scales)
     else:
         o = paged_attention_prefill(q, k_pages, v_pages, batch.cu_seqlens,
-                                                    batch.lengths, table, **common)
+                                    batch.lengths, table, **common, **scales)
     return _attention_out(layer, o[..., :e].astype(dtype), project_out), KVCache(k_pages, v_pages)
 
 
@@ -149,9 +153,10 @@ def _fused_decode_args(layer: Attention, fused: tuple[jax.Array, tuple[int, int,
 
 def _fused_decode(layer: Attention | DepthAttention, kv: KVCache) -> bool:
     """Whether a decode step's attention of this layer runs `paged_attention_decode_fused`:
-    RoPE on, no q/k norms, pages exactly as wide as the head, shapes the kernel takes."""
+    RoPE on, no q/k norms, pages exactly as wide as the head, shapes the kernel takes, not
+    FP8 (the fused kernel writes K/V in the pools' dtype, unscaled)."""
     cfg = layer.cfg
-    return (isinstance(layer, Attention) and cfg.rope and not cfg.qk_norm
+    return (isinstance(layer, Attention) and cfg.rope and not cfg.qk_norm and kv.k_scale is None
             and decode_fused_fits(cfg.head_dim, cfg.rope_dim, kv.k))
 
 

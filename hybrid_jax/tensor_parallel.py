@@ -89,17 +89,49 @@ def check_shardable(cfg: ModelConfig, n: int) -> None:
     # KV head (SSM group): heads per KV head = (heads per device) * (n / KV heads).
 
 
-def check_weights_shardable(model: nnx.Module, n: int) -> None:
-    """ValueError naming `tensor_parallel_size` when the model holds FP8 weights: their
-    block scales would have to split on block boundaries, which `shard_params` does not
-    do (the local model is also built unquantized)."""
+Fp8Layout = dict[str, tuple[int, object]]  # FP8 Linear's path -> (block, scale dtype)
+
+
+def fp8_layout(model: nnx.Module) -> Fp8Layout:
+    """The model's FP8 Linears: path ("layers.0.mlp.down_proj") -> (block, scale dtype)."""
     from hybrid_jax.layers.linear import Linear
 
-    fp8 = [".".join(map(str, p)) for p, m in nnx.iter_graph(model) if isinstance(m, Linear) and m.quantized]
-    if fp8:
-        raise ValueError(f"tensor_parallel_size={n}: FP8 weights (an FP8 checkpoint or quantization='fp8') "
-                         f"are not sharded yet ({len(fp8)} FP8 Linears, e.g. {fp8[0]}); serve them on one "
-                         "device (tensor_parallel_size=1, HYBRID_JAX_SHARDED_RUNNER unset)")
+    return {".".join(map(str, p)): (m.block, m.scale[...].dtype) for p, m in nnx.iter_graph(model)
+            if isinstance(m, Linear) and m.quantized}
+
+
+def _held_index(names: tuple, dim: int, axis: int, cfg: ModelConfig, n: int, d: int) -> np.ndarray:
+    """The indices along `axis` (0 or -1 of a 2-D kernel) of the parameter at `names` that
+    device d holds, in its order (`shard_param` applied to the positions)."""
+    x = np.arange(dim).reshape((dim, 1) if axis % 2 == 0 else (1, dim))
+    return shard_param(names, x, cfg, n, d).ravel()
+
+
+def check_weights_shardable(model: nnx.Module, n: int) -> None:
+    """ValueError naming `tensor_parallel_size` unless every FP8 Linear splits on its block
+    boundaries: each device's share of the split axis must be whole B x B blocks (then its
+    block scales split with it: `shard_params`)."""
+    from hybrid_jax.layers.linear import Linear
+
+    cfg = model.cfg
+    for path, m in nnx.iter_graph(model):
+        if not (isinstance(m, Linear) and m.quantized) or n == 1:
+            continue
+        names = (*path, "kernel")
+        rule = _rule(names, cfg, n)
+        if rule is None:
+            continue
+        axis, block = rule[0], m.block
+        dim = m.kernel[...].shape[axis]
+        aligned = dim % block == 0 and all(
+            len(idx) % block == 0 and (idx.reshape(-1, block) == idx.reshape(-1, block)[:, :1]
+                                      + np.arange(block)).all() and (idx[::block] % block == 0).all()
+            for idx in (_held_index(names, dim, axis, cfg, n, d) for d in range(n)))
+        if not aligned:
+            raise ValueError(f"tensor_parallel_size={n}: the FP8 weight {'.'.join(map(str, path))} "
+                             f"{m.kernel[...].shape} does not split on its {block} x {block} scale blocks "
+                             "(each device's share must be whole blocks); serve it on one device or "
+                             "with another tensor_parallel_size")
 
 
 def vocab_split(cfg: ModelConfig, n: int) -> bool:
@@ -171,12 +203,20 @@ def mark_local_model(model: nnx.Module, cfg: ModelConfig, n: int) -> nnx.Module:
     return model
 
 
-def local_abstract_model(cfg: ModelConfig, n: int, dtype) -> nnx.Module:
-    """The marked local model with abstract (shape-only) parameters."""
+def local_abstract_model(cfg: ModelConfig, n: int, dtype, fp8: Fp8Layout | None = None) -> nnx.Module:
+    """The marked local model with abstract (shape-only) parameters; the Linears named in
+    `fp8` (`fp8_layout` of the global model) hold FP8 kernels and their block scales."""
+    from hybrid_jax.layers.fp8 import FP8, scale_shape
     from hybrid_jax.model import CausalLM
 
     local = local_config(cfg, n)
     model = nnx.eval_shape(lambda: CausalLM(local, dtype=dtype, rngs=nnx.Rngs(0)))
+    for path, m in nnx.iter_graph(model):
+        if (key := ".".join(map(str, path))) in (fp8 or {}):
+            block, scale_dtype = fp8[key]
+            shape = tuple(m.kernel.value.shape)
+            m.set_fp8(jax.ShapeDtypeStruct(shape, FP8),
+                      jax.ShapeDtypeStruct(scale_shape(shape, block), scale_dtype), block)
     return mark_local_model(model, cfg, n)
 
 
@@ -320,14 +360,33 @@ def shard_shape(names: tuple, shape: tuple[int, ...], cfg: ModelConfig, n: int) 
     return tuple(size if i == axis else d for i, d in enumerate(shape))
 
 
-def shard_params(cfg: ModelConfig, state, n: int, d: int, local_state) -> list[np.ndarray]:
-    """Device d's parameters (leaves in `local_state` order), checked against its shapes."""
+def _scale_shard(names: tuple, scale: np.ndarray, block: int, cfg: ModelConfig, n: int, d: int
+                 ) -> np.ndarray:
+    """Device d's block scales of the FP8 kernel at names[:-1]: the blocks of the kernel
+    rows / columns it holds (aligned: `check_weights_shardable`)."""
+    kernel = (*names[:-1], "kernel")
+    rule = _rule(kernel, cfg, n)
+    if rule is None:
+        return scale
+    axis = rule[0] % 2
+    idx = _held_index(kernel, scale.shape[axis] * block, axis, cfg, n, d)
+    return np.take(scale, idx[::block] // block, axis=axis)
+
+
+def shard_params(cfg: ModelConfig, state, n: int, d: int, local_state,
+                 fp8: Fp8Layout | None = None) -> list[np.ndarray]:
+    """Device d's parameters (leaves in `local_state` order), checked against its shapes.
+    FP8 kernels split as any kernel (their block scales with them: `fp8`, the model's
+    `fp8_layout`)."""
     glob = jax.tree_util.tree_flatten_with_path(state)[0]
     loc = jax.tree.leaves(local_state)
     out = []
     for (path, x), want in zip(glob, loc, strict=True):
         names = _names(path)
-        shard = shard_param(names, np.asarray(x), cfg, n, d)
+        if names[-1] == "scale" and (key := ".".join(map(str, names[:-1]))) in (fp8 or {}):
+            shard = _scale_shard(names, np.asarray(x), fp8[key][0], cfg, n, d)
+        else:
+            shard = shard_param(names, np.asarray(x), cfg, n, d)
         if shard.shape != tuple(want.shape):
             raise AssertionError(f"{'.'.join(map(str, names))}: shard {shard.shape} != local {want.shape}")
         out.append(shard)
@@ -377,7 +436,7 @@ def host_device():
     return jax.devices("cpu")[0]
 
 
-def param_bytes_per_device(cfg: ModelConfig, n: int, dtype) -> int:
+def param_bytes_per_device(cfg: ModelConfig, n: int, dtype, fp8: Fp8Layout | None = None) -> int:
     """Parameter bytes one device holds with tensor_parallel_size=n (exact shard shapes)."""
-    local = local_abstract_model(cfg, n, dtype)
+    local = local_abstract_model(cfg, n, dtype, fp8)
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(local)))

@@ -10,7 +10,11 @@ softcap * tanh(x / softcap), then masked.
 Each op validates its arguments, resolves `impl` (pallas | interpret |
 reference, see `backend`) and dispatches to the Pallas kernel
 (`paged_decode`, `paged_prefill`) or the pure-JAX reference
-(`paged_attention_ref`). Kernel tuning (tile sizes, warps, splits) is chosen
+(`paged_attention_ref`). FP8 pools (float8_e4m3fn pages) take per-KV-head scales
+k_scale, v_scale f32 [k] (real K/V = page values x scale): `write_kv` quantizes with
+them, the references dequantize the K/V they rebuild, and the kernels read e4m3 tiles
+widened to q's dtype with k_scale folded into q and v_scale into the output (exact in
+real arithmetic: both are constant over a program's keys). Kernel tuning (tile sizes, warps, splits) is chosen
 here from static shapes. This module knows nothing of scheduling: it trusts
 the host to have checked page indices (JAX clamps out-of-range ones silently).
 """
@@ -37,9 +41,38 @@ from pallas_kernels.paged_decode import (
     fused_outputs,
 )
 from pallas_kernels.paged_prefill import prefill_pallas
-from pallas_kernels.paged_tiles import TileConfig
+from pallas_kernels.paged_tiles import TileConfig, compute_dtype
 
 HEAD_DIMS = (64, 128, 256)
+FP8 = jnp.dtype(jnp.float8_e4m3fn)
+FP8_MAX = float(jnp.finfo(FP8).max)  # 448
+
+
+def _check_scales(k_pages, k_scale, v_scale) -> bool:
+    """Whether the pools are FP8; ValueError unless scales come with FP8 pools only, f32 [k]."""
+    fp8 = k_pages.dtype == FP8
+    if fp8 != (k_scale is not None) or (k_scale is None) != (v_scale is None):
+        raise ValueError(f"k_scale and v_scale go with FP8 (float8_e4m3fn) pages and only with them: "
+                         f"pages are {k_pages.dtype}, k_scale {None if k_scale is None else k_scale.shape}, "
+                         f"v_scale {None if v_scale is None else v_scale.shape}")
+    if fp8:
+        nk = k_pages.shape[0]
+        for name, x in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if x.shape != (nk,) or x.dtype != jnp.float32:
+                raise ValueError(f"{name} must be float32 [{nk}] (one per KV head), got {x.dtype}{x.shape}")
+    return fp8
+
+
+def _per_head(x: jax.Array, scale: jax.Array) -> jax.Array:
+    """x [t, h, e] times its KV head's scale (scale [k], h = k x G), in f32, back to x's dtype."""
+    g = x.shape[1] // scale.shape[0]
+    return (x.astype(jnp.float32) * jnp.repeat(scale, g)[None, :, None]).astype(x.dtype)
+
+
+def _compute_pool(k_pages, q) -> jax.ShapeDtypeStruct:
+    """The pools as the kernels' tuning sees them: FP8 tiles are widened to q's dtype in
+    registers, so they are tuned as pools of that dtype."""
+    return jax.ShapeDtypeStruct(k_pages.shape, compute_dtype(k_pages, q))
 
 
 def _check_pool(k_pages, v_pages, head_dim: int, heads: int) -> None:
@@ -105,6 +138,8 @@ def paged_attention_decode(
     scale: float | None = None,
     impl: Impl | None = None,
     queries: int = 1,
+    k_scale: jax.Array | None = None,
+    v_scale: jax.Array | None = None,
 ) -> jax.Array:
     """n = `queries` query tokens per sequence. q [b * n, h, e] -> [b * n, h, e].
 
@@ -114,7 +149,7 @@ def paged_attention_decode(
     intersecting [lengths - n + 1 - w, lengths) are read. n > 1 is speculative
     verification: the last sampled token and n - 1 drafts, in one program per
     sequence and KV head (n x G rows), where the prefill kernel would spend a
-    query block per sequence.
+    query block per sequence. FP8 pools: k_scale, v_scale f32 [k] (module doc).
     """
     t, h, e = q.shape
     if queries < 1 or t % queries:
@@ -122,14 +157,18 @@ def paged_attention_decode(
     b = t // queries
     _check_pool(k_pages, v_pages, e, h)
     _check_common(lengths, page_table, b, window, softcap)
+    fp8 = _check_scales(k_pages, k_scale, v_scale)
     impl = resolve_impl(impl)
     if impl == "reference":
+        scales = dict(k_scale=k_scale, v_scale=v_scale)
         if queries == 1:
             return paged_attention_decode_reference(
-                q, k_pages, v_pages, lengths, page_table, window=window, softcap=softcap, scale=scale)
+                q, k_pages, v_pages, lengths, page_table, window=window, softcap=softcap, scale=scale,
+                **scales)
         cu = jnp.arange(b + 1, dtype=jnp.int32) * queries
         return paged_attention_prefill_reference(
-            q, k_pages, v_pages, cu, lengths, page_table, window=window, softcap=softcap, scale=scale)
+            q, k_pages, v_pages, cu, lengths, page_table, window=window, softcap=softcap, scale=scale,
+            **scales)
     _check_kernel_shapes(k_pages)
     # Measured on H100 (docs/history/benchmarks-2026.md): 32 KiB K + V tiles, no cp.async
     # pipelining (num_stages=1) so several programs share an SM, beat deeper stages.
@@ -137,10 +176,12 @@ def paged_attention_decode(
     # better (native-1b-parallel, batch 64, context 612: 55 us against 67 us per layer;
     # a sweep since removed); with fewer, splits fill the GPU and they do not
     # (batch 8, in the step: 0.58 ms against 0.52 ms).
-    cfg, splits = _decode_tuning(k_pages, page_table, b, queries, window, softcap, scale)
-    return decode_pallas(
-        q, k_pages, v_pages, lengths, page_table, cfg=cfg, splits=splits,
-        num_warps=4, num_stages=1, interpret=impl == "interpret", queries=queries)
+    cfg, splits = _decode_tuning(_compute_pool(k_pages, q), page_table, b, queries, window, softcap,
+                                 scale)
+    o = decode_pallas(
+        _per_head(q, k_scale) if fp8 else q, k_pages, v_pages, lengths, page_table, cfg=cfg,
+        splits=splits, num_warps=4, num_stages=1, interpret=impl == "interpret", queries=queries)
+    return _per_head(o, v_scale) if fp8 else o
 
 
 def _decode_tuning(k_pages, page_table, b: int, queries: int, window, softcap, scale
@@ -209,6 +250,9 @@ def paged_attention_decode_fused(
     """
     b, e = proj.shape[0], k_pages.shape[3]
     nk, r = k_pages.shape[0], cos.shape[-1]
+    if k_pages.dtype == FP8:
+        raise ValueError("FP8 pages are not taken by the fused decode (it writes K/V in the pools' "
+                         "dtype): use write_kv and paged_attention_decode with their scales")
     if proj.ndim != 2 or cos.shape != (b, r) or sin.shape != (b, r):
         raise ValueError(f"proj {proj.shape} must be [b, W] and cos/sin {cos.shape}/{sin.shape} [b, r]")
     if heads % nk or not decode_fused_fits(e, r, k_pages):
@@ -266,13 +310,16 @@ def paged_attention_prefill(
     softcap: float | None = None,
     scale: float | None = None,
     impl: Impl | None = None,
+    k_scale: jax.Array | None = None,
+    v_scale: jax.Array | None = None,
 ) -> jax.Array:
     """Ragged packed queries. q [t, h, e] -> [t, h, e].
 
     cu_q_lens int32 [b + 1]: sequence i's queries are q[cu[i]:cu[i+1]];
     lengths int32 [b]: tokens in cache after this chunk (its K/V already
     written), so query j of sequence i is at position lengths[i] - n_i + j.
-    Rows past cu[b] are padding and return zeros.
+    Rows past cu[b] are padding and return zeros. FP8 pools: k_scale, v_scale f32 [k]
+    (module doc).
     """
     t, h, e = q.shape
     b = lengths.shape[0]
@@ -281,17 +328,19 @@ def paged_attention_prefill(
     if cu_q_lens.shape != (b + 1,) or cu_q_lens.dtype != jnp.int32:
         raise ValueError(f"cu_q_lens must be int32 [{b + 1}], got "
                          f"{cu_q_lens.dtype}{cu_q_lens.shape}")
+    fp8 = _check_scales(k_pages, k_scale, v_scale)
     impl = resolve_impl(impl)
     if impl == "reference":
         return paged_attention_prefill_reference(
             q, k_pages, v_pages, cu_q_lens, lengths, page_table,
-            window=window, softcap=softcap, scale=scale)
+            window=window, softcap=softcap, scale=scale, k_scale=k_scale, v_scale=v_scale)
     _check_kernel_shapes(k_pages)
-    block_q, tile, warps, stages = _prefill_tuning(k_pages, h // k_pages.shape[0])
+    block_q, tile, warps, stages = _prefill_tuning(_compute_pool(k_pages, q), h // k_pages.shape[0])
     cfg = _tile_config(k_pages, page_table, window, softcap, scale, tile_tokens=tile)
-    return prefill_pallas(
-        q, k_pages, v_pages, cu_q_lens, lengths, page_table, cfg=cfg, block_q=block_q,
-        num_warps=warps, num_stages=stages, interpret=impl == "interpret")
+    o = prefill_pallas(
+        _per_head(q, k_scale) if fp8 else q, k_pages, v_pages, cu_q_lens, lengths, page_table,
+        cfg=cfg, block_q=block_q, num_warps=warps, num_stages=stages, interpret=impl == "interpret")
+    return _per_head(o, v_scale) if fp8 else o
 
 
 def _prefill_tuning(k_pages, group: int) -> tuple[int, int, int, int]:
@@ -321,8 +370,13 @@ def write_kv(
     slot_mapping: jax.Array,
     *,
     impl: Impl | None = None,
+    k_scale: jax.Array | None = None,
+    v_scale: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Write new tokens' K/V into their page slots. k_new, v_new [t, k, e].
+
+    FP8 pools: each value divided by its KV head's scale (k_scale, v_scale f32 [k]) in
+    f32, clipped to e4m3's +-448 (a cast past it would give NaN) and rounded to e4m3.
 
     slot_mapping int32 [t] = physical_page * s + offset (padding rows point into
     page 0). An XLA scatter for every impl: the write is tiny next to the pool,
@@ -337,6 +391,8 @@ def write_kv(
         raise ValueError(f"k_new/v_new must be [{t}, {nk}, {e}], got {k_new.shape}, {v_new.shape}")
     if slot_mapping.dtype != jnp.int32:
         raise ValueError(f"slot_mapping must be int32, got {slot_mapping.dtype}")
+    if _check_scales(k_pages, k_scale, v_scale):
+        k_new, v_new = quantize_kv(k_new, k_scale), quantize_kv(v_new, v_scale)
 
     def scatter(pages, new):
         flat = pages.reshape(nk, n_pages * s, e)
@@ -349,3 +405,9 @@ def write_kv(
         return flat.reshape(pages.shape)
 
     return scatter(k_pages, k_new), scatter(v_pages, v_new)
+
+
+def quantize_kv(x: jax.Array, scale: jax.Array) -> jax.Array:
+    """x [t, k, e] -> e4m3 values of x / scale[k] (f32 division, clipped to +-448)."""
+    y = x.astype(jnp.float32) / scale[None, :, None]
+    return jnp.clip(y, -FP8_MAX, FP8_MAX).astype(FP8)

@@ -9,7 +9,9 @@ with static shapes.
 
 Shapes (see docs/shapes.md): q [b, h, e] (decode) or [t, h, e] (prefill);
 k_pages, v_pages [k, N, s, e]; page_table int32 [b, T] (a ring); lengths
-int32 [b]; cu_q_lens int32 [b + 1].
+int32 [b]; cu_q_lens int32 [b + 1]. FP8 pages (float8_e4m3fn) come with k_scale,
+v_scale f32 [k]: the real K/V of head j is page values times scale[j]; the references
+dequantize the rebuilt K/V into q's dtype before attending.
 
 This module knows attention math and the page layout, nothing of scheduling.
 """
@@ -50,6 +52,15 @@ def _gather_span(k_pages, v_pages, table_row, first_page, num_pages, lo, hi):
     return rebuild(k_pages), rebuild(v_pages), kpos, in_span
 
 
+def _dequantize(k, v, k_scale, v_scale, dtype):
+    """Rebuilt K/V [k, n, e] as attended: FP8 values times their head's scale in f32,
+    then `dtype`; unquantized K/V as they are."""
+    if k_scale is None:
+        return k, v
+    deq = lambda x, sc: (x.astype(jnp.float32) * sc[:, None, None]).astype(dtype)  # noqa: E731
+    return deq(k, k_scale), deq(v, v_scale)
+
+
 def _attend(q, k, v, visible, softcap, scale):
     """q [r, k, g, e], k/v [k, n, e], visible [r, n] -> [r, k, g, e] in f32."""
     logits = jnp.einsum("rkge,kne->rkgn", q, k, precision=_HIGHEST,
@@ -75,12 +86,14 @@ def rope_reference(x, cos, sin):
 
 
 def paged_attention_decode_reference(
-    q, k_pages, v_pages, lengths, page_table, *, window=None, softcap=None, scale=None
+    q, k_pages, v_pages, lengths, page_table, *, window=None, softcap=None, scale=None,
+    k_scale=None, v_scale=None,
 ):
     """Decode attention; the query of sequence i sits at position lengths[i] - 1.
 
     1. Sequence i sees keys [lo, len) with lo = max(0, len - w) (0 if global).
-    2. Rebuild its contiguous K/V over the pages covering [lo, len) (ring walk).
+    2. Rebuild its contiguous K/V over the pages covering [lo, len) (ring walk);
+       FP8 pages dequantized with their heads' scales.
     3. logits = scale * q.k, soft-capped, masked to [lo, len); softmax; sum of v.
     Rows with lengths == 0 see no key and return zeros.
     """
@@ -93,6 +106,7 @@ def paged_attention_decode_reference(
 
     def one(qi, row, lo_i, len_i):
         k, v, _, visible = _gather_span(k_pages, v_pages, row, lo_i // s, span, lo_i, len_i)
+        k, v = _dequantize(k, v, k_scale, v_scale, q.dtype)
         qi = qi.astype(k.dtype).reshape(1, nk, h // nk, e)
         return _attend(qi, k, v, visible[None], softcap, scale)[0]
 
@@ -108,7 +122,7 @@ def _query_chunk(t: int, keys: int, heads: int) -> int:
 
 def paged_attention_prefill_reference(
     q, k_pages, v_pages, cu_q_lens, lengths, page_table, *,
-    window=None, softcap=None, scale=None,
+    window=None, softcap=None, scale=None, k_scale=None, v_scale=None,
 ):
     """Ragged prefill attention over paged K/V (chunked prefill).
 
@@ -116,8 +130,8 @@ def paged_attention_prefill_reference(
        lengths[i] - n_i + j; its K/V for all positions < lengths[i] is paged.
     2. Walk its queries in chunks of c tokens. A chunk at positions [p0, p1]
        sees keys [lo, p1 + 1) with lo = max(0, p0 - w + 1) (0 if global).
-    3. Rebuild contiguous K/V over those pages (ring walk) and attend with the
-       mask  q - w < key <= q  per query.
+    3. Rebuild contiguous K/V over those pages (ring walk; FP8 pages dequantized
+       with their heads' scales) and attend with the mask  q - w < key <= q  per query.
     Tokens past cu[b] (bucket padding) return zeros.
     """
     t, h, e = q.shape
@@ -127,7 +141,8 @@ def paged_attention_prefill_reference(
     global_span = num_cols * s
     chunk = _query_chunk(t, global_span if window is None else window, h)
     span = num_cols if window is None else min(num_cols, _pages_spanned(chunk + window, s))
-    qp = jnp.pad(q.astype(k_pages.dtype), ((0, chunk), (0, 0), (0, 0)))
+    kv_dtype = k_pages.dtype if k_scale is None else q.dtype
+    qp = jnp.pad(q.astype(kv_dtype), ((0, chunk), (0, 0), (0, 0)))
     out = jnp.zeros((t + chunk, h, e), jnp.float32)
 
     def chunk_body(i, j, out):
@@ -139,6 +154,7 @@ def paged_attention_prefill_reference(
         lo = 0 if window is None else jnp.maximum(qpos[0] - window + 1, 0)
         k, v, kpos, in_span = _gather_span(
             k_pages, v_pages, page_table[i], lo // s, span, lo, hi)
+        k, v = _dequantize(k, v, k_scale, v_scale, q.dtype)
         visible = (kpos[None, :] <= qpos[:, None]) & in_span[None, :] & valid[:, None]
         if window is not None:
             visible &= kpos[None, :] > qpos[:, None] - window

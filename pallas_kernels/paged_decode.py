@@ -42,6 +42,7 @@ from pallas_kernels.paged_tiles import (
     TileConfig,
     attend_one,
     attend_tiles,
+    compute_dtype,
     finish,
     init_carry,
     tile_span,
@@ -148,7 +149,7 @@ def decode_pallas(
     t, h, _ = q.shape
     b, g = t // n, h // nk
     rows = query_rows(n, g)
-    qg = q.astype(k_pages.dtype).reshape(b, n, nk, g, e)
+    qg = q.astype(compute_dtype(k_pages, q)).reshape(b, n, nk, g, e)
     qg = jnp.swapaxes(qg, 1, 2).reshape(b, nk, n * g, e)
     qg = jnp.pad(qg, ((0, 0), (0, 0), (0, rows - n * g), (0, 0)))
     pool_spec = pl.BlockSpec((None, n_pages, s, e), lambda i, j, x: (j, 0, 0, 0))

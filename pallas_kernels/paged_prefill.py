@@ -26,7 +26,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.paged_tiles import attend_tiles, finish, init_carry, tile_span
+from pallas_kernels.paged_tiles import attend_tiles, compute_dtype, finish, init_carry, tile_span
 
 
 def _whole(shape) -> pl.BlockSpec:
@@ -94,7 +94,7 @@ def prefill_pallas(
     nk, n_pages, s, _ = k_pages.shape
     g = h // nk
     group = pl.next_power_of_2(g)  # tiles must have power-of-2 sizes
-    qg = q.astype(k_pages.dtype).reshape(t, nk, g, e)
+    qg = q.astype(compute_dtype(k_pages, q)).reshape(t, nk, g, e)
     if group != g:
         qg = jnp.pad(qg, ((0, 0), (0, 0), (0, group - g), (0, 0)))
     items = work_items(cu_q_lens, lengths, t, block_q)

@@ -12,6 +12,9 @@ read: its index is redirected to the dummy page 0, whose contents are garbage
 and are masked out (K through the logits, V by zeroing, because 0 * NaN is
 NaN).
 
+FP8 pages (float8_e4m3fn) are read as stored and widened to q's dtype in registers;
+their scales never enter the loop (the callers fold them into q and the output).
+
 This module knows nothing of how rows map to tokens: callers pass each row's
 query position. It runs inside `pl.pallas_call` only (Triton or interpret).
 """
@@ -45,6 +48,12 @@ class TileConfig:
     @property
     def tile_tokens(self) -> int:
         return self.page_size * self.pages_per_tile
+
+
+def compute_dtype(k_pages, q) -> jnp.dtype:
+    """The dtype the tile loop multiplies in: the pools' own, or q's for FP8 pools (read as
+    e4m3, widened in registers)."""
+    return q.dtype if k_pages.dtype == jnp.float8_e4m3fn else k_pages.dtype
 
 
 def _precision(dtype) -> lax.Precision:
@@ -107,8 +116,10 @@ def _make_step(q, qpos, k_ref, v_ref, pt_ref, seq, k_lo, k_hi, cfg: TileConfig, 
     def step(tile, carry):
         o, m, l = carry
         pages = _tile_pages(pt_ref, seq, tile, k_lo, k_hi, cfg)
-        k = k_ref[pages].reshape(kb, e)
-        v = v_ref[pages].reshape(kb, e)
+        # FP8 pages (e4m3) are widened to q's dtype as they are read: the dots run in the
+        # compute dtype, the per-head scales were folded into q and the output outside.
+        k = k_ref[pages].reshape(kb, e).astype(q.dtype)
+        v = v_ref[pages].reshape(kb, e).astype(q.dtype)
         s = _logits(q, k, cfg)
         if masked:
             kpos = tile * kb + lax.broadcasted_iota(jnp.int32, (kb,), 0)

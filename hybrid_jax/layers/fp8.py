@@ -9,18 +9,26 @@ included when a dimension is not a multiple of B (a [540, 64] kernel with B = 32
 
 `dequantize` is the reference: exact in f32 (an e4m3 value times an f32 scale is one
 rounding, as transformers' own dequantization does), then cast to the compute dtype.
-`fp8_matmul` is the product a Linear with an FP8 kernel runs; today it dequantizes and
-multiplies in the compute dtype everywhere (docs/kernels.md says which GPU kernels would
-replace it and why). `quantize` makes the format from a float kernel (quantization at
+`fp8_matmul` is the product a Linear with an FP8 kernel runs: the FP8 decode GEMV kernel
+for few rows where the kernel switch picks Pallas, else the dequantized kernel multiplied
+in the compute dtype (docs/kernels.md). `quantize` makes the format from a float kernel (quantization at
 load). This module knows nothing of checkpoints or serving.
 """
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from configs import switches
+from pallas_kernels.backend import Impl, resolve_impl
+from pallas_kernels.fp8_gemv import fits as gemv_fits
+from pallas_kernels.fp8_gemv import fp8_gemv
+
+FP8_GEMV = switches.fp8_gemv()  # HYBRID_JAX_FP8_GEMV=0: the dequantize path at every row count
 FP8 = jnp.dtype(jnp.float8_e4m3fn)
 FP8_MAX = float(jnp.finfo(FP8).max)  # 448
 
@@ -51,13 +59,24 @@ def dequantize(kernel: jax.Array, scale: jax.Array, block: int, dtype) -> jax.Ar
 
 
 def fp8_matmul(x: jax.Array, kernel: jax.Array, scale: jax.Array, *, block: int, dtype,
-               transposed: bool) -> jax.Array:
+               transposed: bool, impl: Impl | None = None) -> jax.Array:
     """x [..., i] times the FP8 kernel [i, o] (or [o, i] when `transposed`) -> [..., o] in
-    `dtype`: the dequantized kernel through the plain product (layers/linear.matmul, which
-    also takes the one-row reduction, where XLA fuses the dequantization into the read).
-    The place a block-scaled FP8 GEMM / decode GEMV would go (docs/kernels.md)."""
+    `dtype`. Few rows (decode: at most 64) with 128 x 128 blocks and whole blocks, where
+    the kernel switch (`impl`, pallas_kernels/backend.py) picks Pallas and
+    HYBRID_JAX_FP8_GEMV is not 0: the FP8 GEMV
+    (pallas_kernels/fp8_gemv.py), which streams the e4m3 weight once and dequantizes in
+    registers. Otherwise, and as the reference: the dequantized kernel through the plain
+    product (layers/linear.matmul, which also takes the one-row reduction, where XLA fuses
+    the dequantization into the read)."""
     from hybrid_jax.layers.linear import matmul
 
+    rows, k = math.prod(x.shape[:-1]), x.shape[-1]
+    n = kernel.shape[0] if transposed else kernel.shape[1]
+    impl = resolve_impl(impl)
+    if impl != "reference" and FP8_GEMV and gemv_fits(rows, k, n, block):
+        y = fp8_gemv(x.reshape(rows, k).astype(dtype), kernel, scale, transposed=transposed,
+                     interpret=impl == "interpret")
+        return y.reshape(*x.shape[:-1], n)
     return matmul(x, dequantize(kernel, scale, block, dtype), transposed)
 
 

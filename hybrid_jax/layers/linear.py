@@ -20,8 +20,9 @@ A Pallas skinny GEMM for few-row products was tried and removed: read in place i
 streamed weights no faster than cuBLAS (docs/history/benchmarks-2026.md, second pass).
 
 A Linear may hold an FP8 kernel with block scales (`scale`, `block`; the Hub's
-fine-grained FP8 format, hybrid_jax/layers/fp8.py): its product runs `fp8_matmul`, which
-dequantizes to the compute dtype `dtype`. The fused paths that would read the kernel
+fine-grained FP8 format, hybrid_jax/layers/fp8.py): its product runs `fp8_matmul` (the FP8
+decode GEMV kernel for few rows on a GPU, else the kernel dequantized to the compute dtype
+`dtype`). The fused paths that would read the kernel
 raw (the stream GEMM, split-K) are bypassed for it by rule (`glu`, `split_k_parts`).
 """
 

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 
 from hybrid_jax.cache import cache_bytes
 from hybrid_jax.config import ModelConfig
+from hybrid_jax.kv_quant import check_kv_cache_dtype, kv_dtype
 from hybrid_jax.quantization import check_quantization
 from hybrid_jax.tensor_parallel import local_config
 from serving.core.block_table import decode_page_bound, ring_width
@@ -69,6 +70,11 @@ class EngineConfig:
     # "fp8": the decoder Linears quantized block-wise (128 x 128, e4m3) at load
     # (hybrid_jax/quantization.py); FP8 checkpoints load FP8 whatever this says.
     quantization: str | None = None
+    # "fp8": K/V pages in float8_e4m3fn (half the bytes of bf16: twice the pages for the same
+    # memory) with static scales calibrated at start-up (hybrid_jax/kv_quant.py), one per
+    # layer and KV head (kv_scale "head") or per layer ("tensor"); "auto": `dtype`.
+    kv_cache_dtype: str = "auto"
+    kv_scale: str = "head"
     # Persistent XLA compilation cache, so a restart skips most of the start-up compile.
     # Used only when the process has not configured one itself; None disables.
     compilation_cache_dir: str | None = "~/.cache/hybrid-jax/xla"
@@ -131,6 +137,10 @@ class EngineConfig:
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len={self.max_model_len} must be >= 2")
         check_quantization(self.quantization)
+        check_kv_cache_dtype(self.kv_cache_dtype, self.kv_scale)
+        if self.kv_cache_dtype == "fp8" and self.tensor_parallel_size > 1:
+            raise ValueError(f"kv_cache_dtype='fp8' with tensor_parallel_size={self.tensor_parallel_size}: "
+                             "FP8 KV pages do not run tensor-parallel yet (their scales are not sharded)")
         if self.ssm_state_dtype not in ("float32", "bfloat16"):
             raise ValueError(f"ssm_state_dtype={self.ssm_state_dtype!r} must be 'float32' or 'bfloat16'")
         if self.prefix_state_stride < self.page_size or self.prefix_state_stride % self.page_size:
@@ -289,7 +299,8 @@ def plan_pools(model: ModelConfig, cfg: EngineConfig, *, free_bytes: int | None,
     max_len = cfg.max_model_len or min(model.max_position_embeddings, 8192)
     shard = local_config(model, cfg.tensor_parallel_size)
     page_bytes, slot_bytes = cache_bytes(shard, page_size=cfg.page_size, dtype=dtype,
-                                         state_dtype=jnp.dtype(cfg.ssm_state_dtype))
+                                         state_dtype=jnp.dtype(cfg.ssm_state_dtype),
+                                         kv_dtype=kv_dtype(cfg.kv_cache_dtype, dtype))
     ckpts, ckpt_bytes = 0, slot_bytes
     if cfg.enable_prefix_caching and slot_bytes:  # a model without recurrent state needs none
         ckpts = (cfg.prefix_state_checkpoints or max(16, 2 * cfg.max_num_seqs)) + 1

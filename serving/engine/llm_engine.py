@@ -22,6 +22,7 @@ import numpy as np
 from flax import nnx
 
 from hybrid_jax import tensor_parallel as tp
+from hybrid_jax.kv_quant import calibrate_kv_scales, kv_dtype
 from hybrid_jax.loading import DTYPES, LoadedModel, load_model
 from hybrid_jax.quantization import fp8_linears, quantize_model
 from serving.core.block_table import ring_width
@@ -134,7 +135,7 @@ class LLMEngine:
             tp.check_weights_shardable(lm.model, n)
         self.model_config, self.tokenizer = lm.config, lm.tokenizer
         weights = (sum(x.nbytes for x in jax.tree.leaves(lm.model)) if n == 1 else
-                   tp.param_bytes_per_device(lm.config, n, lm.model.dtype))
+                   tp.param_bytes_per_device(lm.config, n, lm.model.dtype, tp.fp8_layout(lm.model)))
         self._draft_lm = None
         if self.config.speculative_method == "draft":  # loaded first: planned with the pools
             self._draft_lm = load_model(self.config.speculative_model, dtype=self.config.dtype)
@@ -148,6 +149,9 @@ class LLMEngine:
         sc = self.plan.scheduler
         self.scheduler = Scheduler(sc, eos_token_ids=lm.config.eos_token_ids)
         multi_seqs = min(self.config.multi_step_max_seqs, sc.max_num_seqs)  # the plan may lower max_num_seqs
+        # FP8 KV: static per-layer scales from one calibration prefill (hybrid_jax/kv_quant.py)
+        kv_scales = (calibrate_kv_scales(lm.model, self.config.kv_scale)
+                     if self.config.kv_cache_dtype == "fp8" else None)
         self.runner = ModelRunner(
             lm.model, num_pages=tuple(g.num_pages for g in sc.groups), page_size=sc.page_size,
             num_slots=sc.num_slots,
@@ -158,7 +162,8 @@ class LLMEngine:
             state_dtype=DTYPES[self.config.ssm_state_dtype], num_checkpoints=sc.num_checkpoints,
             ckpt_ops=sc.max_checkpoint_ops if sc.prefix_caching else 0,
             spec_q=self.config.spec_q, spec_max_seqs=min(self.config.spec_max_seqs, sc.max_num_seqs),
-            multi_q=self.config.multi_q, multi_max_seqs=multi_seqs, mesh=mesh)
+            multi_q=self.config.multi_q, multi_max_seqs=multi_seqs, mesh=mesh,
+            kv_dtype=kv_dtype(self.config.kv_cache_dtype, lm.model.dtype), kv_scales=kv_scales)
         self._spec = self._spec_plan(lm)
         # Multi-step decoding rides on the scheduler's verification steps: q tokens per
         # sequence with pages reserved, the q - 1 after the first sampled on the device.
@@ -180,9 +185,10 @@ class LLMEngine:
         self._seeds = np.random.default_rng(seed)
         self.weight_bytes_by_dtype = self.runner.param_bytes_by_dtype()
         self.quantization = "fp8" if fp8_linears(lm.model) else None
-        log.info("engine ready: %d slots, pages %s, KV %.1f MiB, state %.1f MiB, weights %.1f MiB (%s)",
+        self.kv_cache_dtype = str(kv_dtype(self.config.kv_cache_dtype, lm.model.dtype))
+        log.info("engine ready: %d slots, pages %s, KV %.1f MiB (%s), state %.1f MiB, weights %.1f MiB (%s)",
                  sc.num_slots - 1, [g.num_pages - 1 for g in sc.groups],
-                 self.plan.kv_bytes / 2**20, self.plan.state_bytes / 2**20,
+                 self.plan.kv_bytes / 2**20, self.kv_cache_dtype, self.plan.state_bytes / 2**20,
                  sum(self.weight_bytes_by_dtype.values()) / 2**20, describe_bytes(self.weight_bytes_by_dtype))
 
     def _spec_plan(self, lm: LoadedModel) -> SpecPlan | None:
@@ -305,7 +311,8 @@ class LLMEngine:
 
     def stats(self) -> dict[str, object]:
         """Memory and pool usage: the weight bytes each device holds (in total and by
-        dtype: FP8 weights count one byte; `quantization` "fp8" when any are FP8), KV and
+        dtype: FP8 weights count one byte; `quantization` "fp8" when any are FP8), the K/V
+        pages' dtype (`kv_cache_dtype`: "float8_e4m3fn" with kv_cache_dtype="fp8"), KV and
         state bytes reserved, pages and slots in use.
 
         `pages_in_use` counts pages held by sequences; with prefix caching,
@@ -317,6 +324,7 @@ class LLMEngine:
         out = {"weight_bytes": sum(self.weight_bytes_by_dtype.values()),
                "weight_bytes_by_dtype": dict(self.weight_bytes_by_dtype),
                "quantization": self.quantization,
+               "kv_cache_dtype": self.kv_cache_dtype,
                "kv_bytes": self.plan.kv_bytes, "state_bytes": self.plan.state_bytes,
                "pages_in_use": s.pages_in_use, "pages_total": s.pages_total,
                "slots_in_use": s.slots_in_use, "slots_total": s.slots_total,

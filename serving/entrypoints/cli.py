@@ -109,6 +109,11 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantization", default=None, choices=["fp8"],
                    help="fp8: quantize the decoder Linear weights block-wise (128 x 128, e4m3) at "
                         "load; FP8 checkpoints load FP8 without it (docs/engine.md)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
+                   help="fp8: K/V pages in e4m3 with scales calibrated at start-up (a quarter of "
+                        "f32's bytes, half of bf16's: more pages in the same memory); auto: --dtype")
+    p.add_argument("--kv-scale", default="head", choices=["head", "tensor"],
+                   help="FP8 KV scales per layer and KV head (default) or per layer (docs/engine.md)")
     p.add_argument("--weights-seed", type=int, default=0,
                    help="seed for a preset's random weights (default 0)")
     p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
@@ -368,7 +373,8 @@ def _generate(args: argparse.Namespace) -> int:
     chunk = min(64, max(16, len(prompt)))
     cfg = EngineConfig(max_num_seqs=1, max_num_batched_tokens=chunk, max_prefill_chunk=chunk,
                        max_model_len=len(prompt) + args.max_tokens, dtype=args.dtype,
-                       quantization=args.quantization,
+                       quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
+                       kv_scale=args.kv_scale,
                        tensor_parallel_size=args.tensor_parallel_size, **_spec_kwargs(args))
     llm = LLM.from_engine(LLMEngine(lm, cfg))
     print(text, end="", flush=True)
@@ -444,6 +450,7 @@ def _serve_model(args: argparse.Namespace, model: str, tls, limits, http) -> int
                        max_prefill_chunk=args.max_prefill_chunk, max_model_len=args.max_model_len,
                        page_size=args.page_size, memory_fraction=args.memory_fraction, dtype=args.dtype,
                        quantization=args.quantization, ssm_state_dtype=args.ssm_state_dtype,
+                       kv_cache_dtype=args.kv_cache_dtype, kv_scale=args.kv_scale,
                        async_scheduling=not args.no_async_scheduling,
                        enable_prefix_caching=args.enable_prefix_caching,
                        prefix_state_stride=args.prefix_state_stride,

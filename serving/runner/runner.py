@@ -37,6 +37,7 @@ from configs import switches
 from hybrid_jax import tensor_parallel as tp
 from hybrid_jax.cache import RaggedBatch, init_caches, states_of
 from hybrid_jax.fusion import fuse_projections, kernel_stacks
+from hybrid_jax.kv_quant import with_kv_scales
 from hybrid_jax.layers.linear import Linear, reduction_gemv
 from hybrid_jax.model import CausalLM
 from serving.core.schedule import PENDING, StepArrays
@@ -98,7 +99,8 @@ class ModelRunner:
                  token_sizes: tuple[int, ...] | None = None,
                  state_dtype: jnp.dtype = jnp.float32, num_checkpoints: int = 0,
                  ckpt_ops: int = 0, spec_q: int = 0, spec_max_seqs: int = 0,
-                 multi_q: int = 0, multi_max_seqs: int = 0):
+                 multi_q: int = 0, multi_max_seqs: int = 0, kv_dtype: jnp.dtype | None = None,
+                 kv_scales: tuple[tuple[np.ndarray, np.ndarray], ...] | None = None):
         self.cfg = model.cfg
         self.mesh = mesh or Mesh(np.asarray(jax.devices()[:1]), (tp.AXIS,))
         self.replicated = NamedSharding(self.mesh, PartitionSpec())
@@ -113,7 +115,11 @@ class ModelRunner:
         local = tp.local_config(self.cfg, n)
         cache_shapes = jax.eval_shape(lambda: init_caches(
             local, num_pages=num_pages, page_size=page_size, num_slots=num_slots, dtype=model.dtype,
-            state_dtype=state_dtype))
+            state_dtype=state_dtype, kv_dtype=kv_dtype))
+        fp8_kv = any(kv.k_scale is not None for kv in cache_shapes.kv)
+        if fp8_kv != (kv_scales is not None):
+            raise ValueError("FP8 KV pages (kv_dtype float8_e4m3fn) need their kv_scales "
+                             "(hybrid_jax/kv_quant.py), and only they take them")
         ckpt_shapes = jax.eval_shape(lambda: states_of(init_caches(
             local, num_pages=(1,) * len(num_pages), page_size=page_size,
             num_slots=max(num_checkpoints, 1), dtype=model.dtype, state_dtype=state_dtype))) \
@@ -139,8 +145,13 @@ class ModelRunner:
             zeros = lambda tree: jax.device_put(
                 jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), tree), self.replicated)
             self.caches = zeros(cache_shapes)
+            if kv_scales is not None:
+                self.caches = with_kv_scales(self.caches, kv_scales)
             self.ckpts = zeros(ckpt_shapes) if ckpt_ops else None
         else:
+            if kv_scales is not None:
+                raise ValueError("FP8 KV pages do not run on the tensor-parallel path yet "
+                                 "(tensor_parallel_size > 1 or HYBRID_JAX_SHARDED_RUNNER=1)")
             self._place_sharded(model, cache_shapes, ckpt_shapes)
         self.stats = jax.device_put(init_token_stats(num_slots, self.cfg.vocab_size), self.replicated)
         self.ring_widths = ring_widths
@@ -227,13 +238,14 @@ class ModelRunner:
         that device only; caches and checkpoints created sharded (by head / channel)."""
         n, mesh = self.mesh.size, self.mesh
         tp.check_weights_shardable(model, n)
-        local = tp.local_abstract_model(self.cfg, n, model.dtype)
+        fp8 = tp.fp8_layout(model)  # FP8 kernels and their block scales split together
+        local = tp.local_abstract_model(self.cfg, n, model.dtype, fp8)
         self.graphdef, local_state = nnx.split(local)
         self.layout = plan_layout(local_state)
         state = nnx.state(model)
         per_device = []
         for d, dev in enumerate(mesh.devices.flat):
-            bufs = pack_host(self.layout, tp.shard_params(self.cfg, state, n, d, local_state))
+            bufs = pack_host(self.layout, tp.shard_params(self.cfg, state, n, d, local_state, fp8))
             per_device.append([jax.device_put(b, dev) for b in bufs])
         split = NamedSharding(mesh, PartitionSpec(tp.AXIS))
         self.params = tuple(

@@ -132,3 +132,4 @@ def test_tokenize_detokenize_and_model_info(served, server_engine):
     # The weights as held: the runner's packed f32 buffers, no FP8.
     assert info.weight_bytes == sum(b.nbytes for b in server_engine.runner.params) > 0
     assert dict(info.weight_bytes_by_dtype) == {"float32": info.weight_bytes} and info.quantization == ""
+    assert info.kv_cache_dtype == "float32"  # the pages' dtype (float8_e4m3fn with kv_cache_dtype="fp8")

@@ -61,6 +61,44 @@ def test_moe_kernel_runs_on_device_shards(child_results):
 
 
 @pytest.mark.slow
+def test_sharded_fp8_weights_equal_single_device(child_results):
+    assert "child crashed" not in child_results, child_results["child crashed"]
+    mine = {k: v for k, v in child_results.items() if k.startswith("fp8:")}
+    assert len(mine) == 3 and all(v is True for v in mine.values()), mine
+
+
+def test_fp8_shards_hold_the_shards_of_the_dequantized_weight():
+    """Every FP8 Linear's kernel and block scales, split for each of 2 devices, dequantize to
+    that device's shard of the dequantized global kernel (4 x 4 blocks: whole blocks at
+    every split of this model); the local model holds FP8 of those shapes."""
+    from hybrid_jax.layers.fp8 import dequantize
+    from hybrid_jax.quantization import quantize_model
+    from tests.serving.tensor_parallel_child import models
+
+    cfg = models()["ssm"]
+    model = quantize_model(CausalLM(cfg, rngs=nnx.Rngs(0)), "fp8", block=4)
+    fp8 = tp.fp8_layout(model)
+    tp.check_weights_shardable(model, 2)
+    state = nnx.state(model)
+    local = nnx.state(tp.local_abstract_model(cfg, 2, model.dtype, fp8))
+    glob = {tp._names(p): np.asarray(x) for p, x in jax.tree_util.tree_flatten_with_path(state)[0]}
+    names = [tp._names(p) for p, _ in jax.tree_util.tree_flatten_with_path(local)[0]]
+    deq = lambda k, s: np.asarray(dequantize(jax.numpy.asarray(k), jax.numpy.asarray(s), 4, np.float32))  # noqa: E731
+    for d in range(2):
+        held = dict(zip(names, tp.shard_params(cfg, state, 2, d, local, fp8), strict=True))
+        for path in fp8:
+            key = tuple(int(x) if x.isdigit() else x for x in path.split("."))
+            k, s = (*key, "kernel"), (*key, "scale")
+            assert held[k].dtype == jax.numpy.float8_e4m3fn
+            want = tp.shard_param(k, deq(glob[k], glob[s]), cfg, 2, d)
+            np.testing.assert_array_equal(deq(held[k], held[s]), want, err_msg=path)
+    plain = tp.param_bytes_per_device(cfg, 2, model.dtype)
+    assert tp.param_bytes_per_device(cfg, 2, model.dtype, fp8) < plain
+    with pytest.raises(ValueError, match="tensor_parallel_size=2: the FP8 weight .* scale blocks"):
+        tp.check_weights_shardable(quantize_model(CausalLM(cfg, rngs=nnx.Rngs(0)), "fp8", block=16), 2)
+
+
+@pytest.mark.slow
 def test_engine_refuses_what_cannot_be_sharded(child_results):
     refusals = {k: v for k, v in child_results.items() if "refused" in k}
     assert len(refusals) == 2 and all(v is True for v in refusals.values()), refusals

@@ -258,7 +258,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             max_num_seqs=sc.max_num_seqs, kv_cache_bytes=engine.plan.kv_bytes,
             state_bytes_per_slot=engine.plan.slot_bytes, eos_token_ids=cfg.eos_token_ids,
             bos_token_id=cfg.bos_token_id, weight_bytes=sum(engine.weight_bytes_by_dtype.values()),
-            weight_bytes_by_dtype=engine.weight_bytes_by_dtype, quantization=engine.quantization or "")
+            weight_bytes_by_dtype=engine.weight_bytes_by_dtype, quantization=engine.quantization or "",
+            kv_cache_dtype=engine.kv_cache_dtype)
         for spec in cfg.layers:
             info.layers.add(kind=spec.kind.value, window=spec.window)
         for group in sc.groups:

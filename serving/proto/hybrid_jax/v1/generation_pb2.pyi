@@ -161,7 +161,7 @@ class KVGroup(_message.Message):
     def __init__(self, window: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_pages: _Optional[int] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "architecture", "layers", "kv_groups", "vocab_size", "max_model_len", "dtype", "page_size", "max_num_seqs", "kv_cache_bytes", "state_bytes_per_slot", "ssm_state_size", "ssm_num_heads", "ssm_head_dim", "rglru_width", "eos_token_ids", "bos_token_id", "prefix_caching", "prefix_state_stride", "prefix_state_checkpoints", "prefix_state_checkpoint_bytes", "prefix_state_checkpoints_in_use", "prefix_cache_hit_tokens", "prefix_cache_query_tokens", "prefix_state_checkpoint_evictions", "prefix_cache_page_evictions", "weight_bytes", "weight_bytes_by_dtype", "quantization")
+    __slots__ = ("model", "architecture", "layers", "kv_groups", "vocab_size", "max_model_len", "dtype", "page_size", "max_num_seqs", "kv_cache_bytes", "state_bytes_per_slot", "ssm_state_size", "ssm_num_heads", "ssm_head_dim", "rglru_width", "eos_token_ids", "bos_token_id", "prefix_caching", "prefix_state_stride", "prefix_state_checkpoints", "prefix_state_checkpoint_bytes", "prefix_state_checkpoints_in_use", "prefix_cache_hit_tokens", "prefix_cache_query_tokens", "prefix_state_checkpoint_evictions", "prefix_cache_page_evictions", "weight_bytes", "weight_bytes_by_dtype", "quantization", "kv_cache_dtype")
     class WeightBytesByDtypeEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -198,6 +198,7 @@ class ModelInfo(_message.Message):
     WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_BYTES_BY_DTYPE_FIELD_NUMBER: _ClassVar[int]
     QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     model: str
     architecture: str
     layers: _containers.RepeatedCompositeFieldContainer[LayerInfo]
@@ -227,4 +228,5 @@ class ModelInfo(_message.Message):
     weight_bytes: int
     weight_bytes_by_dtype: _containers.ScalarMap[str, int]
     quantization: str
-    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., layers: _Optional[_Iterable[_Union[LayerInfo, _Mapping]]] = ..., kv_groups: _Optional[_Iterable[_Union[KVGroup, _Mapping]]] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., dtype: _Optional[str] = ..., page_size: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., state_bytes_per_slot: _Optional[int] = ..., ssm_state_size: _Optional[int] = ..., ssm_num_heads: _Optional[int] = ..., ssm_head_dim: _Optional[int] = ..., rglru_width: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bos_token_id: _Optional[int] = ..., prefix_caching: _Optional[bool] = ..., prefix_state_stride: _Optional[int] = ..., prefix_state_checkpoints: _Optional[int] = ..., prefix_state_checkpoint_bytes: _Optional[int] = ..., prefix_state_checkpoints_in_use: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., prefix_cache_query_tokens: _Optional[int] = ..., prefix_state_checkpoint_evictions: _Optional[int] = ..., prefix_cache_page_evictions: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., weight_bytes_by_dtype: _Optional[_Mapping[str, int]] = ..., quantization: _Optional[str] = ...) -> None: ...
+    kv_cache_dtype: str
+    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., layers: _Optional[_Iterable[_Union[LayerInfo, _Mapping]]] = ..., kv_groups: _Optional[_Iterable[_Union[KVGroup, _Mapping]]] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., dtype: _Optional[str] = ..., page_size: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., state_bytes_per_slot: _Optional[int] = ..., ssm_state_size: _Optional[int] = ..., ssm_num_heads: _Optional[int] = ..., ssm_head_dim: _Optional[int] = ..., rglru_width: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bos_token_id: _Optional[int] = ..., prefix_caching: _Optional[bool] = ..., prefix_state_stride: _Optional[int] = ..., prefix_state_checkpoints: _Optional[int] = ..., prefix_state_checkpoint_bytes: _Optional[int] = ..., prefix_state_checkpoints_in_use: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., prefix_cache_query_tokens: _Optional[int] = ..., prefix_state_checkpoint_evictions: _Optional[int] = ..., prefix_cache_page_evictions: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., weight_bytes_by_dtype: _Optional[_Mapping[str, int]] = ..., quantization: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ...) -> None: ...

@@ -1,0 +1,59 @@
+"""FP8 decode GEMV (pallas_kernels/fp8_gemv.py) against the dequantize path and a float64
+numpy product of the dequantized weight: both layouts, 1 / 5 / 64 rows, one split and
+several (f32 partial sums), interpret mode on CPU, compiled on a GPU."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from hybrid_jax.layers.fp8 import quantize
+from pallas_kernels.fp8_gemv import fits, fp8_gemv, fp8_reference
+
+INTERPRET = jax.default_backend() != "gpu"
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_fp8_gemv_matches_the_dequantize_path(transposed):
+    rng = np.random.default_rng(int(transposed))
+    k, n = 384, 224  # n: an edge block of 96 columns (32-column tiles)
+    w = rng.standard_normal((k, n)).astype(np.float32) * np.repeat(rng.uniform(0.01, 10, (3, 1)), 128, 0)
+    held = w.T if transposed else w
+    kernel, scale = quantize(held, 128)
+    full = np.kron(np.asarray(scale, np.float64), np.ones((128, 128)))[:held.shape[0], :held.shape[1]]
+    deq = np.asarray(kernel, np.float64) * full
+    deq = deq.T if transposed else deq
+    for m, splits in ((1, 1), (5, 3), (64, 2)):
+        x = rng.standard_normal((m, k)).astype(np.float32)
+        want = x.astype(np.float64) @ deq
+        got = fp8_gemv(jnp.asarray(x), kernel, scale, transposed=transposed, splits=splits,
+                       interpret=INTERPRET)
+        ref = fp8_reference(jnp.asarray(x), kernel, scale, transposed=transposed, out_dtype=jnp.float32)
+        tol = 1e-5 * np.abs(want).max()
+        np.testing.assert_allclose(np.asarray(ref), want, atol=tol, err_msg="reference")
+        np.testing.assert_allclose(np.asarray(got), want, atol=tol, err_msg=f"kernel m={m} splits={splits}")
+    assert fits(64, 384, 224, 128) and not fits(65, 384, 256, 128) and not fits(1, 300, 256, 128)
+    with pytest.raises(ValueError, match="multiple of 128"):
+        fp8_gemv(jnp.ones((1, 300)), jnp.zeros((300, 256), jnp.float8_e4m3fn), jnp.ones((3, 2)),
+                 transposed=False)
+
+
+def test_fp8_matmul_takes_the_kernel_by_row_count():
+    """Linear's FP8 product: the kernel (interpret) for few rows equals the dequantize path
+    (impl reference); leading dims are flattened and restored."""
+    from hybrid_jax.layers.fp8 import fp8_matmul
+
+    rng = np.random.default_rng(7)
+    kernel, scale = quantize(rng.standard_normal((256, 128)).astype(np.float32), 128)
+    x = jnp.asarray(rng.standard_normal((2, 3, 256)), jnp.float32)
+    kw = dict(block=128, dtype=jnp.float32, transposed=False)
+    got = fp8_matmul(x, kernel, scale, **kw, impl="interpret")
+    want = fp8_matmul(x, kernel, scale, **kw, impl="reference")
+    assert got.shape == (2, 3, 128)
+    for rows, taken in ((6, True), (65, False)):  # the kernel for few rows only
+        jaxpr = str(jax.make_jaxpr(lambda a: fp8_matmul(a, kernel, scale, **kw, impl="interpret"))(
+            jnp.zeros((rows, 256))))
+        assert ("fp8_gemv" in jaxpr) == taken
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
