@@ -62,8 +62,11 @@ def test_matches_float64(t, k, nw, sizes, gathered, glu, dtype, cfg):
     if dst is not None:
         want[perm] = want.copy()
     tol = 1e-4 if dtype == jnp.float32 else 2e-2
+    # Compiled on a GPU the Triton lowering's f32 dots are TF32 (~5e-3 relative seen on the
+    # H100), like XLA's default f32 matmuls there; interpret mode (CPU) is exact f32.
+    ktol = 1e-2 if IMPL == "pallas" and dtype == jnp.float32 else tol
     assert got.shape == want.shape
-    np.testing.assert_allclose(np.asarray(got), want, atol=tol * np.abs(want).max(), rtol=tol)
+    np.testing.assert_allclose(np.asarray(got), want, atol=ktol * np.abs(want).max(), rtol=ktol)
     ref = grouped_matmul(x, w, jnp.asarray(sizes), src=src, dst=dst, glu=glu, act=act,
                          out_dtype=jnp.float32, impl="reference")
     np.testing.assert_allclose(np.asarray(ref), want, atol=tol * np.abs(want).max(), rtol=tol)
