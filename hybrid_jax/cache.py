@@ -39,11 +39,19 @@ class ShortConvState(NamedTuple):
     conv: jax.Array  # [slots, conv_kernel - 1, d] (LFM2's B * x inputs, oldest first)
 
 
+class GDNState(NamedTuple):
+    """Gated DeltaNet: conv inputs (q, k, v channels) and the delta-rule state per value head."""
+
+    conv: jax.Array  # [slots, conv_kernel - 1, 2 hk dk + hv dv] (oldest input first)
+    ssm: jax.Array  # [slots, hv, dk, dv] (f32, or bf16 with ssm_state_dtype)
+
+
 class LayerCache(NamedTuple):
     kv: KVCache | None = None
     mamba: Mamba2State | None = None
     rglru: RGLRUState | None = None
     short_conv: ShortConvState | None = None
+    gdn: GDNState | None = None
 
 
 class RaggedBatch(NamedTuple):
@@ -98,6 +106,7 @@ class CacheStacks(NamedTuple):
     mamba       Mamba2State of [n, S, ...]: row j the slots of the j-th Mamba2 layer
     rglru       RGLRUState of [n, S, ...] (RG-LRU layers), or None
     short_conv  ShortConvState of [n, S, ...] (short-conv layers), or None
+    gdn         GDNState of [n, S, ...] (Gated DeltaNet layers), or None
 
     Inside a forward the rows are flattened ([k, n_g * P_g, s, e], [n * S, ...]: free
     reshapes) and each layer's page and slot indices are offset to its row (`layer_batches`):
@@ -108,9 +117,10 @@ class CacheStacks(NamedTuple):
     mamba: Mamba2State | None = None
     rglru: RGLRUState | None = None
     short_conv: ShortConvState | None = None
+    gdn: GDNState | None = None
 
 
-_STATE_FIELDS = ("mamba", "rglru", "short_conv")
+_STATE_FIELDS = ("mamba", "rglru", "short_conv", "gdn")
 
 
 class LayerSite(NamedTuple):
@@ -129,6 +139,8 @@ def _state_field(spec: LayerSpec) -> str | None:
         return "rglru"
     if spec.kind == LayerKind.SHORT_CONV:
         return "short_conv"
+    if spec.kind == LayerKind.GATED_DELTANET:
+        return "gdn"
     return None
 
 
@@ -184,7 +196,12 @@ def init_caches(cfg: ModelConfig, *, num_pages: tuple[int, ...], page_size: int,
         k = cfg.short_conv.conv_kernel
         c = cfg.short_conv.channels or cfg.hidden_size
         short_conv = ShortConvState(jnp.zeros((n, num_slots, k - 1, c), dtype))
-    return CacheStacks(tuple(kv), mamba, rglru, short_conv)
+    gdn = None
+    if n := per_state["gdn"]:
+        d = cfg.gated_deltanet
+        gdn = GDNState(jnp.zeros((n, num_slots, d.conv_kernel - 1, d.conv_dim), dtype),
+                       jnp.zeros((n, num_slots, d.num_v_heads, d.head_k_dim, d.head_v_dim), state_dtype))
+    return CacheStacks(tuple(kv), mamba, rglru, short_conv, gdn=gdn)
 
 
 def states_of(stacks: CacheStacks) -> CacheStacks:
