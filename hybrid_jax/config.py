@@ -195,6 +195,9 @@ class GatedDeltaNetConfig:
     and in_proj_a (hv each) give beta = sigmoid(b) and the log decay
     g = -exp(A_log) * softplus(a + dt_bias); value head i reads key head i // (hv / hk);
     output: per-head RMS norm (weight w, not zero-centred) times silu(z), out_proj.
+    `grouped_projections` (Qwen3-Next): q, k, v, z come from one projection `in_proj_qkvz`
+    and b, a from `in_proj_ba`, their columns grouped per key head ([q_h, k_h, v_h*, z_h*]
+    and [b_h*, a_h*] for key head h and its hv / hk value heads), as the checkpoints store them.
     """
 
     num_k_heads: int
@@ -204,6 +207,7 @@ class GatedDeltaNetConfig:
     conv_kernel: int = 4
     norm_eps: float = 1e-6
     chunk_size: int = 64  # the prefill kernel's tile
+    grouped_projections: bool = False
 
     def __post_init__(self) -> None:
         _positive(num_k_heads=self.num_k_heads, num_v_heads=self.num_v_heads,

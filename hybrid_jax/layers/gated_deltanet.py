@@ -44,10 +44,15 @@ class GatedDeltaNet(nnx.Module):
 
     def __init__(self, dim: int, cfg: GatedDeltaNetConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs):
         hv = cfg.num_v_heads
-        self.in_proj_qkv = Linear(dim, cfg.conv_dim, bias=False, dtype=dtype, rngs=rngs)
-        self.in_proj_z = Linear(dim, cfg.value_dim, bias=False, dtype=dtype, rngs=rngs)
-        self.in_proj_b = Linear(dim, hv, bias=False, dtype=dtype, rngs=rngs)
-        self.in_proj_a = Linear(dim, hv, bias=False, dtype=dtype, rngs=rngs)
+        lin = lambda n: Linear(dim, n, bias=False, dtype=dtype, rngs=rngs)  # noqa: E731
+        if cfg.grouped_projections:  # Qwen3-Next: [q k v z] and [b a] per key head
+            self.in_proj_qkvz = lin(cfg.conv_dim + cfg.value_dim)
+            self.in_proj_ba = lin(2 * hv)
+        else:  # Qwen3.5
+            self.in_proj_qkv = lin(cfg.conv_dim)
+            self.in_proj_z = lin(cfg.value_dim)
+            self.in_proj_b = lin(hv)
+            self.in_proj_a = lin(hv)
         key = rngs.params()
         self.conv_weight = nnx.Param(0.5 * jax.random.normal(key, (cfg.conv_dim, cfg.conv_kernel), dtype))
         self.dt_bias = nnx.Param(jnp.ones((hv,), F32))
@@ -62,7 +67,20 @@ class GatedDeltaNet(nnx.Module):
 
     def project(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
         """x [..., d] -> qkv [..., c] (before the conv), z [..., hv dv], b and a [..., hv]."""
-        return self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
+        cfg = self.cfg
+        if not cfg.grouped_projections:
+            return self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
+        # transformers' fix_query_key_value_ordering: per key head h, [q_h | k_h | v | z]
+        # and [b | a] over its r = hv / hk value heads; value head h r + j is its j-th.
+        hk, dk, dv = cfg.num_k_heads, cfg.head_k_dim, cfg.head_v_dim
+        r = cfg.num_v_heads // hk
+        qkvz, ba = self.in_proj_qkvz(x), self.in_proj_ba(x)
+        lead = qkvz.shape[:-1]
+        qkvz = qkvz.reshape(*lead, hk, 2 * dk + 2 * r * dv)
+        q, k, v, z = jnp.split(qkvz, [dk, 2 * dk, 2 * dk + r * dv], axis=-1)
+        b, a = jnp.split(ba.reshape(*lead, hk, 2 * r), [r], axis=-1)
+        flat = lambda y: y.reshape(*lead, -1)  # noqa: E731
+        return jnp.concatenate([flat(q), flat(k), flat(v)], axis=-1), flat(z), flat(b), flat(a)
 
     def split_qkv(self, qkv: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Activated conv output [..., c] -> q, k [..., hk, dk] (L2-normalised), v [..., hv, dv]."""

@@ -92,8 +92,7 @@ def test_gemma3_vlm_fills_hub_defaults_and_skips_the_vision_tower():
 
 
 @pytest.mark.parametrize(("arch", "what"), [("JambaForCausalLM", "Mamba1"),
-                                            ("FalconMambaForCausalLM", "Mamba1"),
-                                            ("Qwen3NextForCausalLM", "Gated DeltaNet")])
+                                            ("FalconMambaForCausalLM", "Mamba1")])
 def test_unsupported_architectures_name_what_is_missing(arch, what, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"architectures": [arch]}))
     with pytest.raises(ValueError, match=what):
