@@ -1,0 +1,96 @@
+"""Qwen3-Next (Gated DeltaNet + gated attention + MoE) through the engine.
+
+One tiny random transformers Qwen3NextForCausalLM (tests/model/hf_models.py), loaded from
+disk, served by three engines (each compiles its buckets once: CI time):
+
+1. plain, prefill chunks of 7: prompts of 3, 16 and 30 tokens in one ragged batch; where
+   transformers' top-1/top-2 gap (teacher-forced over prompt + output) exceeds 1e-3 the
+   engine's token is its argmax; each request served alone gives the same tokens.
+2. prefix caching on (state checkpoints every 16 tokens), whole prompts in one chunk and
+   too few pages for the batch: a warm request, then requests sharing 33, 44, 37 and 20
+   of its tokens. Tokens and top-5 logprobs equal engine 1's (a cache hit == a miss,
+   chunk size and preemption by recompute change nothing), with hits and preemptions.
+3. speculative decoding with prefix caching: an oracle drafts engine 1's continuation,
+   corrupted at random; verification keeps the Gated DeltaNet states after each drafted
+   position and the accepted one is chosen: tokens equal engine 1's, with some drafts
+   accepted and some rejected.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from hybrid_jax.config import LayerKind  # noqa: E402
+from hybrid_jax.loading import load_model  # noqa: E402
+from serving.engine.engine_config import EngineConfig  # noqa: E402
+from serving.engine.llm_engine import LLMEngine  # noqa: E402
+from serving.entrypoints.llm import LLM  # noqa: E402
+from serving.sample.sampling_params import SamplingParams  # noqa: E402
+from tests.model.hf_models import build  # noqa: E402
+from tests.serving.test_engine_parity_hybrids import check_against_transformers  # noqa: E402
+from tests.serving.test_prefix_cache import assert_same  # noqa: E402
+from tests.serving.test_speculative import Oracle, assert_exercised, staggered  # noqa: E402
+
+NEW = 8
+CFG = EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, max_prefill_chunk=7, max_model_len=64,
+                   page_size=8, seq_buckets=(4,), token_buckets=(32,))
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True, logprobs=5)
+SHARED = (33, 44, 37, 20)
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory):
+    d = tmp_path_factory.mktemp("qwen3_next")
+    hf_model = build("qwen3_next", d, seed=0)
+    lm = load_model(str(d))
+    kinds = [s.kind for s in lm.config.layers]
+    assert LayerKind.GATED_DELTANET in kinds and LayerKind.ATTENTION in kinds
+    assert any(s.moe for s in lm.config.layers)
+    return hf_model, lm
+
+
+def generate(eng: LLMEngine, prompts: list[list[int]]):
+    return LLM.from_engine(eng).generate(prompt_token_ids=prompts, sampling_params=GREEDY)
+
+
+def test_engine_equals_transformers_and_invariants(qwen):
+    hf_model, lm = qwen
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, 128, n).tolist() for n in (3, 16, 30)]
+    base = rng.integers(0, 128, 45).tolist()
+    shared = [base[:n] + rng.integers(0, 128, 6).tolist() for n in SHARED]
+
+    plain = LLMEngine(lm, CFG, show_progress=False)
+    outs = generate(plain, prompts)
+    compared = sum(check_against_transformers(hf_model, p, o.token_ids)
+                   for p, o in zip(prompts, outs, strict=True))
+    assert compared >= 0.8 * NEW * len(prompts), f"only {compared} clear-gap tokens"
+    assert_same([generate(plain, [p])[0] for p in prompts], outs)  # batched == solo
+    want = generate(plain, [base]) + generate(plain, shared)
+
+    # 2. Prefix caching, whole prompts in one chunk, pages for fewer sequences than the batch.
+    cached = LLMEngine(lm, dataclasses.replace(CFG, max_prefill_chunk=32, enable_prefix_caching=True,
+                                               prefix_state_stride=16, num_pages=12),
+                       show_progress=False)
+    got = generate(cached, [base]) + generate(cached, shared)
+    assert_same(got, want)
+    assert_same(generate(cached, prompts), outs)
+    s = cached.stats()
+    assert s["prefix_cache_hit_tokens"] > 0 and s["prefix_state_checkpoints_cached"] > 0
+    assert s["num_preemptions"] > 0
+
+    # 3. Speculation (oracle drafts, some wrong) with prefix caching on.
+    refs = [o.token_ids for o in want]
+    spec = LLMEngine(lm, dataclasses.replace(CFG, speculative_method="ngram", num_speculative_tokens=3,
+                                             enable_prefix_caching=True, prefix_state_stride=16),
+                     show_progress=False)
+    spec.drafter = Oracle({tuple(p): r for p, r in zip([base, *shared], refs, strict=True)}, 128)
+    plain_params = dataclasses.replace(GREEDY, logprobs=None)
+    assert staggered(spec, [base, *shared], plain_params) == refs
+    assert_exercised(spec)
