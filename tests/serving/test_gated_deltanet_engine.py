@@ -1,19 +1,19 @@
 """Qwen3-Next (Gated DeltaNet + gated attention + MoE) through the engine.
 
 One tiny random transformers Qwen3NextForCausalLM (tests/model/hf_models.py), loaded from
-disk, served by three engines (each compiles its buckets once: CI time):
+disk, served by two engines (each compiles its buckets once: CI time):
 
 1. plain, prefill chunks of 7: prompts of 3, 16 and 30 tokens in one ragged batch; where
    transformers' top-1/top-2 gap (teacher-forced over prompt + output) exceeds 1e-3 the
    engine's token is its argmax; each request served alone gives the same tokens.
-2. prefix caching on (state checkpoints every 16 tokens), whole prompts in one chunk and
-   too few pages for the batch: a warm request, then requests sharing 33, 44, 37 and 20
-   of its tokens. Tokens and top-5 logprobs equal engine 1's (a cache hit == a miss,
-   chunk size and preemption by recompute change nothing), with hits and preemptions.
-3. speculative decoding with prefix caching: an oracle drafts engine 1's continuation,
-   corrupted at random; verification keeps the Gated DeltaNet states after each drafted
-   position and the accepted one is chosen: tokens equal engine 1's, with some drafts
-   accepted and some rejected.
+2. prefix caching on (state checkpoints every 16 tokens), whole prompts in one chunk,
+   too few pages for the batch, speculative decoding on: a warm request, then requests
+   sharing 33, 44, 37 and 20 of its tokens. Tokens and top-5 logprobs equal engine 1's
+   (a cache hit == a miss, chunk size and preemption by recompute change nothing), with
+   hits and preemptions. Then the same requests without logprobs (speculated) while an
+   oracle drafts engine 1's continuation, corrupted at random: verification keeps the
+   Gated DeltaNet states after each drafted position and the accepted one is chosen;
+   tokens equal engine 1's, with some drafts accepted and some rejected.
 """
 
 from __future__ import annotations
@@ -74,23 +74,20 @@ def test_engine_equals_transformers_and_invariants(qwen):
     assert_same([generate(plain, [p])[0] for p in prompts], outs)  # batched == solo
     want = generate(plain, [base]) + generate(plain, shared)
 
-    # 2. Prefix caching, whole prompts in one chunk, pages for fewer sequences than the batch.
-    cached = LLMEngine(lm, dataclasses.replace(CFG, max_prefill_chunk=32, enable_prefix_caching=True,
-                                               prefix_state_stride=16, num_pages=12),
-                       show_progress=False)
-    got = generate(cached, [base]) + generate(cached, shared)
+    # 2. Prefix caching, whole prompts in one chunk, pages for fewer sequences than the
+    # batch, speculation on (rows asking for logprobs are not speculated: plain steps).
+    cfg = dataclasses.replace(CFG, max_prefill_chunk=32, enable_prefix_caching=True, prefix_state_stride=16,
+                              num_pages=12, speculative_method="ngram", num_speculative_tokens=3)
+    eng = LLMEngine(lm, cfg, show_progress=False)
+    got = generate(eng, [base]) + generate(eng, shared)
     assert_same(got, want)
-    assert_same(generate(cached, prompts), outs)
-    s = cached.stats()
+    assert_same(generate(eng, prompts), outs)
+    s = eng.stats()
     assert s["prefix_cache_hit_tokens"] > 0 and s["prefix_state_checkpoints_cached"] > 0
     assert s["num_preemptions"] > 0
 
-    # 3. Speculation (oracle drafts, some wrong) with prefix caching on.
+    # 3. Speculation (oracle drafts, some wrong) over cached prefixes.
     refs = [o.token_ids for o in want]
-    spec = LLMEngine(lm, dataclasses.replace(CFG, speculative_method="ngram", num_speculative_tokens=3,
-                                             enable_prefix_caching=True, prefix_state_stride=16),
-                     show_progress=False)
-    spec.drafter = Oracle({tuple(p): r for p, r in zip([base, *shared], refs, strict=True)}, 128)
-    plain_params = dataclasses.replace(GREEDY, logprobs=None)
-    assert staggered(spec, [base, *shared], plain_params) == refs
-    assert_exercised(spec)
+    eng.drafter = Oracle({tuple(p): r for p, r in zip([base, *shared], refs, strict=True)}, 128)
+    assert staggered(eng, [base, *shared], dataclasses.replace(GREEDY, logprobs=None)) == refs
+    assert_exercised(eng)
