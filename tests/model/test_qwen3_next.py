@@ -70,3 +70,16 @@ def test_strict_loading_reports_everything(tmp_path):
     assert e.missing == ["model.layers.0.linear_attn.A_log"]
     assert e.unexpected == ["model.layers.2.linear_attn.extra.weight"]
     assert len(e.misshaped) == 1 and "q_proj" in e.misshaped[0]
+
+
+def test_bad_configs_are_refused_by_name():
+    from hybrid_jax.checkpoints.qwen3_next import config_from_hf
+    from hybrid_jax.config import GatedDeltaNetConfig, LayerSpec
+
+    with pytest.raises(ValueError, match="num_v_heads=6 must be a multiple of num_k_heads=4"):
+        GatedDeltaNetConfig(num_k_heads=4, num_v_heads=6, head_k_dim=8, head_v_dim=8)
+    with pytest.raises(ValueError, match="gated_deltanet=None"):
+        ModelConfig(architecture="t", vocab_size=8, hidden_size=8, layers=(LayerSpec("gated_deltanet"),))
+    hf = hf_models.qwen3_5_config().to_dict() | {"architectures": ["Qwen3_5ForCausalLM"]}
+    with pytest.raises(ValueError, match="layer_types=\\['sliding_attention'\\]"):
+        config_from_hf(hf | {"layer_types": ["sliding_attention"] + hf["layer_types"][1:]})
