@@ -1,19 +1,21 @@
 """Qwen3-Next (Gated DeltaNet + gated attention + MoE) through the engine.
 
 One tiny random transformers Qwen3NextForCausalLM (tests/model/hf_models.py), loaded from
-disk, served by two engines (each compiles its buckets once: CI time):
+disk, served by ONE engine (it compiles its buckets once: CI time) with 7-token prefill
+chunks, prefix caching (state checkpoints every 16 tokens), too few pages for the batch
+(preemption by recompute) and ngram speculation on. The reference is transformers itself,
+teacher-forced over prompt + output: wherever its top-1/top-2 gap exceeds 1e-3 the
+engine's token is its argmax, and the engine's logprob of its token is transformers'
+log-softmax within 1e-4.
 
-1. plain, prefill chunks of 7: prompts of 3, 16 and 30 tokens in one ragged batch; where
-   transformers' top-1/top-2 gap (teacher-forced over prompt + output) exceeds 1e-3 the
-   engine's token is its argmax; each request served alone gives the same tokens.
-2. prefix caching on (state checkpoints every 16 tokens), whole prompts in one chunk,
-   too few pages for the batch, speculative decoding on: a warm request, then requests
-   sharing 33, 44, 37 and 20 of its tokens. Tokens and top-5 logprobs equal engine 1's
-   (a cache hit == a miss, chunk size and preemption by recompute change nothing), with
-   hits and preemptions. Then the same requests without logprobs (speculated) while an
-   oracle drafts engine 1's continuation, corrupted at random: verification keeps the
-   Gated DeltaNet states after each drafted position and the accepted one is chosen;
-   tokens equal engine 1's, with some drafts accepted and some rejected.
+1. prompts of 3, 16 and 30 tokens in one ragged batch (cold cache); each alone again gives
+   the same tokens and logprobs (their prefixes now hit the cache: a hit == a miss);
+2. a warm request of 45 tokens, then four sharing 33, 44, 37 and 20 of its tokens (hits
+   on and off checkpoints), with preemptions;
+3. the same requests without logprobs (speculated) while an oracle drafts their
+   continuation, corrupted at random: verification keeps the Gated DeltaNet states after
+   each drafted position and the accepted one is chosen; tokens equal step 2's, with
+   some drafts accepted and some rejected.
 """
 
 from __future__ import annotations
@@ -59,32 +61,43 @@ def generate(eng: LLMEngine, prompts: list[list[int]]):
     return LLM.from_engine(eng).generate(prompt_token_ids=prompts, sampling_params=GREEDY)
 
 
+def check(hf_model, prompts: list[list[int]], outs) -> int:
+    """Tokens are transformers' argmax where its gap is clear; logprobs its log-softmax."""
+    compared = 0
+    for p, o in zip(prompts, outs, strict=True):
+        compared += check_against_transformers(hf_model, p, o.token_ids)
+        with torch.no_grad():
+            logits = hf_model(torch.tensor([p + o.token_ids])).logits[0, len(p) - 1:-1]
+        ref = torch.log_softmax(logits.double(), -1).numpy()
+        got = [lp[t] for lp, t in zip(o.logprobs, o.token_ids, strict=True)]
+        want = [ref[i, t] for i, t in enumerate(o.token_ids)]
+        np.testing.assert_allclose(got, want, atol=1e-4)
+    return compared
+
+
 def test_engine_equals_transformers_and_invariants(qwen):
     hf_model, lm = qwen
     rng = np.random.default_rng(3)
     prompts = [rng.integers(0, 128, n).tolist() for n in (3, 16, 30)]
     base = rng.integers(0, 128, 45).tolist()
     shared = [base[:n] + rng.integers(0, 128, 6).tolist() for n in SHARED]
-
-    plain = LLMEngine(lm, CFG, show_progress=False)
-    outs = generate(plain, prompts)
-    compared = sum(check_against_transformers(hf_model, p, o.token_ids)
-                   for p, o in zip(prompts, outs, strict=True))
-    assert compared >= 0.8 * NEW * len(prompts), f"only {compared} clear-gap tokens"
-    assert_same([generate(plain, [p])[0] for p in prompts], outs)  # batched == solo
-    want = generate(plain, [base]) + generate(plain, shared)
-
-    # 2. Prefix caching, whole prompts in one chunk, pages for fewer sequences than the
-    # batch, speculation on (rows asking for logprobs are not speculated: plain steps).
-    cfg = dataclasses.replace(CFG, max_prefill_chunk=32, enable_prefix_caching=True, prefix_state_stride=16,
-                              num_pages=12, speculative_method="ngram", num_speculative_tokens=3)
+    cfg = dataclasses.replace(CFG, enable_prefix_caching=True, prefix_state_stride=16, num_pages=12,
+                              speculative_method="ngram", num_speculative_tokens=3)
     eng = LLMEngine(lm, cfg, show_progress=False)
-    got = generate(eng, [base]) + generate(eng, shared)
-    assert_same(got, want)
-    assert_same(generate(eng, prompts), outs)
+
+    # 1. Cold batch; then each alone, resuming from the cache (rows with logprobs: no speculation).
+    outs = generate(eng, prompts)
+    compared = check(hf_model, prompts, outs)
+    assert compared >= 0.8 * NEW * len(prompts), f"only {compared} clear-gap tokens"
+    hits = eng.stats()["prefix_cache_hit_tokens"]
+    assert_same([generate(eng, [p])[0] for p in prompts], outs)
+    assert eng.stats()["prefix_cache_hit_tokens"] > hits
+
+    # 2. Shared prefixes of a warm request, under preemption.
+    want = generate(eng, [base]) + generate(eng, shared)
+    check(hf_model, [base, *shared], want)
     s = eng.stats()
-    assert s["prefix_cache_hit_tokens"] > 0 and s["prefix_state_checkpoints_cached"] > 0
-    assert s["num_preemptions"] > 0
+    assert s["prefix_state_checkpoints_cached"] > 0 and s["num_preemptions"] > 0
 
     # 3. Speculation (oracle drafts, some wrong) over cached prefixes.
     refs = [o.token_ids for o in want]
