@@ -50,12 +50,20 @@ class ShortConvState(NamedTuple):
     conv: jax.Array  # [slots, conv_kernel - 1, d] (LFM2's B * x inputs, oldest first)
 
 
+class GDNState(NamedTuple):
+    """Gated DeltaNet: conv inputs (q, k, v channels) and the delta-rule state per value head."""
+
+    conv: jax.Array  # [slots, conv_kernel - 1, 2 hk dk + hv dv] (oldest input first)
+    ssm: jax.Array  # [slots, hv, dk, dv] (f32, or bf16 with ssm_state_dtype)
+
+
 class LayerCache(NamedTuple):
     kv: KVCache | None = None
     mamba: Mamba2State | None = None
     rglru: RGLRUState | None = None
     short_conv: ShortConvState | None = None
     mamba1: Mamba1State | None = None
+    gdn: GDNState | None = None
 
 
 class RaggedBatch(NamedTuple):
@@ -111,6 +119,7 @@ class CacheStacks(NamedTuple):
     rglru       RGLRUState of [n, S, ...] (RG-LRU layers), or None
     short_conv  ShortConvState of [n, S, ...] (short-conv layers), or None
     mamba1      Mamba1State of [n, S, ...] (Mamba1 layers), or None
+    gdn         GDNState of [n, S, ...] (Gated DeltaNet layers), or None
 
     Inside a forward the rows are flattened ([k, n_g * P_g, s, e], [n * S, ...]: free
     reshapes) and each layer's page and slot indices are offset to its row (`layer_batches`):
@@ -122,9 +131,10 @@ class CacheStacks(NamedTuple):
     rglru: RGLRUState | None = None
     short_conv: ShortConvState | None = None
     mamba1: Mamba1State | None = None
+    gdn: GDNState | None = None
 
 
-_STATE_FIELDS = ("mamba", "rglru", "short_conv", "mamba1")
+_STATE_FIELDS = ("mamba", "rglru", "short_conv", "mamba1", "gdn")
 
 
 class LayerSite(NamedTuple):
@@ -145,6 +155,8 @@ def _state_field(spec: LayerSpec) -> str | None:
         return "short_conv"
     if spec.kind == LayerKind.MAMBA1:
         return "mamba1"
+    if spec.kind == LayerKind.GATED_DELTANET:
+        return "gdn"
     return None
 
 
@@ -210,7 +222,12 @@ def init_caches(cfg: ModelConfig, *, num_pages: tuple[int, ...], page_size: int,
         m1 = cfg.mamba1
         mamba1 = Mamba1State(jnp.zeros((n, num_slots, m1.conv_kernel - 1, m1.d_inner), dtype),
                              jnp.zeros((n, num_slots, m1.d_inner, m1.state_size), state_dtype))
-    return CacheStacks(tuple(kv), mamba, rglru, short_conv, mamba1)
+    gdn = None
+    if n := per_state["gdn"]:
+        d = cfg.gated_deltanet
+        gdn = GDNState(jnp.zeros((n, num_slots, d.conv_kernel - 1, d.conv_dim), dtype),
+                       jnp.zeros((n, num_slots, d.num_v_heads, d.head_k_dim, d.head_v_dim), state_dtype))
+    return CacheStacks(tuple(kv), mamba, rglru, short_conv, mamba1, gdn)
 
 
 def states_of(stacks: CacheStacks) -> CacheStacks:

@@ -17,6 +17,8 @@ or more mixers on the same normed input, summed into the residual) and, when
   blocks (`ModelConfig.shared_block`, fed concat(h, embeddings), per-depth LoRA
   adapters) whose output is added to the input of this layer's Mamba2 mixer.
 - MLP: no temporal sub-block, only the channel one (Nemotron-H's MLP and MoE layers).
+- GATED_DELTANET: Gated DeltaNet (Qwen3-Next / Qwen3.5's linear attention): short conv over
+  q, k, v, the gated delta rule with a [d_k, d_v] state per value head, gated RMS norm.
 
 The channel sub-block of a layer is the dense gated MLP (`ModelConfig.mlp`) or, where
 its `LayerSpec.moe` is set, the mixture of experts (`ModelConfig.moe`: router, routed
@@ -47,6 +49,7 @@ class LayerKind(enum.StrEnum):
     SHORT_CONV = "short_conv"
     SHARED_BLOCK = "shared_block"
     MLP = "mlp"
+    GATED_DELTANET = "gated_deltanet"
 
     @property
     def has_attention(self) -> bool:
@@ -99,6 +102,9 @@ class AttentionConfig:
     rope: bool = True  # False: no positional encoding (NoPE: Nemotron-H, Granite-4.0-H)
     rope_scaling: float = 1.0  # linear RoPE scaling of global layers (inv_freq / factor)
     sliding_rope_theta: float | None = None  # theta of windowed layers (Gemma 3); None: rope_theta
+    # Qwen3-Next / 3.5 gated attention: q_proj yields, per head, the query then a gate of
+    # head_dim; the attention output is multiplied by sigmoid(gate) before o_proj.
+    output_gate: bool = False
 
     def __post_init__(self) -> None:
         _positive(num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim)
@@ -118,6 +124,11 @@ class AttentionConfig:
     @property
     def rope_dim(self) -> int:
         return self.head_dim if self.rotary_dim is None else self.rotary_dim
+
+    @property
+    def q_width(self) -> int:
+        """Columns of q_proj's output: the queries, and with `output_gate` their gates."""
+        return self.num_heads * self.head_dim * (2 if self.output_gate else 1)
 
     @property
     def query_scale(self) -> float:
@@ -206,6 +217,53 @@ class Mamba1Config:
     @property
     def x_proj_width(self) -> int:
         return self.dt_rank + 2 * self.state_size
+
+
+@dataclass(frozen=True)
+class GatedDeltaNetConfig:
+    """Gated DeltaNet (Qwen3-Next / Qwen3.5 `linear_attention` layers).
+
+    in_proj_qkv -> [q (hk dk) | k (hk dk) | v (hv dv)], a causal depthwise conv (no bias)
+    and silu over them; q, k L2-normalised; in_proj_z (hv dv) gates the output, in_proj_b
+    and in_proj_a (hv each) give beta = sigmoid(b) and the log decay
+    g = -exp(A_log) * softplus(a + dt_bias); value head i reads key head i // (hv / hk);
+    output: per-head RMS norm (weight w, not zero-centred) times silu(z), out_proj.
+    `grouped_projections` (Qwen3-Next): q, k, v, z come from one projection `in_proj_qkvz`
+    and b, a from `in_proj_ba`, their columns grouped per key head ([q_h, k_h, v_h*, z_h*]
+    and [b_h*, a_h*] for key head h and its hv / hk value heads), as the checkpoints store them.
+    """
+
+    num_k_heads: int
+    num_v_heads: int
+    head_k_dim: int
+    head_v_dim: int
+    conv_kernel: int = 4
+    norm_eps: float = 1e-6
+    chunk_size: int = 64  # the prefill kernel's tile
+    grouped_projections: bool = False
+
+    def __post_init__(self) -> None:
+        _positive(num_k_heads=self.num_k_heads, num_v_heads=self.num_v_heads,
+                  head_k_dim=self.head_k_dim, head_v_dim=self.head_v_dim,
+                  chunk_size=self.chunk_size)
+        if self.num_v_heads % self.num_k_heads:
+            raise ValueError(f"num_v_heads={self.num_v_heads} must be a multiple of "
+                             f"num_k_heads={self.num_k_heads}")
+        if self.conv_kernel < 2:
+            raise ValueError(f"conv_kernel={self.conv_kernel} must be >= 2")
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_k_heads * self.head_k_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_v_heads * self.head_v_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Conv channels: q, k and v."""
+        return 2 * self.key_dim + self.value_dim
 
 
 @dataclass(frozen=True)
@@ -359,6 +417,7 @@ class ModelConfig:
     short_conv: ShortConvConfig | None = None
     shared_block: SharedBlockConfig | None = None
     moe: MoEConfig | None = None
+    gated_deltanet: GatedDeltaNetConfig | None = None
     norm_eps: float = 1e-6
     norm_offset: bool = False  # RMSNorm scales by (1 + w) (Gemma family)
     tie_embeddings: bool = False
@@ -396,6 +455,7 @@ class ModelConfig:
             "rglru": LayerKind.RGLRU in kinds,
             "short_conv": LayerKind.SHORT_CONV in kinds,
             "shared_block": LayerKind.SHARED_BLOCK in kinds,
+            "gated_deltanet": LayerKind.GATED_DELTANET in kinds,
         }
         for name, needed in needs.items():
             if needed and getattr(self, name) is None:
@@ -450,7 +510,8 @@ class ModelConfig:
         subs = {"attention": AttentionConfig, "mamba2": Mamba2Config, "mamba1": Mamba1Config,
                 "rglru": RGLRUConfig,
                 "mlp": MLPConfig, "short_conv": ShortConvConfig,
-                "shared_block": SharedBlockConfig, "moe": MoEConfig}
+                "shared_block": SharedBlockConfig, "moe": MoEConfig,
+                "gated_deltanet": GatedDeltaNetConfig}
         for name, sub in subs.items():
             if d.get(name) is not None:
                 d[name] = _sub_from_dict(sub, d[name])

@@ -1,7 +1,7 @@
 """The causal LM: embedding, a stack of residual layers built from the layer pattern, head.
 
 Each layer: u = norm(h); h = h + sum of its mixers on u (attention, Mamba2, Mamba1, RG-LRU,
-short conv; HYBRID layers run attention and Mamba2 in parallel, each with in/out
+short conv, Gated DeltaNet; HYBRID layers run attention and Mamba2 in parallel, each with in/out
 multipliers); then, if the layer has an MLP, h = h + mlp(norm(h)). MLP-kind layers
 (Nemotron-H) have only the MLP sub-block. A layer's channel sub-block is the dense MLP or
 the mixture of experts (layers/moe.py), per its `LayerSpec.moe`. With sandwich norms (Gemma) each sub-block's
@@ -20,6 +20,7 @@ from flax import nnx
 
 from hybrid_jax.config import LayerKind, LayerSpec, ModelConfig
 from hybrid_jax.layers.attention import Attention
+from hybrid_jax.layers.gated_deltanet import GatedDeltaNet
 from hybrid_jax.layers.linear import Embed, Linear
 from hybrid_jax.layers.mamba1 import Mamba1Mixer
 from hybrid_jax.layers.mamba2 import Mamba2Mixer
@@ -54,6 +55,8 @@ class Block(nnx.Module):
                           if kind == LayerKind.RGLRU else None)
         self.conv = (ShortConv(d, cfg.short_conv, dtype=dtype, rngs=rngs)
                      if kind == LayerKind.SHORT_CONV else None)
+        self.gdn = (GatedDeltaNet(d, cfg.gated_deltanet, dtype=dtype, rngs=rngs)
+                    if kind == LayerKind.GATED_DELTANET else None)
         # SHARED_BLOCK: this layer's adapters of shared block j % num_blocks.
         sb = cfg.shared_block
         self.depth = (DepthAdapters(d, cfg.attention, sb, shared_ordinal % sb.num_blocks,
@@ -122,6 +125,8 @@ class Block(nnx.Module):
             out = out + self.recurrent(u, positions)
         if self.conv is not None:
             out = out + self.conv(u)
+        if self.gdn is not None:
+            out = out + self.gdn(u)
         return self.mix(h, out)
 
 

@@ -45,6 +45,7 @@ import jax.numpy as jnp
 from configs import switches
 from hybrid_jax.cache import (
     CacheStacks,
+    GDNState,
     KVCache,
     LayerCache,
     Mamba1State,
@@ -60,7 +61,8 @@ from hybrid_jax.cache import (
     unflatten_stacks,
 )
 from hybrid_jax.config import ModelConfig
-from hybrid_jax.layers.attention import Attention
+from hybrid_jax.layers.attention import Attention, gated_heads
+from hybrid_jax.layers.gated_deltanet import GatedDeltaNet
 from hybrid_jax.layers.mamba1 import Mamba1Mixer
 from hybrid_jax.layers.mamba2 import Mamba2Mixer
 from hybrid_jax.layers.rglru import RecurrentBlock
@@ -89,6 +91,7 @@ from pallas_kernels import (
     ssm_decode_packed,
     write_kv,
 )
+from pallas_kernels.gated_delta import gated_delta_ragged, gated_delta_step
 
 
 def _attention(layer: Attention | DepthAttention, x: jax.Array | None, batch: RaggedBatch, kv: KVCache,
@@ -109,7 +112,7 @@ def _attention(layer: Attention | DepthAttention, x: jax.Array | None, batch: Ra
     raw = None
     if fused is not None:
         cfg, (proj, cols) = layer.cfg, fused
-        widths = (cfg.num_heads * cfg.head_dim,) + (cfg.num_kv_heads * cfg.head_dim,) * 2
+        widths = (cfg.q_width,) + (cfg.num_kv_heads * cfg.head_dim,) * 2
         raw = tuple(proj[..., c:c + w] for c, w in zip(cols, widths, strict=True))
     dtype = (x if raw is None else raw[0]).dtype
     common = dict(window=layer.window, softcap=layer.cfg.softcap, scale=layer.cfg.query_scale)
@@ -119,7 +122,11 @@ def _attention(layer: Attention | DepthAttention, x: jax.Array | None, batch: Ra
         args = _fused_decode_args(layer, fused, batch, kv, group)
         o, k_pages, v_pages = paged_attention_decode_fused(**args, merge=merge)
         return (o if not merge else _attention_out(layer, o, project_out)), KVCache(k_pages, v_pages)
-    q, k, v = layer.project(x, batch.positions, raw) if raw is not None else layer.project(x, batch.positions)
+    gate = None
+    if isinstance(layer, Attention):  # gated attention (output_gate) returns its gate too
+        q, k, v, gate = layer.project_gated(x, batch.positions, raw)
+    else:
+        q, k, v = layer.project(x, batch.positions)
     e = q.shape[-1]
     pad = kv.k.shape[-1] - e  # pages may be wider than the head (see cache.kv_head_dim)
     if pad:
@@ -135,8 +142,9 @@ def _attention(layer: Attention | DepthAttention, x: jax.Array | None, batch: Ra
                                    queries=max(q_len, 1), **common, **scales)
     else:
         o = paged_attention_prefill(q, k_pages, v_pages, batch.cu_seqlens,
-                                    batch.lengths, table, **common, **scales)
-    return _attention_out(layer, o[..., :e].astype(dtype), project_out), KVCache(k_pages, v_pages)
+                                                    batch.lengths, table, **common)
+    return (_attention_out(layer, gated_heads(o[..., :e].astype(dtype), gate), project_out),
+            KVCache(k_pages, v_pages))
 
 
 def _fused_decode_args(layer: Attention, fused: tuple[jax.Array, tuple[int, int, int]], batch: RaggedBatch,
@@ -399,6 +407,38 @@ def _mamba1(layer: Mamba1Mixer, x: jax.Array, batch: RaggedBatch, st: Mamba1Stat
     y, ssm = selective_scan_ragged(u, dt, A, B, C, D, dt_bias, batch.cu_seqlens, st.ssm,
                                    batch.slot_ids, batch.has_initial, z=z)
     return layer.output(y, x.dtype), Mamba1State(conv, ssm)
+def _gated_deltanet(layer: GatedDeltaNet, x: jax.Array, batch: RaggedBatch, st: GDNState,
+                    decode: bool, q: int = 0) -> tuple[jax.Array, GDNState]:
+    """Gated DeltaNet over the ragged tokens. Prefill: the ragged conv and rule kernels, each
+    sequence from its slot's states (zero without `has_initial`) to its final ones. Decode:
+    one-token conv and rule steps, slots advanced. Verification (q > 0): the conv as q
+    one-token steps on the gathered states and the rule's q-token step, both keeping the
+    state after each position (candidates [q, b, ...]) and leaving the slots alone."""
+    cfg = layer.cfg
+    qkv, z, b, a = layer.project(x)
+    w = layer.conv_weight[...]
+    g, beta = layer.gates(b, a)
+    if q:
+        def step(x_j, local, rows):
+            y, conv = conv1d_decode(x_j, w, None, local[0], rows, activation="silu")
+            return y, (conv,)
+
+        qkv, (conv,) = _positions(q, step, (qkv,), (st.conv,), batch.slot_ids)
+    elif decode:
+        qkv, conv = conv1d_decode(qkv, w, None, st.conv, batch.slot_ids, activation="silu")
+    else:
+        qkv, conv = conv1d_ragged(qkv, w, None, batch.cu_seqlens, st.conv, batch.slot_ids,
+                                  batch.has_initial, activation="silu")
+    qh, kh, vh = layer.split_qkv(qkv)
+    if not (q or decode):
+        o, ssm = gated_delta_ragged(qh, kh, vh, g, beta, batch.cu_seqlens, st.ssm, batch.slot_ids,
+                                    batch.has_initial, scale=layer.scale, chunk_size=cfg.chunk_size)
+        return layer.output(o, z), GDNState(conv, ssm)
+    n, nb = max(q, 1), batch.slot_ids.shape[0]  # tokens are sequence-major: t = b * n
+    seq = lambda y: y.reshape(nb, n, *y.shape[1:])  # noqa: E731
+    o, ssm = gated_delta_step(seq(qh), seq(kh), seq(vh), seq(g), seq(beta), st.ssm, batch.slot_ids,
+                              scale=layer.scale, candidates=q > 0)
+    return layer.output(o.reshape(nb * n, *o.shape[2:]), z), GDNState(conv, ssm)
 
 
 def _shared_block(shared: SharedBlock, block: Block, h: jax.Array, e: jax.Array,
@@ -432,7 +472,8 @@ def _temporal(block: Block, u: jax.Array, batch: RaggedBatch, cache: LayerCache,
     (`Linear.partials`; `_forward_decode_glued` sums them in the next norm's launch)."""
     cfg = block.cfg
     out = jnp.zeros_like(u)
-    kv, mamba, rglru, short_conv, mamba1 = cache
+    kv, mamba, rglru, short_conv = cache.kv, cache.mamba, cache.rglru, cache.short_conv
+    mamba1, gdn = cache.mamba1, cache.gdn
     merged = _merged_decode(block, kv, decode, q)
     # A merged layer's small decode steps run the conv inside the Mamba2 state update; then
     # mixer_merge rolls B's and C's conv states (FOLD_CONV_ROWS).
@@ -448,7 +489,7 @@ def _temporal(block: Block, u: jax.Array, batch: RaggedBatch, cache: LayerCache,
         fused = None
         if proj is not None:
             acfg = block.attention.cfg
-            qw, kw = acfg.num_heads * acfg.head_dim, acfg.num_kv_heads * acfg.head_dim
+            qw, kw = acfg.q_width, acfg.num_kv_heads * acfg.head_dim
             fused, col = (proj, (0, qw, qw + kw)), qw + 2 * kw
     if merged and u.shape[0] <= PARALLEL_DECODE_ROWS:
         # Paged decode and the Mamba2 state update in one launch (pallas_kernels/parallel_decode.py).
@@ -480,8 +521,8 @@ def _temporal(block: Block, u: jax.Array, batch: RaggedBatch, cache: LayerCache,
         else:
             x = mixer_merge(branches[0][0], branches[1][0], proj, norm.weight[...], **common)
         split = block.fused_out.split_k_parts(x.shape[0])
-        if parts and split > 1 and block.recurrent is None and block.conv is None:
-            return block.fused_out.partials(x, split), LayerCache(kv, mamba, rglru, short_conv, mamba1)
+        if parts and split > 1 and block.recurrent is None and block.conv is None and block.gdn is None:
+            return block.fused_out.partials(x, split), LayerCache(kv, mamba, rglru, short_conv, mamba1, gdn)
         out = out + block.fused_out(x)
     elif project_out:
         for y, multiplier in branches:
@@ -506,7 +547,10 @@ def _temporal(block: Block, u: jax.Array, batch: RaggedBatch, cache: LayerCache,
     if block.mamba1 is not None:
         m1, mamba1 = _mamba1(block.mamba1, u, batch, mamba1, decode, q)
         out = out + m1
-    return out, LayerCache(kv, mamba, rglru, short_conv, mamba1)
+    if block.gdn is not None:
+        y, gdn = _gated_deltanet(block.gdn, u, batch, gdn, decode, q)
+        out = out + y
+    return out, LayerCache(kv, mamba, rglru, short_conv, mamba1, gdn)
 
 
 # Decode steps of fused models run the glue between their GEMMs as one launch where XLA

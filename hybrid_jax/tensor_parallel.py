@@ -21,6 +21,10 @@ axis, placed by marking layers of the local model (`mark_local_model`):
 | Mamba2 A, D, dt_bias, SSM state | by head | - |
 | Mamba2 gated norm | by head; a group spread over devices | all_gather of its sums of squares |
 | RG-LRU (linears, conv, gates, state) | by channel block (head) | - |
+| Gated DeltaNet q, k (projection, conv, conv state) | by key head | - |
+| Gated DeltaNet v, z, b, a, A_log, dt_bias, delta-rule state | by value head (those of the key heads) | - |
+| Qwen3-Next's grouped in_proj_qkvz / in_proj_ba | by key-head group | - |
+| gated attention's q_proj (query and gate per head) | by head, with its gate | - |
 | embeddings, LM head | by vocabulary (replicated when V % N != 0) | psum / all_gather of logits |
 | norms, q/k norms, shared-block adapters' down LoRAs | replicated | - |
 
@@ -71,6 +75,10 @@ def check_shardable(cfg: ModelConfig, n: int) -> None:
         dims.append(("RG-LRU heads (rglru.num_heads)", cfg.rglru.num_heads, False))
     if cfg.short_conv is not None and LayerKind.SHORT_CONV in kinds:
         dims.append(("short-conv channels (hidden_size)", cfg.hidden_size, False))
+    if cfg.gated_deltanet is not None and LayerKind.GATED_DELTANET in kinds:
+        # Value head i reads key head i // (hv / hk): splitting the key heads splits both.
+        dims.append(("Gated DeltaNet key heads (gated_deltanet.num_k_heads)",
+                     cfg.gated_deltanet.num_k_heads, False))
     if cfg.mlp is not None:
         dims.append(("MLP intermediate size (mlp.intermediate_size)", cfg.mlp.intermediate_size, False))
     if cfg.shared_block is not None and LayerKind.SHARED_BLOCK in kinds:
@@ -162,6 +170,10 @@ def local_config(cfg: ModelConfig, n: int) -> ModelConfig:
         subs["rglru"] = dataclasses.replace(r, width=r.width // n, num_heads=_local(r.num_heads, n))
     if cfg.short_conv is not None:
         subs["short_conv"] = dataclasses.replace(cfg.short_conv, channels=cfg.hidden_size // n)
+    if cfg.gated_deltanet is not None:
+        g = cfg.gated_deltanet
+        subs["gated_deltanet"] = dataclasses.replace(g, num_k_heads=_local(g.num_k_heads, n),
+                                                     num_v_heads=_local(g.num_v_heads, n))
     if cfg.mlp is not None:
         subs["mlp"] = dataclasses.replace(cfg.mlp, intermediate_size=_local(cfg.mlp.intermediate_size, n))
     if cfg.shared_block is not None:
@@ -262,12 +274,14 @@ def _rule(names: tuple, cfg: ModelConfig, n: int):
             return 0, [(m.d_inner, m.num_heads)]
         return None
     heads = {"q_proj": a and a.num_heads, "k_proj": a and a.num_kv_heads, "v_proj": a and a.num_kv_heads}
-    if owner in heads:  # attention or shared-block q/k/v
+    if owner in heads:  # attention or shared-block q/k/v (gated q_proj: [query | gate] per head)
         e = a.head_dim
         cnt = heads[owner]
-        return col, [(cnt * e, cnt)]
+        return col, [(a.q_width if owner == "q_proj" and mod == "attention" else cnt * e, cnt)]
     if owner in ROW_PARALLEL and mod != "depth":
         return (0, None) if leaf == "kernel" else None
+    if mod == "gdn" or owner == "gdn":
+        return _gdn_rule(leaf, owner, cfg, col)
     if mod == "mamba" or owner == "mamba":
         gn, h = m.n_groups * m.state_size, m.num_heads
         xbc = [(m.d_inner, h), (gn, m.n_groups), (gn, m.n_groups)]
@@ -304,6 +318,25 @@ def _rule(names: tuple, cfg: ModelConfig, n: int):
             return col, [(f, f), (f, f)]
         return None  # down LoRAs and the per-depth `linear`
     raise ValueError(f"tensor parallelism: no sharding rule for parameter {'.'.join(map(str, names))}")
+
+
+def _gdn_rule(leaf: str, owner: str, cfg: ModelConfig, col: int):
+    """Gated DeltaNet by key head: q, k by key head, v, z, b, a, A_log, dt_bias by value head
+    (a device's value heads read its key heads); the output norm weight (per head_v_dim,
+    shared by the heads) replicated. Qwen3-Next's grouped projections hold whole key-head
+    groups, so they split by group."""
+    g = cfg.gated_deltanet
+    hk, hv = g.num_k_heads, g.num_v_heads
+    qkv = [(g.key_dim, hk), (g.key_dim, hk), (g.value_dim, hv)]
+    rules = {"in_proj_qkv": (col, qkv), "in_proj_z": (col, [(g.value_dim, hv)]),
+             "in_proj_b": (col, [(hv, hv)]), "in_proj_a": (col, [(hv, hv)]),
+             "in_proj_qkvz": (col, [(g.conv_dim + g.value_dim, hk)]), "in_proj_ba": (col, [(2 * hv, hk)]),
+             "conv_weight": (0, qkv), "A_log": (0, [(hv, hv)]), "dt_bias": (0, [(hv, hv)]),
+             "norm_weight": None}
+    key = owner if owner.startswith("in_proj") else leaf
+    if key not in rules:
+        raise ValueError(f"tensor parallelism: no sharding rule for Gated DeltaNet parameter {owner}.{leaf}")
+    return rules[key]
 
 
 def _moe_rule(names: tuple, cfg: ModelConfig):
@@ -398,11 +431,13 @@ def shard_params(cfg: ModelConfig, state, n: int, d: int, local_state,
 def cache_axes(caches) -> object:
     """Per cache leaf: the axis split over devices (KV pages by KV head, states by head/channel;
     the stacks of hybrid_jax/cache.py: K/V [k, n, P, s, e], states [n, S, ...])."""
-    from hybrid_jax.cache import KVCache, Mamba2State, RGLRUState, ShortConvState
+    from hybrid_jax.cache import GDNState, KVCache, Mamba2State, RGLRUState, ShortConvState
 
     def axes(c):
         if isinstance(c, KVCache):
             return KVCache(0, 0)
+        if isinstance(c, GDNState):
+            return GDNState(3, 2)
         if isinstance(c, Mamba2State):
             return Mamba2State(3, 2)
         if isinstance(c, RGLRUState):
@@ -411,7 +446,7 @@ def cache_axes(caches) -> object:
             return ShortConvState(3)
         return None
 
-    is_leaf = lambda c: isinstance(c, KVCache | Mamba2State | RGLRUState | ShortConvState)
+    is_leaf = lambda c: isinstance(c, KVCache | Mamba2State | RGLRUState | ShortConvState | GDNState)
     return jax.tree.map(axes, caches, is_leaf=is_leaf)
 
 

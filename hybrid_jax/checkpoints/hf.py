@@ -37,6 +37,7 @@ from hybrid_jax.checkpoints import (
     mamba2,
     mistral,
     nemotron_h,
+    qwen3_next,
     recurrent_gemma,
     zamba2,
 )
@@ -47,11 +48,12 @@ from hybrid_jax.model import CausalLM
 
 _MODULES: tuple[ModuleType, ...] = (mamba2, mistral, recurrent_gemma, falcon_h1, zamba2, lfm2,
                                     gemma3, gemma2, bamba, granite_hybrid, nemotron_h,
-                                    gemma3_vlm, lfm2_moe, mamba1, falcon_mamba, jamba)
-_BY_ARCH = {m.ARCHITECTURE: m for m in _MODULES}
+                                    gemma3_vlm, lfm2_moe, mamba1, falcon_mamba, jamba, qwen3_next)
+# A module serves its ARCHITECTURE, or every name in ARCHITECTURES (one family's classes).
+_BY_ARCH = {a: m for m in _MODULES for a in getattr(m, "ARCHITECTURES", (m.ARCHITECTURE,))}
 # Known architectures whose math is not implemented: refused naming what is missing.
 _UNSUPPORTED = {
-    "Qwen3NextForCausalLM": "Gated DeltaNet and mixture-of-experts layers",
+    "KimiLinearForCausalLM": "Kimi Delta Attention (per-channel decay) and MLA attention",
 }
 
 
@@ -186,9 +188,6 @@ def load_hf(path: str | Path, *, dtype: jnp.dtype = jnp.float32) -> tuple[Causal
     abstract = nnx.eval_shape(lambda: CausalLM(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
     expected = {tuple(p): v.get_value() for p, v in nnx.to_flat_state(state)}
-    wmap = module.weight_map(cfg)
-    unmapped = set(expected) - {t.path for t in wmap.values()}
-    assert not unmapped, f"name map of {module.ARCHITECTURE} misses params {sorted(unmapped)}"
     files = _tensor_files(path)
     if hasattr(module, "skipped"):  # tensors of parts not served (a vision tower)
         files = {n: f for n, f in files.items() if not module.skipped(n)}
@@ -199,6 +198,12 @@ def load_hf(path: str | Path, *, dtype: jnp.dtype = jnp.float32) -> tuple[Causal
     aliases = dict(getattr(module, "ALIASES", {}))
     if hasattr(module, "canonical_name"):  # e.g. a renamed trunk prefix
         aliases = {n: module.canonical_name(n) for n in files} | aliases
+    if getattr(module, "ARCHITECTURES", None):  # its map depends on how the files store a part
+        wmap = module.weight_map(cfg, {aliases.get(n, n) for n in files})
+    else:
+        wmap = module.weight_map(cfg)
+    unmapped = set(expected) - {t.path for t in wmap.values()}
+    assert not unmapped, f"name map of {module.ARCHITECTURE} misses params {sorted(unmapped)}"
     _check_parts(module.ARCHITECTURE, wmap, expected)
     present, scales, block = _plan(path, files, wmap, aliases, expected, hf)
     values: dict[tuple, jax.Array] = {}

@@ -35,6 +35,17 @@ def test_decode_floor_counts_weights_window_kv_and_state_by_hand():
     assert short["kv"] == kv * 10 // 64  # below the window: the cached tokens and the new one
 
 
+def test_decode_floor_counts_gated_deltanet_state_by_hand():
+    cfg = load_preset("qwen3.5-35b-a3b")  # 30 Gated DeltaNet layers, 10 global attention layers
+    b, ctx = 2, 999
+    got = decode_floor_bytes(cfg, batch=b, context=ctx, weight_bytes=1000, dtype="bfloat16")
+    conv_dim = 2 * 16 * 128 + 32 * 128  # q, k (16 key heads) and v (32 value heads) of 128
+    state = 30 * 2 * b * (32 * 128 * 128 * 4 + 3 * conv_dim * 2)  # read + write, f32 rule, bf16 conv
+    kv = 10 * b * (ctx + 1) * 2 * 2 * 256 * 2  # global layers: every cached key, 2 KV heads of 256
+    weights = 1000 - cfg.vocab_size * 2048 * 2 + b * 2048 * 2  # untied: the input rows gathered
+    assert got == {"weights": weights, "kv": kv, "state": state, "total": weights + kv + state}
+
+
 def test_fit_batch_grows_with_budget_and_is_flat_in_context_past_the_window():
     cfg = load_preset("native-1b-parallel")
     kw = {"page_size": 16, "dtype": "bfloat16", "prefill_chunk": 4096}

@@ -37,6 +37,21 @@ def test_layer_patterns():
     assert ms.num_layers == 32 and ms.windows == (4096,) and ms.attention.num_kv_heads == 8
 
 
+def test_qwen_gated_deltanet_presets():
+    """Shapes of the published configs (their parameter counts, 34.66B / 79.67B / 26.90B text
+    models, are in each preset's extra.source: counting them here took ~20 s each)."""
+    moe, nxt, dense = (load_preset(n) for n in ("qwen3.5-35b-a3b", "qwen3-next-80b-a3b", "qwen3.5-27b"))
+    for cfg, n in ((moe, 40), (nxt, 48), (dense, 64)):
+        kinds = [s.kind for s in cfg.layers]
+        assert len(kinds) == n and kinds[:4] == [LayerKind.GATED_DELTANET] * 3 + [LayerKind.ATTENTION]
+        assert cfg.windows == (None,) and cfg.attention.output_gate and cfg.attention.rope_dim == 64
+        assert "source" in cfg.extra
+    assert all(s.moe for s in moe.layers) and all(s.moe for s in nxt.layers)
+    assert (moe.moe.num_experts, moe.moe.top_k, nxt.moe.num_experts, nxt.moe.top_k) == (256, 8, 512, 10)
+    assert nxt.gated_deltanet.grouped_projections and not moe.gated_deltanet.grouped_projections
+    assert dense.moe is None and dense.gated_deltanet.num_v_heads == 48
+
+
 def test_full_attention_baseline_matches_the_hybrid_but_for_its_mixers():
     hybrid, full = load_preset("native-1b-parallel"), load_preset("native-1b-full-attention")
     assert full.num_layers == hybrid.num_layers and full.hidden_size == hybrid.hidden_size

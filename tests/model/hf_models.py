@@ -182,6 +182,36 @@ def jamba_config() -> T.PretrainedConfig:
         mamba_d_state=8, mamba_dt_rank=4, mamba_expand=2)
 
 
+def _qwen_gdn_fields() -> dict:
+    # 2 key heads, 4 value heads (grouped), partial rotary 0.25 of head_dim 16 (4 dims).
+    return dict(vocab_size=128, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16,
+                linear_num_key_heads=2, linear_num_value_heads=4, linear_conv_kernel_dim=4,
+                layer_types=["linear_attention", "full_attention", "linear_attention",
+                             "linear_attention"])
+
+
+def qwen3_next_config() -> T.PretrainedConfig:
+    # Layer 0 dense (mlp_only_layers), the rest MoE: softmax top-2 of 4 renormalised, gated
+    # shared expert; Gated DeltaNet projections fused and grouped per key head.
+    return T.Qwen3NextConfig(**_qwen_gdn_fields(), num_hidden_layers=4, intermediate_size=96,
+                             num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                             shared_expert_intermediate_size=48, mlp_only_layers=[0])
+
+
+def qwen3_5_config() -> T.PretrainedConfig:
+    return T.Qwen3_5TextConfig(**_qwen_gdn_fields(), num_hidden_layers=4, intermediate_size=96)
+
+
+def qwen3_5_moe_vlm_config() -> T.PretrainedConfig:
+    # The published layout (Qwen/Qwen3.5-35B-A3B): the text model under text_config, tensors
+    # model.language_model.*, a (tiny) vision tower model.visual.* that the loader skips.
+    text = _qwen_gdn_fields() | dict(num_hidden_layers=4, num_experts=4, num_experts_per_tok=2,
+                                      moe_intermediate_size=32, shared_expert_intermediate_size=48)
+    vision = dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=64)
+    return T.Qwen3_5MoeConfig(text_config=text, vision_config=vision)
+
+
 BUILDERS = {
     "mamba2": (mamba2_config, T.Mamba2ForCausalLM),
     "mistral": (mistral_config, T.MistralForCausalLM),
@@ -199,6 +229,9 @@ BUILDERS = {
     "granite_moe": (granite_moe_config, T.GraniteMoeHybridForCausalLM),
     "lfm2_moe": (lfm2_moe_config, T.Lfm2MoeForCausalLM),
     "nemotron_h_moe": (nemotron_h_moe_config, T.NemotronHForCausalLM),
+    "qwen3_next": (qwen3_next_config, T.Qwen3NextForCausalLM),
+    "qwen3_5": (qwen3_5_config, T.Qwen3_5ForCausalLM),
+    "qwen3_5_moe_vlm": (qwen3_5_moe_vlm_config, T.Qwen3_5MoeForConditionalGeneration),
 }
 
 # Config variants checked by their logits only (tests/model/test_zamba2_lfm2.py), to keep
@@ -232,7 +265,9 @@ def randomize_(model: torch.nn.Module, *, seed: int, std: float = 0.2) -> None:
         p.copy_(mean + s * torch.randn(p.shape, generator=gen))
 
     offset_norm = isinstance(model, (T.RecurrentGemmaForCausalLM, T.Gemma3ForCausalLM,
-                                     T.Gemma2ForCausalLM, T.Gemma3ForConditionalGeneration))
+                                     T.Gemma2ForCausalLM, T.Gemma3ForConditionalGeneration,
+                                     T.Qwen3NextForCausalLM, T.Qwen3_5ForCausalLM,
+                                     T.Qwen3_5MoeForConditionalGeneration))
     for name, p in model.named_parameters():
         leaf = name.rsplit(".", 1)[-1]
         if leaf == "A_log":
@@ -241,6 +276,8 @@ def randomize_(model: torch.nn.Module, *, seed: int, std: float = 0.2) -> None:
             normal(p, -1.0, 0.5)
         elif leaf == "recurrent_param":
             normal(p, 0.0, 0.5)
+        elif "linear_attn.norm" in name:  # Gated DeltaNet's output norm: plain w, not 1 + w
+            normal(p, 1.0, 0.1)
         elif "norm" in name and p.ndim == 1:
             normal(p, 0.0 if offset_norm else 1.0, 0.1)
         elif p.ndim == 1:

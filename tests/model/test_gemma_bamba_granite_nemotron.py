@@ -91,7 +91,7 @@ def test_gemma3_vlm_fills_hub_defaults_and_skips_the_vision_tower():
     assert gemma3_vlm.canonical_name("language_model.model.norm.weight") == "model.norm.weight"
 
 
-@pytest.mark.parametrize(("arch", "what"), [("Qwen3NextForCausalLM", "Gated DeltaNet")])
+@pytest.mark.parametrize(("arch", "what"), [("KimiLinearForCausalLM", "Kimi Delta Attention")])
 def test_unsupported_architectures_name_what_is_missing(arch, what, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"architectures": [arch]}))
     with pytest.raises(ValueError, match=what):

@@ -8,7 +8,8 @@ check and each engine serves several workloads.
 
 Models: three tiny configurations that together hold every layer kind and every
 sharding rule of the architectures the engine serves (native / Falcon-H1 / Mamba2 /
-Bamba / Granite / Nemotron-H; RecurrentGemma / Gemma 3 / LFM2 / Mistral; Zamba2), with
+Bamba / Granite / Nemotron-H / Qwen3-Next; RecurrentGemma / Gemma 3 / LFM2 / Mistral /
+Qwen3.5; Zamba2), with
 head counts that force replication at 4 devices (MQA, n_groups=1, vocabulary 130).
 The reference is the same engine at tensor_parallel_size=1, whose code path does not
 shard anything.
@@ -26,6 +27,7 @@ from jax import monitoring
 
 from hybrid_jax.config import (
     AttentionConfig,
+    GatedDeltaNetConfig,
     LayerSpec,
     Mamba2Config,
     MLPConfig,
@@ -60,13 +62,17 @@ def models() -> dict[str, ModelConfig]:
     # Falcon-H1 / native / Mamba2 / Bamba / Nemotron-H / Granite: parallel hybrid layer, muP
     # multipliers, MQA (1 KV head: replicated on 2 and 4 devices), n_groups=1 (the gated
     # norm's group spread over devices), an MLP-only layer, tied embeddings (vocab split).
+    # Qwen3-Next: a Gated DeltaNet layer with grouped projections (4 key heads of 8, 8 value
+    # heads; its conv and delta-rule states also checkpointed by the prefix cache).
     ssm = ModelConfig(
         architecture="tp-test-ssm", vocab_size=128, hidden_size=64,
-        layers=(L("hybrid", 16), L("attention"), L("mlp")),
+        layers=(L("hybrid", 16), L("attention"), L("mlp"), L("gated_deltanet")),
         attention=AttentionConfig(num_heads=4, num_kv_heads=1, head_dim=16, key_multiplier=0.8),
         mamba2=Mamba2Config(num_heads=8, head_dim=16, state_size=16, n_groups=1, chunk_size=16,
                             in_proj_multipliers=(1.1, 0.9, 1.2, 0.8, 1.05)),
         mlp=MLPConfig(intermediate_size=96, gate_multiplier=1.2, down_multiplier=0.9),
+        gated_deltanet=GatedDeltaNetConfig(num_k_heads=4, num_v_heads=8, head_k_dim=8, head_v_dim=8,
+                                           grouped_projections=True),
         tie_embeddings=True, residual_in_fp32=True, attention_out_multiplier=0.9,
         ssm_in_multiplier=1.1, ssm_out_multiplier=0.8, norm_eps=1e-5)
     # RecurrentGemma / Gemma 3 / LFM2 / Mistral: RG-LRU, q/k norms, soft-caps, partial
@@ -74,13 +80,17 @@ def models() -> dict[str, ModelConfig]:
     # heads: split on 2, replicated on 4), a Mamba2 layer with 4 groups (split), an untied
     # head over 130 tokens (split on 2 devices, replicated on 4), two window groups;
     # Granite-4.0-H / LFM2-MoE: a mixture of experts (softmax top-2 of 4 gated experts, each
-    # split by its width) with a fused gate/up shared expert.
+    # split by its width) with a fused gate/up shared expert; Qwen3.5: gated attention (q_proj's
+    # per-head sigmoid output gate) and a Gated DeltaNet layer (projections apart, 4 key heads
+    # of 16, 8 value heads of 8).
     rec = ModelConfig(
         architecture="tp-test-recurrent", vocab_size=130, hidden_size=64,
         layers=(L("rglru"), L("attention", 16), L("short_conv"), L("mamba2", moe=True),
-                L("attention")),
+                L("attention"), L("gated_deltanet")),
         attention=AttentionConfig(num_heads=4, num_kv_heads=2, head_dim=16, rotary_dim=8,
-                                  qkv_bias=True, o_bias=True, softcap=50.0, qk_norm=True),
+                                  qkv_bias=True, o_bias=True, softcap=50.0, qk_norm=True,
+                                  output_gate=True),
+        gated_deltanet=GatedDeltaNetConfig(num_k_heads=4, num_v_heads=8, head_k_dim=16, head_v_dim=8),
         rglru=RGLRUConfig(width=64, num_heads=4),
         short_conv=ShortConvConfig(conv_kernel=3, bias=True),
         mamba2=Mamba2Config(num_heads=8, head_dim=8, state_size=16, n_groups=4, chunk_size=16,
@@ -245,7 +255,8 @@ def check_fp8(results: dict) -> None:
         results["fp8: 16-blocks raise ValueError"] = "accepted"
     except ValueError as e:
         msg = str(e)
-        results["fp8: 16-blocks raise ValueError"] = ("tensor_parallel_size=2" in msg and "scale blocks" in msg) or msg
+        results["fp8: 16-blocks raise ValueError"] = (
+            ("tensor_parallel_size=2" in msg and "scale blocks" in msg) or msg)
 
 
 def refusals(results: dict) -> None:

@@ -169,8 +169,9 @@ def test_streamed_completion_matches_and_ends_with_done(served, client, refs):
     events = [e for e in raw.decode().split("\n\n") if e]
     assert status == 200 and events[-1] == "data: [DONE]" and all(e.startswith("data: ") for e in events)
     # return_token_ids (vLLM's extension): every token gets a chunk carrying its id
-    ids = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, stream=True,
-                                         extra_body={"ignore_eos": True, "return_token_ids": True}))
+    extra = {"ignore_eos": True, "return_token_ids": True}
+    ids = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0,
+                                         stream=True, extra_body=extra))
     want = refs["text"]
     assert [t for c in ids for t in c.choices[0].token_ids] == list(want.token_ids)
     assert ids[0].choices[0].prompt_token_ids == list(want.prompt_token_ids)

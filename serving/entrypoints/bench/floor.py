@@ -52,6 +52,10 @@ def decode_floor_bytes(cfg: ModelConfig, *, batch: int, context: int, weight_byt
         if spec.kind == LayerKind.RGLRU:
             r = cfg.rglru
             state += 2 * batch * (r.width * 4 + (r.conv_kernel - 1) * r.width * kv_b)
+        if spec.kind == LayerKind.GATED_DELTANET:
+            g = cfg.gated_deltanet
+            state += 2 * batch * g.num_v_heads * g.head_k_dim * g.head_v_dim * st_b
+            state += 2 * batch * (g.conv_kernel - 1) * g.conv_dim * kv_b
     return {"weights": weights, "kv": kv, "state": state, "total": weights + kv + state}
 
 
@@ -127,7 +131,8 @@ def model_flops(engine, context: int) -> float:
     """FLOPs per prompt token at mean attention span `context`: 2 x the parameters touched
     per token (every weight but the embedding table; a tied head counts once) + attention
     4 x heads x head_dim x keys in the window + SSD 2 x heads x head_dim x (3 x state +
-    chunk) (the chunked form counted at its matmul size)."""
+    chunk) (the chunked form counted at its matmul size) + the gated delta rule 6 x value
+    heads x d_k x d_v (its recurrent form: three state-sized products per token)."""
     cfg = engine.model_config
     params = sum(x.size for x in jax.tree.leaves(engine.runner.params))
     dense = 2 * (params - cfg.vocab_size * cfg.hidden_size * (0 if cfg.tie_embeddings else 1))
@@ -142,4 +147,7 @@ def model_flops(engine, context: int) -> float:
             ssm += 2 * m.num_heads * m.head_dim * (3 * m.state_size + m.chunk_size)
         if spec.kind == LayerKind.MAMBA1:  # the scan's elementwise work: ~6 flops per state entry
             ssm += 6 * cfg.mamba1.d_inner * cfg.mamba1.state_size
+        if spec.kind == LayerKind.GATED_DELTANET:  # read S^T k, write k delta^T, read S^T q
+            g = cfg.gated_deltanet
+            ssm += 6 * g.num_v_heads * g.head_k_dim * g.head_v_dim
     return dense + att + ssm

@@ -26,7 +26,8 @@ def page_bytes(cfg: ModelConfig, page_size: int, dtype: str) -> tuple[int, ...]:
 
 
 def state_bytes(cfg: ModelConfig, dtype: str, state_dtype: str = "float32") -> int:
-    """Recurrent state of one sequence: conv and SSM states of Mamba2 and Mamba1 layers, RG-LRU states."""
+    """Recurrent state of one sequence: conv and SSM states of Mamba2 and Mamba1 layers, RG-LRU
+    states, Gated DeltaNet conv and delta-rule states."""
     total = 0
     for spec in cfg.layers:
         if spec.kind.has_mamba2:
@@ -40,6 +41,10 @@ def state_bytes(cfg: ModelConfig, dtype: str, state_dtype: str = "float32") -> i
         if spec.kind == LayerKind.RGLRU:
             r = cfg.rglru
             total += r.width * 4 + (r.conv_kernel - 1) * r.width * DTYPE_BYTES[dtype]
+        if spec.kind == LayerKind.GATED_DELTANET:
+            g = cfg.gated_deltanet
+            total += g.num_v_heads * g.head_k_dim * g.head_v_dim * DTYPE_BYTES[state_dtype]
+            total += (g.conv_kernel - 1) * g.conv_dim * DTYPE_BYTES[dtype]
     return total
 
 
