@@ -323,7 +323,8 @@ class ModelRunner:
             buf = jax.ShapeDtypeStruct((host.size,), jnp.int32)
             outs = self.results.forward_shapes(bucket.seqs)
             add(bucket, fwd, (self.params, self.caches, self.stats, buf, self.last_tokens, *extra, outs),
-                ("forward", bucket, ckpt, self.max_seqs, repr(host), hidden))  # max_seqs: the samples' padding
+                # max_seqs: the samples' padding; hidden: the MTP step's variant
+                ("forward", bucket, ckpt, self.max_seqs, repr(host), hidden))
         for bucket in self.verify_buckets:
             host = self.verify_layouts[bucket]
             buf = jax.ShapeDtypeStruct((host.size,), jnp.int32)
