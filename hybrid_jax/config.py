@@ -437,6 +437,8 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
+    # Multi-token-prediction head (hybrid_jax/layers/mtp.py): its decoder layers (0: none).
+    mtp_num_hidden_layers: int = 0
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -468,6 +470,11 @@ class ModelConfig:
             raise ValueError("separate_mlp_layers=True but the layer pattern has no mlp layers")
         if self.logits_softcap is not None:
             _positive(logits_softcap=self.logits_softcap)
+        if self.mtp_num_hidden_layers < 0:
+            raise ValueError(f"mtp_num_hidden_layers={self.mtp_num_hidden_layers} must be >= 0")
+        if self.mtp_num_hidden_layers and not any(k.has_attention for k in kinds):
+            raise ValueError(f"mtp_num_hidden_layers={self.mtp_num_hidden_layers}: the MTP head's "
+                             "attention layer needs a model with attention layers")
         for tok in self.eos_token_ids:
             if not 0 <= tok < self.vocab_size:
                 raise ValueError(f"eos_token_ids contains {tok}, outside [0, {self.vocab_size})")

@@ -26,6 +26,7 @@ from hybrid_jax.layers.mamba1 import Mamba1Mixer
 from hybrid_jax.layers.mamba2 import Mamba2Mixer
 from hybrid_jax.layers.mlp import GatedMLP
 from hybrid_jax.layers.moe import MoE
+from hybrid_jax.layers.mtp import MTPHead
 from hybrid_jax.layers.norms import RMSNorm
 from hybrid_jax.layers.rglru import RecurrentBlock
 from hybrid_jax.layers.shared_block import DepthAdapters, SharedBlock
@@ -149,6 +150,10 @@ class CausalLM(nnx.Module):
                                   dtype=dtype)
         self.lm_head = (None if cfg.tie_embeddings else
                         Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, rngs=rngs))
+        # The multi-token-prediction head (hybrid_jax/layers/mtp.py), built from this model's
+        # own layer factory; the forward passes never read it (speculative_method="mtp" does).
+        self.mtp = (MTPHead(cfg, lambda spec: Block(cfg, spec, dtype=dtype, rngs=rngs), dtype=dtype,
+                            rngs=rngs) if cfg.mtp_num_hidden_layers else None)
         self.cfg = cfg
         self.dtype = dtype
 
@@ -160,8 +165,12 @@ class CausalLM(nnx.Module):
 
     def logits(self, h: jax.Array) -> jax.Array:
         """Final hidden states [..., d] -> logits [..., v] f32 (norm, head, multiplier, cap)."""
+        return self.head(self.final_norm(h.astype(self.dtype)))
+
+    def head(self, h: jax.Array) -> jax.Array:
+        """Normed hidden states [..., d] -> logits [..., v] f32 (head, multiplier, cap): the
+        target's own and the MTP head's (hybrid_jax/layers/mtp.py)."""
         cfg = self.cfg
-        h = self.final_norm(h.astype(self.dtype))
         logits = self.embed.attend(h) if self.lm_head is None else self.lm_head(h)
         logits = logits.astype(jnp.float32)
         if cfg.logits_multiplier != 1.0:
@@ -171,6 +180,10 @@ class CausalLM(nnx.Module):
         return logits
 
     def __call__(self, tokens: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+        return self.logits(self.hidden(tokens, positions))
+
+    def hidden(self, tokens: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+        """The last layer's output [b, t, d], before the final norm."""
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
         h = e = self.embed_tokens(tokens)
@@ -179,7 +192,7 @@ class CausalLM(nnx.Module):
             if layer.depth is not None:
                 shared = self.shared_blocks[layer.depth.block](h, e, positions, layer.depth)
             h = layer(h, positions, shared)
-        return self.logits(h)
+        return h
 
 
 def shared_ordinals(cfg: ModelConfig) -> tuple[int | None, ...]:

@@ -618,7 +618,7 @@ def _mlp_out(mlp, u: jax.Array) -> jax.Array:
 
 
 def _forward_decode_glued(model: CausalLM, batch: RaggedBatch, caches: CacheStacks
-                          ) -> tuple[jax.Array, CacheStacks]:
+                          ) -> tuple[jax.Array, CacheStacks, jax.Array]:
     """`forward_ragged`'s decode step with each residual add done by the next norm's launch:
     a sub-block's output waits (`pending`) until the norm that reads the sum (`Block.mix`
     and `Block.norm_input` in one). The fused out-projection and the MLP's down-projection
@@ -640,7 +640,7 @@ def _forward_decode_glued(model: CausalLM, batch: RaggedBatch, caches: CacheStac
             pending = block.moe(u)
     if pending is not None:
         h = h + (jnp.sum(pending, axis=0) if pending.ndim == 3 else pending).astype(h.dtype)
-    return model.logits(jnp.take(h, batch.last_token, axis=0)), unflatten_stacks(flat, caches)
+    return model.logits(jnp.take(h, batch.last_token, axis=0)), unflatten_stacks(flat, caches), h
 
 
 def _layers(model: CausalLM, batch: RaggedBatch, caches: CacheStacks, decode: bool, q: int = 0
@@ -665,16 +665,23 @@ def _layers(model: CausalLM, batch: RaggedBatch, caches: CacheStacks, decode: bo
 
 
 def forward_ragged(model: CausalLM, batch: RaggedBatch, caches: CacheStacks, *,
-                   decode: bool) -> tuple[jax.Array, CacheStacks]:
-    """Ragged forward -> (logits [b, v] f32 at each sequence's last token, new caches)."""
+                   decode: bool, hidden: bool = False):
+    """Ragged forward -> (logits [b, v] f32 at each sequence's last token, new caches).
+
+    hidden: also return the LM head's input at every token, [t, d] (after the final norm;
+    what the MTP head takes, hybrid_jax/mtp_ragged.py)."""
     if _glued_residual(model, decode):
-        return _forward_decode_glued(model, batch, caches)
-    h, flat, _ = _layers(model, batch, caches, decode)
-    return model.logits(jnp.take(h, batch.last_token, axis=0)), unflatten_stacks(flat, caches)
+        logits, caches, h = _forward_decode_glued(model, batch, caches)
+    else:
+        h, flat, _ = _layers(model, batch, caches, decode)
+        logits, caches = model.logits(jnp.take(h, batch.last_token, axis=0)), unflatten_stacks(flat, caches)
+    if hidden:
+        return logits, caches, model.final_norm(h.astype(model.dtype))
+    return logits, caches
 
 
-def forward_verify(model: CausalLM, batch: RaggedBatch, caches: CacheStacks, q: int
-                   ) -> tuple[jax.Array, CacheStacks, tuple[LayerCache, ...]]:
+def forward_verify(model: CausalLM, batch: RaggedBatch, caches: CacheStacks, q: int,
+                   hidden: bool = False) -> tuple[jax.Array, CacheStacks, tuple[LayerCache, ...]]:
     """Verification forward: every sequence has q tokens (t = b * q, sequence-major).
 
     Returns (logits [t, v] f32 at EVERY token, the caches with K/V pages written for all t
@@ -683,6 +690,9 @@ def forward_verify(model: CausalLM, batch: RaggedBatch, caches: CacheStacks, q: 
     """
     h, flat, returned = _layers(model, batch, caches, False, q)
     candidates = tuple(c._replace(kv=None) for c in returned)
+    if hidden:  # the LM head's input at every token, appended (see `forward_ragged`)
+        normed = model.final_norm(h.astype(model.dtype))
+        return model.head(normed), unflatten_stacks(flat, caches), candidates, normed
     return model.logits(h), unflatten_stacks(flat, caches), candidates
 
 

@@ -11,6 +11,7 @@ This module knows nothing of serving.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from types import ModuleType
@@ -42,6 +43,8 @@ from hybrid_jax.checkpoints import (
     zamba2,
 )
 from hybrid_jax.checkpoints.fp8 import SCALE_SUFFIX, fp8_format, plan_fp8, read_fp8, stored_dtype
+from hybrid_jax.checkpoints.mtp import PREFIX as MTP_PREFIX
+from hybrid_jax.checkpoints.mtp import load_mtp
 from hybrid_jax.checkpoints.names import Target
 from hybrid_jax.config import ModelConfig
 from hybrid_jax.model import CausalLM
@@ -185,10 +188,17 @@ def load_hf(path: str | Path, *, dtype: jnp.dtype = jnp.float32) -> tuple[Causal
     hf = read_hf_config(path)
     module = _module_for(hf)
     cfg = module.config_from_hf(hf)
+    files = files_all = _tensor_files(path)
+    # The MTP head's tensors (speculative_method="mtp") load apart (checkpoints/mtp.py); a
+    # checkpoint whose config has a head but whose files do not (a stripped re-upload)
+    # loads without one, and speculative_method="mtp" is then refused by name.
+    mtp_names = {n for n in files if n.startswith(MTP_PREFIX)}
+    files = {n: f for n, f in files.items() if n not in mtp_names}
+    if cfg.mtp_num_hidden_layers and not mtp_names:
+        cfg = dataclasses.replace(cfg, mtp_num_hidden_layers=0)
     abstract = nnx.eval_shape(lambda: CausalLM(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
     expected = {tuple(p): v.get_value() for p, v in nnx.to_flat_state(state)}
-    files = _tensor_files(path)
     if hasattr(module, "skipped"):  # tensors of parts not served (a vision tower)
         files = {n: f for n, f in files.items() if not module.skipped(n)}
     if hasattr(module, "tied_copies"):  # stored copies of tied weights (Zamba2's shared blocks)
@@ -202,7 +212,7 @@ def load_hf(path: str | Path, *, dtype: jnp.dtype = jnp.float32) -> tuple[Causal
         wmap = module.weight_map(cfg, {aliases.get(n, n) for n in files})
     else:
         wmap = module.weight_map(cfg)
-    unmapped = set(expected) - {t.path for t in wmap.values()}
+    unmapped = set(expected) - {t.path for t in wmap.values()} - {p for p in expected if p[0] == "mtp"}
     assert not unmapped, f"name map of {module.ARCHITECTURE} misses params {sorted(unmapped)}"
     _check_parts(module.ARCHITECTURE, wmap, expected)
     present, scales, block = _plan(path, files, wmap, aliases, expected, hf)
@@ -231,6 +241,12 @@ def load_hf(path: str | Path, *, dtype: jnp.dtype = jnp.float32) -> tuple[Causal
     model = nnx.merge(graphdef, state)
     for where, (kernel, scale) in fp8.items():
         _module_at(model, where[:-1]).set_fp8(kernel, scale, block)
+    if cfg.mtp_num_hidden_layers:
+        tensors = {}
+        for name in sorted(mtp_names):
+            with safe_open(files_all[name], framework="flax") as f:
+                tensors[name] = f.get_tensor(name)
+        load_mtp(model, tensors, wmap, str(path))
     return model, cfg
 
 

@@ -22,10 +22,11 @@ as `model.*`. Quirks, each from transformers 5.24's modeling_qwen3_next.py / qwe
 - Qwen3.5's text rotary is M-RoPE; for text, all three position streams are equal and it
   is the plain rotary of the first rotary dims (`mrope_section` has no effect).
 
-Skipped tensors (documented rule): `mtp.*` (the multi-token-prediction head, which
-transformers ignores too: read it with `mtp_tensors(path)`, for speculative decoding) and
-the vision tower `model.visual.*` (images are not supported; text prompts give the text
-model's output exactly).
+Tensors not loaded into the trunk: `mtp.*` (the multi-token-prediction head, which
+transformers ignores: hf.py loads it into the model's MTP head when the config's
+`mtp_num_hidden_layers` says there is one, for speculative_method="mtp"; `mtp_tensors(path)`
+reads it raw) and the vision tower `model.visual.*` (skipped: images are not supported;
+text prompts give the text model's output exactly).
 """
 
 from __future__ import annotations
@@ -145,6 +146,9 @@ def config_from_hf(hf_top: dict[str, Any]) -> ModelConfig:
         norm_offset=True,
         tie_embeddings=hf.get("tie_word_embeddings", False),
         max_position_embeddings=hf.get("max_position_embeddings", 32768),
+        # the checkpoint's MTP head (speculative_method="mtp"; hf.py drops it when the
+        # files hold no mtp.* tensors)
+        mtp_num_hidden_layers=int(hf.get("mtp_num_hidden_layers") or 0),
         **hf_fields.special_tokens(hf),
     )
 

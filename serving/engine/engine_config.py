@@ -100,7 +100,8 @@ class EngineConfig:
     # Speculative decoding (docs/engine.md): None, "ngram" (prompt lookup: the tokens that
     # followed an earlier occurrence of the last prompt_lookup_max..min tokens) or
     # "draft" (a smaller model with the same vocabulary, `speculative_model`: a path or a
-    # preset). Each decoding sequence verifies num_speculative_tokens (k, 1..8) drafts per
+    # preset) or "mtp" (the model's own multi-token-prediction head, `mtp.*` tensors:
+    # serving/spec_decode/mtp.py). Each decoding sequence verifies num_speculative_tokens (k, 1..8) drafts per
     # step. Speculation is off for a step when more than speculative_disable_by_batch_size
     # sequences run (None: never off): verification costs k + 1 tokens of compute per
     # sequence, a loss once the step is compute-bound. It runs the synchronous loop.
@@ -176,7 +177,7 @@ class EngineConfig:
         if method == "draft" and not self.speculative_model:
             raise ValueError("speculative_model: speculative_method='draft' needs a draft model "
                              "(a path or a preset name)")
-        if method == "ngram" and self.speculative_model is not None:
+        if method in ("ngram", "mtp") and self.speculative_model is not None:
             raise ValueError(f"speculative_model={self.speculative_model!r} is only used with "
                              "speculative_method='draft'")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
@@ -297,6 +298,11 @@ def plan_pools(model: ModelConfig, cfg: EngineConfig, *, free_bytes: int | None,
     """
     cfg = _sized(cfg)
     max_len = cfg.max_model_len or min(model.max_position_embeddings, 8192)
+    if cfg.speculative_method == "mtp" and model.mtp_num_hidden_layers:
+        # The MTP head's K/V share the pages of one group (hybrid_jax/mtp_ragged.py).
+        from hybrid_jax.mtp_ragged import with_mtp_layers
+
+        model = with_mtp_layers(model)
     shard = local_config(model, cfg.tensor_parallel_size)
     page_bytes, slot_bytes = cache_bytes(shard, page_size=cfg.page_size, dtype=dtype,
                                          state_dtype=jnp.dtype(cfg.ssm_state_dtype),

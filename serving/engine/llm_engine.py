@@ -134,6 +134,11 @@ class LLMEngine:
         if n > 1:
             tp.check_weights_shardable(lm.model, n)
         self.model_config, self.tokenizer = lm.config, lm.tokenizer
+        if self.config.speculative_method == "mtp" and getattr(lm.model, "mtp", None) is None:
+            name = model if isinstance(model, str) else lm.source
+            raise ValueError(f"speculative_method='mtp': model {name!r} has no multi-token-prediction "
+                             "head (no mtp.* weights, mtp_num_hidden_layers=0); use another "
+                             "speculative_method or a checkpoint that ships its MTP weights")
         weights = (sum(x.nbytes for x in jax.tree.leaves(lm.model)) if n == 1 else
                    tp.param_bytes_per_device(lm.config, n, lm.model.dtype, tp.fp8_layout(lm.model)))
         self._draft_lm = None
@@ -163,7 +168,8 @@ class LLMEngine:
             ckpt_ops=sc.max_checkpoint_ops if sc.prefix_caching else 0,
             spec_q=self.config.spec_q, spec_max_seqs=min(self.config.spec_max_seqs, sc.max_num_seqs),
             multi_q=self.config.multi_q, multi_max_seqs=multi_seqs, mesh=mesh,
-            kv_dtype=kv_dtype(self.config.kv_cache_dtype, lm.model.dtype), kv_scales=kv_scales)
+            kv_dtype=kv_dtype(self.config.kv_cache_dtype, lm.model.dtype), kv_scales=kv_scales,
+            mtp_k=self.config.num_speculative_tokens if self.config.speculative_method == "mtp" else 0)
         self._spec = self._spec_plan(lm)
         # Multi-step decoding rides on the scheduler's verification steps: q tokens per
         # sequence with pages reserved, the q - 1 after the first sampled on the device.
@@ -201,6 +207,10 @@ class LLMEngine:
         if cfg.speculative_method == "ngram":
             self.drafter = NgramDrafter(cfg.num_speculative_tokens, cfg.prompt_lookup_min,
                                         cfg.prompt_lookup_max)
+        elif cfg.speculative_method == "mtp":
+            from serving.spec_decode.mtp import MTPDrafter
+
+            self.drafter = MTPDrafter(self.runner, cfg.num_speculative_tokens)
         else:
             from serving.spec_decode.draft_model import DraftModelDrafter
 
@@ -438,6 +448,8 @@ class LLMEngine:
             drafts = np.array([e.num_drafts for e in schedule.entries], np.int32)
             filters = any(uses_filters(e.seq.params) for e in schedule.entries)
             out, accepted = self.runner.verify(arrays, sampling, drafts, filters=filters)
+            if hasattr(self.drafter, "after_verify"):  # the MTP head drafts the next step's tokens
+                self.drafter.after_verify(schedule, arrays, out, accepted)
         except Exception as err:
             return self._faults.failed(schedule, err)
         self._faults.succeeded(schedule)
@@ -454,6 +466,8 @@ class LLMEngine:
         arrays = flatten(schedule)
         sampling, full = self._sampling(schedule)
         pending = self.runner.dispatch(arrays, sampling, self._feed(schedule, arrays), full=full)
+        if hasattr(self.drafter, "after_step"):  # the MTP head: its K/V and the next drafts
+            self.drafter.after_step(schedule, arrays)
         return _Launched(schedule, pending)
 
     def _feed(self, schedule: Schedule, arrays) -> np.ndarray | None:

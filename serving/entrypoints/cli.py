@@ -183,8 +183,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
 def _spec_args(p: argparse.ArgumentParser) -> None:
     d = ENGINE_DEFAULTS
     sd = p.add_argument_group("speculative decoding (docs/engine.md)")
-    sd.add_argument("--speculative-method", choices=["ngram", "draft"], default=None,
-                    help="draft tokens by prompt lookup (ngram) or a draft model, verify them in one step")
+    sd.add_argument("--speculative-method", choices=["ngram", "draft", "mtp"], default=None,
+                    help="draft tokens by prompt lookup (ngram), a draft model or the model's own "
+                         "multi-token-prediction head (mtp: mtp.* weights), verify them in one step")
     sd.add_argument("--num-speculative-tokens", type=int, default=d["num_speculative_tokens"],
                     help=f"drafted tokens per sequence and step, 1..8 "
                          f"(default {d['num_speculative_tokens']})")

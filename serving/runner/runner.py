@@ -40,6 +40,7 @@ from hybrid_jax.fusion import fuse_projections, kernel_stacks
 from hybrid_jax.kv_quant import with_kv_scales
 from hybrid_jax.layers.linear import Linear, reduction_gemv
 from hybrid_jax.model import CausalLM
+from hybrid_jax.mtp_ragged import mtp_group, mtp_init_caches
 from serving.core.schedule import PENDING, StepArrays
 from serving.runner.compile_pool import Job, compile_jobs
 from serving.runner.host_pack import HostLayout, host_layout, host_put
@@ -51,6 +52,7 @@ from serving.runner.step_fns import (  # noqa: F401  (Bucket, make_buckets: impo
     CkptOps,
     Shardings,
     _forward_fn,
+    _mtp_fn,
     _multi_fn,
     _sampler_fn,
     _verify_fn,
@@ -100,7 +102,7 @@ class ModelRunner:
                  state_dtype: jnp.dtype = jnp.float32, num_checkpoints: int = 0,
                  ckpt_ops: int = 0, spec_q: int = 0, spec_max_seqs: int = 0,
                  multi_q: int = 0, multi_max_seqs: int = 0, kv_dtype: jnp.dtype | None = None,
-                 kv_scales: tuple[tuple[np.ndarray, np.ndarray], ...] | None = None):
+                 kv_scales: tuple[tuple[np.ndarray, np.ndarray], ...] | None = None, mtp_k: int = 0):
         self.cfg = model.cfg
         self.mesh = mesh or Mesh(np.asarray(jax.devices()[:1]), (tp.AXIS,))
         self.replicated = NamedSharding(self.mesh, PartitionSpec())
@@ -124,6 +126,16 @@ class ModelRunner:
             local, num_pages=(1,) * len(num_pages), page_size=page_size,
             num_slots=max(num_checkpoints, 1), dtype=model.dtype, state_dtype=state_dtype))) \
             if ckpt_ops else None
+        # speculative_method="mtp": the MTP head's K/V (pages of the group it shares,
+        # hybrid_jax/mtp_ragged.py) and the target steps' hidden states for the MTP step.
+        self.mtp_k, self.dtype = mtp_k, model.dtype
+        if mtp_k and (n > 1 or switches.sharded_runner()):
+            raise ValueError("speculative_method='mtp' does not run tensor-parallel yet")
+        mtp_shapes = jax.eval_shape(lambda: mtp_init_caches(
+            self.cfg, num_pages=num_pages[mtp_group(self.cfg)], page_size=page_size,
+            dtype=model.dtype)) if mtp_k else None
+        self.hidden: tuple[Bucket, jax.Array] | None = None  # the last target step's (bucket, [t, d])
+        self.mtp_caches = None
         # HYBRID_JAX_SHARDED_RUNNER=1 runs the tensor-parallel path (packed shards, shard_map,
         # explicit shardings) on a one-device mesh: the TP step checked on one GPU.
         # FP8 Linears' block sizes (static in the graph; keyed by the executable store)
@@ -148,6 +160,7 @@ class ModelRunner:
             if kv_scales is not None:
                 self.caches = with_kv_scales(self.caches, kv_scales)
             self.ckpts = zeros(ckpt_shapes) if ckpt_ops else None
+            self.mtp_caches = zeros(mtp_shapes) if mtp_k else None
         else:
             if kv_scales is not None:
                 raise ValueError("FP8 KV pages do not run on the tensor-parallel path yet "
@@ -200,6 +213,15 @@ class ModelRunner:
             batch, sampling = self._dummy(bk)
             self.multi_layouts[bk] = host_layout((sampling, batch))
         self.multisteps: dict[tuple[Bucket, bool], Callable] = {}
+        self.mtp_layouts: dict[Bucket, HostLayout] = {}
+        self.mtp_steps: dict[Bucket, Callable] = {}
+        if mtp_k:
+            g = mtp_group(self.cfg)
+            for bk in [*self.buckets, *self.verify_buckets]:
+                batch, _ = self._dummy(bk)
+                batch = batch._replace(page_tables=(batch.page_tables[g],),
+                                       slot_mappings=(batch.slot_mappings[g],))
+                self.mtp_layouts[bk] = host_layout((batch, np.full(bk.tokens, -1, np.int32)))
         # The buffers the executables write their results into (serving/runner/result_buffers.py).
         self.results = ResultBuffers(self.cfg.vocab_size, self.max_seqs, self.replicated)
 
@@ -306,21 +328,29 @@ class ModelRunner:
         for bucket in self.buckets:
             host = self.host_layouts[bucket]
             ckpt = bool(self.ckpt_ops) and not bucket.decode
+            hidden = bool(self.mtp_k)
             fwd = _forward_fn(self.graphdef, self.layout, bucket.decode, host, ckpt, self.shardings,
-                              max_seqs=self.max_seqs)
+                              max_seqs=self.max_seqs, hidden=hidden)
             extra = (self.ckpts,) if ckpt else ()
             buf = jax.ShapeDtypeStruct((host.size,), jnp.int32)
             outs = self.results.forward_shapes(bucket.seqs)
             add(bucket, fwd, (self.params, self.caches, self.stats, buf, self.last_tokens, *extra, outs),
-                ("forward", bucket, ckpt, self.max_seqs, repr(host)))  # max_seqs: the samples' padding
+                # max_seqs: the samples' padding; hidden: the MTP step's variant
+                ("forward", bucket, ckpt, self.max_seqs, repr(host), hidden))
         for bucket in self.verify_buckets:
             host = self.verify_layouts[bucket]
             buf = jax.ShapeDtypeStruct((host.size,), jnp.int32)
             outs = self.results.sync_shapes("verify", bucket)
             for filters in (False, True):
-                add((bucket, filters), _verify_fn(self.graphdef, self.layout, self.spec_q, host, filters),
-                    (self.params, self.caches, buf, outs),
-                    ("verify", bucket, filters, self.spec_q, repr(host)))
+                fn = _verify_fn(self.graphdef, self.layout, self.spec_q, host, filters, bool(self.mtp_k))
+                add((bucket, filters), fn, (self.params, self.caches, buf, outs),
+                    ("verify", bucket, filters, self.spec_q, repr(host), bool(self.mtp_k)))
+        for bucket, host in self.mtp_layouts.items():
+            buf = jax.ShapeDtypeStruct((host.size,), jnp.int32)
+            hid = jax.ShapeDtypeStruct((bucket.tokens, self.cfg.hidden_size), self.dtype)
+            add(("mtp", bucket), _mtp_fn(self.graphdef, self.layout, self.mtp_k, host, bucket.decode),
+                (self.params, self.mtp_caches, hid, buf, self.last_tokens),
+                ("mtp", bucket, self.mtp_k, repr(host)))
         for bucket in self.multi_buckets:
             host = self.multi_layouts[bucket]
             buf = jax.ShapeDtypeStruct((host.size,), jnp.int32)
@@ -347,6 +377,8 @@ class ModelRunner:
                 self.samplers[key] = exe
             elif key[0] == "multi":
                 self.multisteps[key[1:]] = exe
+            elif key[0] == "mtp":
+                self.mtp_steps[key[1]] = exe
             else:
                 self.verifiers[key] = exe
             built += 1
@@ -414,9 +446,11 @@ class ModelRunner:
         args = (self.params, self.caches, self.stats, buf, self.last_tokens)
         exe, outs = self.compiled[bucket], self.results.take(bs, self.last_tokens)
         if ckpt:
-            self.caches, self.stats, logits, plain, self.ckpts = exe(*args, self.ckpts, outs)
+            self.caches, self.stats, logits, plain, self.ckpts, *hidden = exe(*args, self.ckpts, outs)
         else:
-            self.caches, self.stats, logits, plain = exe(*args, outs)
+            self.caches, self.stats, logits, plain, *hidden = exe(*args, outs)
+        if hidden:
+            self.hidden = (bucket, hidden[0])
         self.results.keep_logits(bs, logits)
         if full:
             out = self.samplers[bs](logits, self.stats, buf)
@@ -443,10 +477,33 @@ class ModelRunner:
         tree = (self._pad(arrays, bucket), _pad_rows(num_drafts.astype(np.int32), bs), samp)
         buf = self._host_put(self.verify_layouts[bucket].pack(tree))
         outs = self.results.take_sync("verify", bucket)
-        self.caches, out, accepted = self.verifiers[(bucket, filters)](self.params, self.caches, buf, outs)
+        self.caches, out, accepted, *hidden = self.verifiers[(bucket, filters)](self.params, self.caches,
+                                                                                 buf, outs)
+        if hidden:
+            self.hidden = (bucket, hidden[0])
         self.results.keep_sync("verify", bucket, (out, accepted))
         out, accepted = jax.device_get((out, accepted))
         return out[:b], accepted[:b]
+
+    def mtp_dispatch(self, arrays: StepArrays, tokens: np.ndarray, feed: np.ndarray | None,
+                     last: np.ndarray) -> jax.Array:
+        """Enqueue the MTP step after the last target step (its bucket and hidden states):
+        `arrays` that step's, `tokens` [t] its tokens shifted by one (x_{p+1} for position
+        p), `feed` [t] (>= 0: the token is that row of the step's samples), `last` [b] each
+        row's last valid token. Returns the drafts [b, k] on the device (copying to the host)."""
+        bucket, hidden = self.hidden
+        g = mtp_group(self.cfg)
+        batch = self._pad(arrays, bucket)
+        t, bs = bucket.tokens, bucket.seqs
+        batch = batch._replace(tokens=_pad_rows(np.maximum(tokens, 0).astype(np.int32), t),
+                               page_tables=(batch.page_tables[g],), slot_mappings=(batch.slot_mappings[g],),
+                               last_token=_pad_rows(last.astype(np.int32), bs))
+        feed = np.full(t, -1, np.int32) if feed is None else _pad_rows(feed.astype(np.int32), t, -1)
+        buf = self._host_put(self.mtp_layouts[bucket].pack((batch, feed)))
+        self.mtp_caches, drafts = self.mtp_steps[bucket](self.params, self.mtp_caches, hidden, buf,
+                                                         self.last_tokens)
+        drafts.copy_to_host_async()
+        return drafts
 
     def multi(self, arrays: StepArrays, sampling: SamplingArrays, *,
               filters: bool) -> tuple[np.ndarray, np.ndarray]:
@@ -490,7 +547,8 @@ class ModelRunner:
     def state_lost(self) -> bool:
         """Whether the donated device state (caches, statistics) is gone, e.g. a step died mid-call."""
         try:
-            return any(x.is_deleted() for x in jax.tree.leaves((self.caches, self.stats, self.ckpts)))
+            return any(x.is_deleted() for x in jax.tree.leaves((self.caches, self.stats, self.ckpts,
+                                                                self.mtp_caches)))
         except Exception:  # the device itself is unusable
             return True
 

@@ -27,6 +27,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from configs import switches
 from hybrid_jax import tensor_parallel as tp
 from hybrid_jax.cache import CacheStacks, RaggedBatch, states_of, with_states
+from hybrid_jax.mtp_ragged import mtp_propose
 from hybrid_jax.ragged import choose, forward_ragged, forward_verify
 from pallas_kernels.stage_copy import write_into
 from serving.runner.host_pack import HostLayout
@@ -177,7 +178,8 @@ class Shardings(NamedTuple):
 
 
 def _forward_fn(graphdef: nnx.GraphDef, layout: PackLayout, decode: bool, host: HostLayout,
-                ckpt_ops: bool = False, sh: Shardings | None = None, *, max_seqs: int) -> Callable:
+                ckpt_ops: bool = False, sh: Shardings | None = None, *, max_seqs: int,
+                hidden: bool = False) -> Callable:
     """A step: feed the last step's samples, forward, penalty statistics, plain sampling.
 
     Returns (caches, stats, logits, plain samples[, checkpoints]): the plain sampler
@@ -204,17 +206,26 @@ def _forward_fn(graphdef: nnx.GraphDef, layout: PackLayout, decode: bool, host: 
     step is dispatched), and `write_into` (pallas_kernels/stage_copy.py) keeps them free of
     temporaries by reading them, so only its node is updated when they change
     (docs/history/benchmarks-2026.md, seventh pass).
+
+    `hidden` (speculative_method="mtp"): the step also returns the LM head's input at every
+    token [t, d], last (the MTP step's input: `_mtp_fn`); without it the executable is the
+    plain one, untouched.
     """
 
-    def model_forward(params, caches, batch):
+    def inner(params, caches, batch):
         model = nnx.merge(graphdef, unpack(layout, params))
-        return forward_ragged(model, batch, caches, decode=decode)
+        return forward_ragged(model, batch, caches, decode=decode, hidden=hidden)
 
     if sh is not None:
+        assert not hidden, "the MTP step does not run tensor-parallel"
         cache_specs = sh.specs(sh.caches)
-        model_forward = jax.shard_map(model_forward, mesh=sh.mesh,
-                                      in_specs=(PartitionSpec(tp.AXIS), cache_specs, PartitionSpec()),
-                                      out_specs=(PartitionSpec(), cache_specs), check_vma=False)
+        inner = jax.shard_map(inner, mesh=sh.mesh,
+                              in_specs=(PartitionSpec(tp.AXIS), cache_specs, PartitionSpec()),
+                              out_specs=(PartitionSpec(), cache_specs), check_vma=False)
+
+    def model_forward(params, caches, batch):  # -> (logits, caches, hidden states or None)
+        out = inner(params, caches, batch)
+        return out if hidden else (*out, None)
     jit = functools.partial(jax.jit, keep_unused=True)  # `outs` is donated, never read
     if sh is not None:
         r = NamedSharding(sh.mesh, PartitionSpec())
@@ -225,10 +236,10 @@ def _forward_fn(graphdef: nnx.GraphDef, layout: PackLayout, decode: bool, host: 
     def model_step(params, caches, stats: TokenStats, batch: RaggedBatch, feed, last_tokens, prompt_len):
         tokens = jnp.where(feed >= 0, last_tokens[jnp.maximum(feed, 0)], batch.tokens)
         batch = batch._replace(tokens=tokens)
-        logits, caches = model_forward(params, caches, batch)
+        logits, caches, hid = model_forward(params, caches, batch)
         stats = update_token_stats(stats, tokens, batch.positions, batch.cu_seqlens, batch.slot_ids,
                                    batch.has_initial, prompt_len, continues=decode)
-        return caches, stats, logits
+        return caches, stats, logits, hid
 
     def plain(logits, stats, sampling, slot_ids):
         return _sample(logits, stats, sampling, slot_ids, full=False, max_seqs=max_seqs)
@@ -240,25 +251,27 @@ def _forward_fn(graphdef: nnx.GraphDef, layout: PackLayout, decode: bool, host: 
     if not ckpt_ops:
         def forward(params, caches, stats, buf, last_tokens, outs):
             sampling, slot_ids, batch, feed = host.unpack(buf, stage=sh is None)
-            caches, stats, logits = model_step(params, caches, stats, batch, feed, last_tokens,
-                                               sampling.prompt_len)
-            return caches, stats, logits, results(outs, plain(logits, stats, sampling, slot_ids))
+            caches, stats, logits, hid = model_step(params, caches, stats, batch, feed, last_tokens,
+                                                    sampling.prompt_len)
+            out = caches, stats, logits, results(outs, plain(logits, stats, sampling, slot_ids))
+            return (*out, hid) if hidden else out
 
         return jit(forward, donate_argnums=(1, 2, 5))
 
     def forward_ckpt(params, caches, stats, buf, last_tokens, ckpts, outs):
         sampling, slot_ids, batch, feed, ops = host.unpack(buf, stage=sh is None)
         caches, stats = _restore(caches, ckpts, stats, ops)
-        caches, stats, logits = model_step(params, caches, stats, batch, feed, last_tokens,
-                                           sampling.prompt_len)
+        caches, stats, logits, hid = model_step(params, caches, stats, batch, feed, last_tokens,
+                                                sampling.prompt_len)
         samples = results(outs, plain(logits, stats, sampling, slot_ids))
-        return caches, stats, logits, samples, _save(ckpts, caches, ops)
+        out = caches, stats, logits, samples, _save(ckpts, caches, ops)
+        return (*out, hid) if hidden else out
 
     return jit(forward_ckpt, donate_argnums=(1, 2, 5, 6))
 
 
 def _verify_fn(graphdef: nnx.GraphDef, layout: PackLayout, q: int, host: HostLayout,
-               filters: bool) -> Callable:
+               filters: bool, hidden: bool = False) -> Callable:
     """A verification step: forward over q tokens per sequence, acceptance, state choice.
 
     One executable: the forward keeps every recurrent state after each of the q
@@ -266,19 +279,43 @@ def _verify_fn(graphdef: nnx.GraphDef, layout: PackLayout, q: int, host: HostLay
     keeps, and `choose` writes the state after the last accepted position into the
     slots. Penalty statistics are not updated (rows with penalties are never verified).
     `filters`: top-k / top-p / min-p (a vocabulary sort per token; off when no row asks).
+    `hidden`: also return the LM head's input at every token [t, d], last (`_mtp_fn`).
     """
 
     def verify(params, caches, buf, outs):
         del outs  # donated: the results are written into these buffers (see `_forward_fn`)
         batch, num_drafts, sampling = host.unpack(buf, stage=True)
         model = nnx.merge(graphdef, unpack(layout, params))
-        logits, caches, candidates = forward_verify(model, batch, caches, q)
+        logits, caches, candidates, *hid = forward_verify(model, batch, caches, q, hidden=hidden)
         b = batch.slot_ids.shape[0]
         out, accepted = accept(logits.reshape(b, q, -1), batch.tokens.reshape(b, q), num_drafts, sampling,
                                filters=filters)
-        return choose(caches, candidates, batch.slot_ids, accepted, model.cfg), out, accepted
+        return choose(caches, candidates, batch.slot_ids, accepted, model.cfg), out, accepted, *hid
 
     return jax.jit(verify, donate_argnums=(1, 3), keep_unused=True)
+
+
+def _mtp_fn(graphdef: nnx.GraphDef, layout: PackLayout, k: int, host: HostLayout,
+            decode: bool) -> Callable:
+    """The MTP step after a target step (serving/spec_decode/mtp.py): the head over the
+    step's tokens shifted by one, with the target's hidden states, then k greedy drafts
+    per sequence (hybrid_jax/mtp_ragged.py `mtp_propose`).
+
+    Host inputs: the shifted batch (the shared group's page tables only; `last_token`
+    the last valid token of each row) and `feed` [t] (>= 0: the token is row feed[i] of
+    `src`, the target step's samples still on the device). Returns (the head's K/V,
+    drafts [b, k] int32); the head's K/V are donated.
+    """
+
+    def mtp_step(params, mtp_caches, hidden, buf, src):
+        batch, feed = host.unpack(buf, stage=True)
+        model = nnx.merge(graphdef, unpack(layout, params))
+        tokens = jnp.where(feed >= 0, src[jnp.maximum(feed, 0)], batch.tokens)
+        drafts, mtp_caches = mtp_propose(model, batch._replace(tokens=tokens), mtp_caches,
+                                         hidden, k, decode=decode)
+        return mtp_caches, drafts
+
+    return jax.jit(mtp_step, donate_argnums=(1,))
 
 
 def decode_rows(batch: RaggedBatch, q: int) -> Callable[[jax.Array], RaggedBatch]:

@@ -31,7 +31,7 @@ import numpy as np
 
 from serving.sample.sampling import SamplingArrays, filter_logits
 
-METHODS = (None, "ngram", "draft")
+METHODS = (None, "ngram", "draft", "mtp")
 MAX_SPECULATIVE_TOKENS = 8
 
 
