@@ -41,8 +41,10 @@ BASE = dict(max_num_seqs=4, max_num_batched_tokens=32, max_prefill_chunk=7, max_
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
 # k spread over the architectures (each engine compiles once: CPU time).
 # The native hybrid (k=3; its SWA-only layer covers attention-only K/V rewind, as in
-# Mistral-SWA) is covered by the prefix-caching / preemption test. CI time: one engine each.
-ARCH_K = {"mamba2": 1, "recurrent_gemma": 3, "falcon_h1": 4, "lfm2": 2}
+# Mistral-SWA) is covered by the prefix-caching / preemption test. CI time: one engine each;
+# Falcon-H1 (Mamba2 + attention in parallel, k=4) left CI for time: its rollback is Mamba2's
+# (mamba2 here), and Jamba, Qwen3-Next and the MTP tests verify with k = 2 on new kinds.
+ARCH_K = {"mamba2": 1, "recurrent_gemma": 3, "lfm2": 2}
 
 
 class Oracle:
