@@ -142,7 +142,7 @@ def _attention(layer: Attention | DepthAttention, x: jax.Array | None, batch: Ra
                                    queries=max(q_len, 1), **common, **scales)
     else:
         o = paged_attention_prefill(q, k_pages, v_pages, batch.cu_seqlens,
-                                                    batch.lengths, table, **common)
+                                    batch.lengths, table, **common, **scales)
     return (_attention_out(layer, gated_heads(o[..., :e].astype(dtype), gate), project_out),
             KVCache(k_pages, v_pages))
 

@@ -176,6 +176,13 @@ def compare_enough(ref, out, what: str):
 SETTINGS = {"ssm": dict(enable_prefix_caching=True, prefix_state_stride=16)}
 
 
+# Engines at tp=2 only (CI time: with Gated DeltaNet, FP8 and the MoE kernel the child's
+# tp=2 and tp=4 runs took over 15 minutes on 2 cores). tp=4 (replicated KV heads, groups
+# and head) is checked for shapes by test_every_preset_shards_to_its_local_shapes and
+# its refusals below; TP_SIZES = (2, 4) runs the engines there too.
+TP_SIZES = (2,)
+
+
 def check_model(name: str, cfg: ModelConfig, results: dict) -> None:
     ps = prompts(cfg.vocab_size)
     kw = SETTINGS.get(name, {})
@@ -187,7 +194,7 @@ def check_model(name: str, cfg: ModelConfig, results: dict) -> None:
     del ref_eng
     distinct = {t for o in ref for t in o.token_ids}
     results[f"{name}: reference is not degenerate"] = len(distinct) > 3 or f"tokens {distinct}"
-    for n in (2, 4):
+    for n in TP_SIZES:
         # A pool of 9 pages per group (8 tokens each) holds only some of the 5 sequences at
         # once (64-token sequences): the batch preempts; solo runs do not.
         eng = engine(cfg, n, num_pages=10, **kw)
