@@ -74,10 +74,7 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
 
 
 def weight_map(cfg: ModelConfig) -> names.WeightMap:
-    out = names.vector("model.embed_tokens.weight", ("embed", "embedding"))
-    out |= names.vector("model.final_layernorm.weight", ("final_norm", "weight"))
-    if not cfg.tie_embeddings:
-        out |= names.linear("lm_head", ("lm_head",), bias=False)
+    out = names.trunk("model.embed_tokens.weight", "model.final_layernorm.weight", cfg)
     for i, spec in enumerate(cfg.layers):
         p = f"model.layers.{i}"
         out |= names.vector(f"{p}.input_layernorm.weight", names.layer_path(i, "temporal_norm", "weight"))

@@ -76,10 +76,7 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
 
 
 def weight_map(cfg: ModelConfig) -> names.WeightMap:
-    out = names.vector("model.embed_tokens.weight", ("embed", "embedding"))
-    out |= names.vector("model.final_layernorm.weight", ("final_norm", "weight"))
-    if not cfg.tie_embeddings:
-        out |= names.linear("lm_head", ("lm_head",), bias=False)
+    out = names.trunk("model.embed_tokens.weight", "model.final_layernorm.weight", cfg)
     att = cfg.attention
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}"

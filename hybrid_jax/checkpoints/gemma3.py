@@ -120,10 +120,7 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
 
 
 def weight_map(cfg: ModelConfig) -> names.WeightMap:
-    out = names.vector("model.embed_tokens.weight", ("embed", "embedding"))
-    out |= names.vector("model.norm.weight", ("final_norm", "weight"))
-    if not cfg.tie_embeddings:
-        out |= names.linear("lm_head", ("lm_head",), bias=False)
+    out = names.trunk("model.embed_tokens.weight", "model.norm.weight", cfg)
     att = cfg.attention
     norms = {"input_layernorm": "temporal_norm", "post_attention_layernorm": "post_temporal_norm",
              "pre_feedforward_layernorm": "mlp_norm",

@@ -103,10 +103,7 @@ def dense_mlp_map(hf: str, path: names.Path) -> names.WeightMap:
 
 def trunk_map(cfg: ModelConfig) -> names.WeightMap:
     """Everything but the layers' MLPs (shared with LFM2-MoE)."""
-    out = names.vector("model.embed_tokens.weight", ("embed", "embedding"))
-    out |= names.vector("model.embedding_norm.weight", ("final_norm", "weight"))
-    if not cfg.tie_embeddings:
-        out |= names.linear("lm_head", ("lm_head",), bias=False)
+    out = names.trunk("model.embed_tokens.weight", "model.embedding_norm.weight", cfg)
     for i, spec in enumerate(cfg.layers):
         p = f"model.layers.{i}"
         out |= names.vector(f"{p}.operator_norm.weight", names.layer_path(i, "temporal_norm", "weight"))

@@ -47,10 +47,7 @@ def config_from_hf(hf: dict[str, Any], *, bcdt_norm: str = "none",
 
 
 def weight_map(cfg: ModelConfig) -> names.WeightMap:
-    out = names.vector("backbone.embeddings.weight", ("embed", "embedding"))
-    out |= names.vector("backbone.norm_f.weight", ("final_norm", "weight"))
-    if not cfg.tie_embeddings:
-        out |= names.linear("lm_head", ("lm_head",), bias=False)
+    out = names.trunk("backbone.embeddings.weight", "backbone.norm_f.weight", cfg)
     for i in range(cfg.num_layers):
         p = f"backbone.layers.{i}"
         out |= names.vector(f"{p}.norm.weight", names.layer_path(i, "temporal_norm", "weight"))

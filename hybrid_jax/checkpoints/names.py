@@ -44,6 +44,14 @@ def vector(hf: str, path: Path) -> WeightMap:
     return {hf: Target(path, "same")}
 
 
+def trunk(embed: str, final_norm: str, cfg) -> WeightMap:
+    """The embedding, the final norm and (untied) the LM head `lm_head.weight`."""
+    out = vector(embed, ("embed", "embedding")) | vector(final_norm, ("final_norm", "weight"))
+    if not cfg.tie_embeddings:
+        out |= linear("lm_head", ("lm_head",), bias=False)
+    return out
+
+
 def attention(hf: str, path: Path, *, qkv_bias: bool, o_bias: bool) -> WeightMap:
     out: WeightMap = {}
     for name in ("q_proj", "k_proj", "v_proj"):

@@ -132,10 +132,7 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
 
 
 def weight_map(cfg: ModelConfig) -> names.WeightMap:
-    out = names.vector("model.embeddings.weight", ("embed", "embedding"))
-    out |= names.vector("model.norm_f.weight", ("final_norm", "weight"))
-    if not cfg.tie_embeddings:
-        out |= names.linear("lm_head", ("lm_head",), bias=False)
+    out = names.trunk("model.embeddings.weight", "model.norm_f.weight", cfg)
     for i, spec in enumerate(cfg.layers):
         p = f"model.layers.{i}"
         norm = "mlp_norm" if spec.kind == "mlp" else "temporal_norm"

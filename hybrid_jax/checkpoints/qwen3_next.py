@@ -194,10 +194,7 @@ def weight_map(cfg: ModelConfig, stored: set[str] | None = None) -> names.Weight
     """HF name (canonical, `model.*`) -> param. `stored`: the checkpoint's canonical names,
     which say whether the experts are stored stacked or one Linear each (default: apart)."""
     stacked = stored is not None and any(n.endswith(".experts.gate_up_proj") for n in stored)
-    out = names.vector("model.embed_tokens.weight", ("embed", "embedding"))
-    out |= names.vector("model.norm.weight", ("final_norm", "weight"))
-    if not cfg.tie_embeddings:
-        out |= names.linear("lm_head", ("lm_head",), bias=False)
+    out = names.trunk("model.embed_tokens.weight", "model.norm.weight", cfg)
     for i, spec in enumerate(cfg.layers):
         p = f"model.layers.{i}"
         out |= names.vector(f"{p}.input_layernorm.weight", names.layer_path(i, "temporal_norm", "weight"))

@@ -136,10 +136,7 @@ def _hybrid_layer(cfg: ModelConfig, i: int, j: int, shared: str) -> names.Weight
 
 
 def weight_map(cfg: ModelConfig) -> names.WeightMap:
-    out = names.vector("model.embed_tokens.weight", ("embed", "embedding"))
-    out |= names.vector("model.final_layernorm.weight", ("final_norm", "weight"))
-    if not cfg.tie_embeddings:
-        out |= names.linear("lm_head", ("lm_head",), bias=False)
+    out = names.trunk("model.embed_tokens.weight", "model.final_layernorm.weight", cfg)
     shared = [f"model.layers.{i}.shared_transformer" for i in _first_layers(cfg)]
     for b, prefix in enumerate(shared):
         out |= _shared_block(prefix, ("shared_blocks", b))
