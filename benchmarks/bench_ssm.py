@@ -18,8 +18,6 @@ import argparse
 import functools
 import importlib
 import json
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +25,7 @@ import numpy as np
 
 from pallas_kernels import conv1d, linear_scan, ssd_kernel
 from pallas_kernels.ssd import ssd_ragged_reference
+from serving.entrypoints.bench.probe import time_chained
 
 # The module, not the op of the same name that the package exports.
 ssm_decode = importlib.import_module("pallas_kernels.ssm_decode")
@@ -35,18 +34,9 @@ F32, BF16 = jnp.float32, jnp.bfloat16
 
 
 def timeit(fn, state, args, reps, inner):
-    """(median seconds per call of `out, state = fn(state, *args)`, chained; last state)."""
-    for _ in range(2):
-        out, state = fn(state, *args)
-    jax.block_until_ready((out, state))
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        for _ in range(inner):
-            out, state = fn(state, *args)
-        jax.block_until_ready((out, state))
-        times.append((time.perf_counter() - t0) / inner)
-    return statistics.median(times), state
+    """(median seconds per chained call, last state): `time_chained` without its output."""
+    sec, _, state = time_chained(fn, state, args, reps, inner)
+    return sec, state
 
 
 def ceilings():

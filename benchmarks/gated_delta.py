@@ -35,7 +35,6 @@ import functools  # noqa: E402
 import json  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
-import time  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -43,6 +42,7 @@ import numpy as np  # noqa: E402
 
 from pallas_kernels import gated_delta_decode, gated_delta_prefill  # noqa: E402
 from pallas_kernels.gated_delta import gated_delta_ragged, gated_delta_step  # noqa: E402
+from serving.entrypoints.bench.probe import time_chained  # noqa: E402
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 FULL = dict(prefill=((4096,) * 4, (16384,)), decode=(64, 256), hk=16, hv=32, d=128,
@@ -51,19 +51,7 @@ SMOKE = dict(prefill=((40, 24), (64,)), decode=(2,), hk=2, hv=4, d=16, copy=2**1
              impl="interpret")
 
 
-def timeit(fn, state, args, reps, inner):
-    """(median seconds per call of `out, state = fn(state, *args)`, chained; last out, state)."""
-    for _ in range(2):
-        out, state = fn(state, *args)
-    jax.block_until_ready((out, state))
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        for _ in range(inner):
-            out, state = fn(state, *args)
-        jax.block_until_ready((out, state))
-        times.append((time.perf_counter() - t0) / inner)
-    return statistics.median(times), out, state
+timeit = time_chained  # (seconds, out, state)
 
 
 def copy_tbps(n):

@@ -137,6 +137,23 @@ def _count(deltas, outputs: dict[str, int]) -> bool:
     return finished
 
 
+def time_chained(fn, state, args, reps: int, inner: int):
+    """(median seconds per call, last out, last state) of `out, state = fn(state, *args)`,
+    each call fed the previous one's state (in-place kernels, donated pools): two warm-up
+    calls, then `reps` rounds of `inner` calls, each round waited for once."""
+    for _ in range(2):
+        out, state = fn(state, *args)
+    jax.block_until_ready((out, state))
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            out, state = fn(state, *args)
+        jax.block_until_ready((out, state))
+        times.append((time.perf_counter() - t0) / inner)
+    return statistics.median(times), out, state
+
+
 class StepTracer:
     """Records one jax.profiler trace into `directory` between start() and stop() (once)."""
 
