@@ -1,4 +1,5 @@
-"""Test session settings: one persistent XLA compilation cache for the whole run.
+"""Test session settings: one persistent XLA compilation cache for the whole run (both
+xdist workers share it).
 
 Engines with the same model and shapes in different test modules then compile once.
 The cache is this run's own temporary directory, removed when the run ends (each run
@@ -7,18 +8,27 @@ left hundreds of MB of /tmp/hybrid-jax-xla-* behind).
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 
 import jax
 
+# pytest-xdist workers inherit the controller's environment: the controller (or a run
+# without xdist) creates the directory and names it in this variable, so both workers
+# read and write one cache (an engine compiled in one worker's module is a cache hit in
+# the other's) and only its creator removes it. JAX reads a damaged entry as a miss.
+_ENV = "HYBRID_JAX_TEST_XLA_CACHE"
 _CACHE_DIR: str | None = None
 if jax.config.jax_compilation_cache_dir is None:
-    _CACHE_DIR = tempfile.mkdtemp(prefix="hybrid-jax-xla-")
-    jax.config.update("jax_compilation_cache_dir", _CACHE_DIR)
+    shared = os.environ.get(_ENV)
+    if shared is None:
+        shared = _CACHE_DIR = tempfile.mkdtemp(prefix="hybrid-jax-xla-")
+        os.environ[_ENV] = shared
+    jax.config.update("jax_compilation_cache_dir", shared)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
 def pytest_sessionfinish(session, exitstatus) -> None:
-    if _CACHE_DIR is not None:
+    if _CACHE_DIR is not None and not hasattr(session.config, "workerinput"):
         shutil.rmtree(_CACHE_DIR, ignore_errors=True)

@@ -35,9 +35,11 @@ from tests.model.hf_models import build  # noqa: E402
 from tests.serving.conftest import SERVER_CFG  # noqa: E402
 from tests.serving.test_engine_parity import loaded, native_hybrid  # noqa: E402
 
-pytestmark = pytest.mark.slow  # engines for five architectures: minutes on a 2-core CPU
+pytestmark = pytest.mark.slow  # engines for four architectures: minutes on a 2-core CPU
 
-ARCHS = ("mamba2", "mistral", "recurrent_gemma", "falcon_h1", "native")
+# Pure Mamba2 left CI for time: its state checkpoints are the Mamba2 layers of native and
+# Falcon-H1 (the loader has its own tests in tests/model).
+ARCHS = ("mistral", "recurrent_gemma", "falcon_h1", "native")
 CFG = EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, max_prefill_chunk=16, max_model_len=64,
                    page_size=8, seq_buckets=(4,), token_buckets=(32,), prefix_state_stride=16)
 SHARED = (33, 44, 37, 45, 20)  # tokens each request shares with the warm one
