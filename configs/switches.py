@@ -50,6 +50,9 @@ SWITCHES: tuple[Switch, ...] = (
     Switch("HYBRID_JAX_FOLD_CONV_ROWS", "8",
            "decode steps of at most this many rows run the Mamba2 conv inside the state "
            "update (0: its own launch)"),
+    Switch("HYBRID_JAX_MIXED_DECODE_UPDATE", "1",
+           "0 runs a mixed step's one-token sequences (its decodes) through the chunked Mamba2 "
+           "scan with the prompts instead of the decode update"),
     Switch("HYBRID_JAX_STREAM_GEMM", "1",
            "0 runs a gated MLP's decode gate/up on cuBLAS and silu * up in XLA instead of one "
            "Mosaic GPU `stream_glu` launch (Hopper, 8-64 rows)"),
@@ -132,6 +135,10 @@ def fold_conv_rows() -> int:
     return _rows("HYBRID_JAX_FOLD_CONV_ROWS", 8)
 
 
+def mixed_decode_update() -> bool:
+    return _on("HYBRID_JAX_MIXED_DECODE_UPDATE")
+
+
 def stream_gemm() -> bool:
     return _on("HYBRID_JAX_STREAM_GEMM")
 
@@ -190,5 +197,20 @@ def keyed_environment() -> list[tuple[str, str]]:
     """The HYBRID_JAX_* variables set in this process that change what the engine compiles
     (all but secrets, debugging and the store's own switches), sorted: part of the
     executable store's key, so an unknown name set for an experiment keys apart too."""
-    return sorted((k, v) for k, v in os.environ.items()
-                  if k.startswith("HYBRID_JAX_") and not any(w in k for w in _NOT_KEYED))
+    return sorted((k, v) for k, v in os.environ.items() if k.startswith("HYBRID_JAX_") and _keyed(k))
+
+
+# The switches above that do not change what the engine compiles. Names in SWITCHES are
+# judged by this list alone: a word rule would drop a compile switch whose name happens to
+# hold one of the words (HYBRID_JAX_SINGLE_TOKEN_ROWS once did, and the store served its
+# other value's executables).
+_NOT_KEYED_SWITCHES = frozenset({"HYBRID_JAX_EXECUTABLE_STORE", "HYBRID_JAX_EXECUTABLE_STORE_MAX_GB",
+                                 "HYBRID_JAX_PROFILE_DEVICE", "HYBRID_JAX_API_KEY", "HYBRID_JAX_DEBUG"})
+
+
+def _keyed(name: str) -> bool:
+    """Known switches: all but `_NOT_KEYED_SWITCHES`; unknown names (experiments): all but
+    those that look like secrets or debugging (`_NOT_KEYED` words)."""
+    if name in {s.name for s in SWITCHES}:
+        return name not in _NOT_KEYED_SWITCHES
+    return not any(w in name for w in _NOT_KEYED)

@@ -336,9 +336,24 @@ def _mamba(layer: Mamba2Mixer, x: jax.Array | None, batch: RaggedBatch, st: Mamb
     xbc, conv = conv1d_ragged(xbc, w, bias, batch.cu_seqlens, st.conv, batch.slot_ids,
                               batch.has_initial, activation="silu")
     xs, B, C = layer.split_xbc(xbc)
-    y, ssm = ssd_ragged(xs, dt, layer.A(), B, C, layer.param("D"), layer.param("dt_bias"), batch.cu_seqlens,
-                        st.ssm, batch.slot_ids, batch.has_initial, dt_limit=cfg.dt_limit,
-                        chunk_size=cfg.chunk_size)
+    A, D, dt_bias = layer.A(), layer.param("D"), layer.param("dt_bias")
+    single = None
+    if MIXED_DECODE_UPDATE:
+        # A mixed step's one-token sequences with a state (its decodes) take the decode
+        # update, the chunked scan only the others: through the scan each would cost a
+        # chunk's state traffic (chunk state, entering state, state pass), ~2.9 of a 6.95 ms
+        # step with 32 decodes and a 16-token prompt on the H100 (benchmarks/mixed_step.py).
+        cu = batch.cu_seqlens
+        single = (cu[1:] - cu[:-1] == 1) & batch.has_initial
+    y, ssm = ssd_ragged(xs, dt, A, B, C, D, dt_bias, batch.cu_seqlens, st.ssm, batch.slot_ids,
+                        batch.has_initial, dt_limit=cfg.dt_limit, chunk_size=cfg.chunk_size,
+                        active=None if single is None else ~single)
+    if single is not None:
+        t = xs.shape[0]
+        row = jnp.minimum(batch.cu_seqlens[:-1], t - 1)  # each sequence's first token
+        y1, ssm = ssm_decode(xs[row], dt[row], A, B[row], C[row], D, dt_bias, ssm,
+                             jnp.where(single, batch.slot_ids, -1), dt_limit=cfg.dt_limit)
+        y = y.at[jnp.where(single, row, t)].set(y1, mode="drop")
     return finish(y, z, dtype), Mamba2State(conv, ssm)
 
 
@@ -571,6 +586,9 @@ PARALLEL_DECODE_ROWS = switches.parallel_decode_rows()
 # costs more than the launch saved; docs/history/benchmarks-2026.md, twelfth pass).
 # HYBRID_JAX_FOLD_CONV_ROWS=0: conv1d_decode apart.
 FOLD_CONV_ROWS = switches.fold_conv_rows()
+# Mixed steps run their decodes' Mamba2 state updates with `ssm_decode` beside the chunked
+# scan of the prompts (`_mamba`). HYBRID_JAX_MIXED_DECODE_UPDATE=0: every sequence scans.
+MIXED_DECODE_UPDATE = switches.mixed_decode_update()
 
 
 def _merged_decode(block: Block, kv: KVCache | None, decode: bool, q: int) -> bool:

@@ -6,7 +6,10 @@
 Sequences are packed along the token axis (cu_seqlens [b+1]); each is cut into
 chunks of `chunk_size` tokens that never straddle a sequence. A sequence starts
 from its slot's state when has_initial, else from zero, and leaves its final
-state in its slot. Padding tokens (past cu_seqlens[b]) get y = 0.
+state in its slot. Padding tokens (past cu_seqlens[b]) get y = 0. A sequence whose
+`active` entry is False is skipped: its slot is neither read nor written and its y
+rows are unspecified (a mixed step serves its one-token sequences with the decode
+update instead: hybrid_jax/ragged.py).
 
 `ssd_ragged` dispatches on the impl switch; `ssd_ragged_reference` below is the
 pure-JAX chunked SSD (it is what serving runs on CPU); the Pallas pipeline lives
@@ -32,29 +35,32 @@ _HI = jax.lax.Precision.HIGHEST
 
 def ssd_ragged(
     x, dt, A, B, C, D, dt_bias, cu_seqlens, states, slot_ids, has_initial, *,
-    z=None, dt_limit=(0.0, float("inf")), chunk_size=256, impl: Impl | None = None,
+    z=None, dt_limit=(0.0, float("inf")), chunk_size=256, impl: Impl | None = None, active=None,
 ):
     """Chunked SSD over a ragged batch; returns (y [t, h, p] in x.dtype, states).
 
     x [t, h, p]; dt [t, h] raw (softplus(dt + dt_bias), clamped to dt_limit, is
     applied here); A [h] negative; B, C [t, g, n] (head i reads group i // (h//g));
     D, dt_bias [h]; cu_seqlens int32 [b+1]; states [num_slots, h, p, n] f32 or
-    bf16 (math in f32); slot_ids int32 [b]; has_initial bool [b]; z [t, h, p].
+    bf16 (math in f32); slot_ids int32 [b]; has_initial bool [b]; z [t, h, p];
+    active bool [b] or None (all): False skips the sequence (slot untouched, y unspecified).
     """
     impl = resolve_impl(impl)
     _check(x, dt, A, B, C, D, dt_bias, cu_seqlens, states, slot_ids, has_initial, z, dt_limit,
            chunk_size)
+    if active is not None and active.shape != slot_ids.shape:
+        raise ValueError(f"{active.shape=} must be {slot_ids.shape}")
     if impl == "reference":
         return ssd_ragged_reference(
             x, dt, A, B, C, D, dt_bias, cu_seqlens, states, slot_ids, has_initial,
-            z=z, dt_limit=tuple(map(float, dt_limit)), chunk_size=chunk_size,
+            z=z, dt_limit=tuple(map(float, dt_limit)), chunk_size=chunk_size, active=active,
         )
     p, n = x.shape[2], B.shape[2]
     if not (is_pow2(p) and is_pow2(n) and p >= 16 and n >= 16):
         raise ValueError(f"head dim {p=} and state dim {n=} must be powers of 2 >= 16")
     return ssd_pallas(
         x, dt, A, B, C, D, dt_bias, cu_seqlens, states, slot_ids, has_initial,
-        z=z, dt_limit=dt_limit, chunk_size=chunk_size, impl=impl,
+        z=z, dt_limit=dt_limit, chunk_size=chunk_size, impl=impl, active=active,
     )
 
 
@@ -69,7 +75,7 @@ def _check(x, dt, A, B, C, D, dt_bias, cu_seqlens, states, slot_ids, has_initial
 @functools.partial(jax.jit, static_argnames=("dt_limit", "chunk_size", "impl"))
 def ssd_ragged_reference(
     x, dt, A, B, C, D, dt_bias, cu_seqlens, states, slot_ids, has_initial, *,
-    z=None, dt_limit=(0.0, float("inf")), chunk_size=256, impl: Impl | None = None,
+    z=None, dt_limit=(0.0, float("inf")), chunk_size=256, impl: Impl | None = None, active=None,
 ):
     """Pure-JAX chunked SSD (mamba's ssd_minimal, made ragged); contract of `ssd_ragged`.
 
@@ -145,4 +151,7 @@ def ssd_ragged_reference(
     counts = tab.first[1 : b + 1] - tab.first[:b]
     last = jnp.maximum(tab.first[1 : b + 1] - 1, 0)
     final = jnp.where((counts > 0)[:, None, None, None], final_c[last], init_seq)
-    return y.astype(x.dtype), states.at[slot_ids].set(final.astype(states.dtype))
+    if active is None:
+        return y.astype(x.dtype), states.at[slot_ids].set(final.astype(states.dtype))
+    keep = jnp.where(active, slot_ids, states.shape[0])  # skipped sequences: dropped
+    return y.astype(x.dtype), states.at[keep].set(final.astype(states.dtype), mode="drop")

@@ -44,7 +44,7 @@ WARPS = (4, 4, 4)  # num_warps of steps 1, 2, 3
 def ssd_pallas(
     x, dt, A, B, C, D, dt_bias, cu_seqlens, states, slot_ids, has_initial, *,
     z, dt_limit, chunk_size, impl, block_m=BLOCK_M, head_block=HEAD_BLOCK,
-    pass_block_p=PASS_BLOCK_P, warps=WARPS, stages=3,
+    pass_block_p=PASS_BLOCK_P, warps=WARPS, stages=3, active=None,
 ):
     """Checked arguments in; (y, states) out. Pads to >= chunk_size tokens.
 
@@ -56,6 +56,7 @@ def ssd_pallas(
     run = _ssd_jit(
         x, dt, A, B, C, D, dt_bias, cu_seqlens.astype(jnp.int32), states,
         slot_ids.astype(jnp.int32), has_initial.astype(jnp.int32), z,
+        None if active is None else active.astype(jnp.int32),
         dt_limit=(float(lo), float(hi)), l=chunk_size, impl=impl,
         bm=min(block_m, chunk_size), hb=hb, bp=min(pass_block_p, x.shape[2]),
         warps=tuple(warps), stages=stages,
@@ -69,7 +70,7 @@ def ssd_pallas(
 @functools.partial(
     jax.jit, static_argnames=("dt_limit", "l", "impl", "bm", "hb", "bp", "warps", "stages")
 )
-def _ssd_jit(x, dt, A, B, C, D, dt_bias, cu, states, slot_ids, has_initial, z, *,
+def _ssd_jit(x, dt, A, B, C, D, dt_bias, cu, states, slot_ids, has_initial, z, active, *,
              dt_limit, l, impl, bm, hb, bp, warps, stages):
     x, dt, B, C, z = pad_tokens(l, x, dt, B, C, z)
     t, h, p = x.shape
@@ -78,7 +79,15 @@ def _ssd_jit(x, dt, A, B, C, D, dt_bias, cu, states, slot_ids, has_initial, z, *
     f32 = jnp.float32
     tab = chunk_table(cu, t, l)
     nc = tab.seq.shape[0]
-    table = jnp.stack([tab.seq, tab.start, tab.end, tab.window])  # [4, c] int32
+    # Sequences with no chunk to run: padding rows (no tokens) and skipped ones (`active`).
+    # Their chunks become unused rows (steps 1 and 3 skip them), the state pass leaves
+    # their slots alone.
+    runs = tab.first[1:b + 1] > tab.first[:b]
+    seq = tab.seq
+    if active is not None:
+        runs = runs & (active != 0)
+        seq = jnp.where((seq < b) & (active[jnp.minimum(seq, b - 1)] == 0), b + 1, seq)
+    table = jnp.stack([seq, tab.start, tab.end, tab.window])  # [4, c] int32
     # [t, h] as the projection has it: a transposed copy here let XLA lay the whole
     # in_proj output out column-major, and every other consumer then transposed it.
     dte = effective_dt(dt, dt_bias, dt_limit)
@@ -100,7 +109,8 @@ def _ssd_jit(x, dt, A, B, C, D, dt_bias, cu, states, slot_ids, has_initial, z, *
         out_shape=[jax.ShapeDtypeStruct((nc, h, p, n), dot_dtype),
                    jax.ShapeDtypeStruct(states.shape, states.dtype)],
         aliases={5: 1}, num_warps=warps[1], name="ssd_state_pass",
-    )(tab.first, slot_ids, has_initial, cum, s_chunk, states)
+    )(tab.first, slot_ids, has_initial.astype(jnp.int32) + 2 * runs.astype(jnp.int32), cum, s_chunk,
+      states)
     if stages == 2:
         return enter, states
 
@@ -155,18 +165,24 @@ def _chunk_state_kernel(table_ref, dt_ref, a_ref, x_ref, b_ref, sc_ref, cum_ref,
 
 def _state_pass_kernel(first_ref, slot_ref, init_ref, cum_ref, sc_ref, st_ref, enter_ref,
                        st_out, *, l, bp):
+    """init_ref[s]: bit 0 has_initial, bit 1 the sequence runs (has chunks, is active);
+    a sequence that does not run leaves its slot untouched (padding rows share slot 0)."""
     hh, pb, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     rows = pl.ds(pb * bp, bp)
     slot = slot_ref[s]
-    start = jnp.where(init_ref[s] != 0, st_ref[slot, hh, rows, :].astype(jnp.float32), 0.0)
+    flags = init_ref[s]
 
-    def body(c, state):
-        chunk = sc_ref[c, hh, rows, :]
-        enter_ref[c, hh, rows, :] = state.astype(enter_ref.dtype)
-        return jnp.exp(cum_ref[hh, c, l - 1]) * state + chunk
+    @pl.when(flags >= 2)
+    def _():
+        start = jnp.where(flags % 2 != 0, st_ref[slot, hh, rows, :].astype(jnp.float32), 0.0)
 
-    final = jax.lax.fori_loop(first_ref[s], first_ref[s + 1], body, start)
-    st_out[slot, hh, rows, :] = final.astype(st_out.dtype)
+        def body(c, state):
+            chunk = sc_ref[c, hh, rows, :]
+            enter_ref[c, hh, rows, :] = state.astype(enter_ref.dtype)
+            return jnp.exp(cum_ref[hh, c, l - 1]) * state + chunk
+
+        final = jax.lax.fori_loop(first_ref[s], first_ref[s + 1], body, start)
+        st_out[slot, hh, rows, :] = final.astype(st_out.dtype)
 
 
 def _chunk_out_kernel(*refs, l, bm, hb, hpg, b, dot_dtype, gated):

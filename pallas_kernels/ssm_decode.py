@@ -11,7 +11,9 @@ in memory, f32 in arithmetic. The state buffer is aliased to the output, so a
 caller that jits with donation updates it in place.
 
 This module knows nothing of how slots are allocated: slot_ids index the state
-buffer directly (slot 0 is the dummy for padded rows).
+buffer directly (slot 0 is the dummy for padded rows). `ssm_decode` skips a row whose
+slot id is negative: its state is neither read nor written and its y is unspecified
+(a mixed step's rows that the chunked scan serves instead: hybrid_jax/ragged.py).
 """
 
 from __future__ import annotations
@@ -61,7 +63,8 @@ def ssm_decode(
     """One Mamba2 recurrence step per sequence.
 
     x [b, h, p]; dt [b, h] raw; A [h] (negative); B, C [b, g, n]; D, dt_bias [h];
-    states [num_slots, h, p, n] f32 or bf16; slot_ids int [b]; z [b, h, p] or None.
+    states [num_slots, h, p, n] f32 or bf16; slot_ids int [b] (negative: row skipped, its
+    y unspecified); z [b, h, p] or None.
     Returns (y [b, h, p] in x.dtype, states with rows slot_ids updated).
     """
     impl = resolve_impl(impl)
@@ -98,14 +101,15 @@ def ssm_decode_reference(
     Bh = jnp.repeat(B.astype(f32), h // g, axis=1)  # [b, h, n]
     Ch = jnp.repeat(C.astype(f32), h // g, axis=1)
     # 3. h = exp(dt A) h + dt x (outer) B.
-    s = states[slot_ids].astype(f32)  # [b, h, p, n]
+    s = states[jnp.maximum(slot_ids, 0)].astype(f32)  # [b, h, p, n]
     xf = x.astype(f32)
     s = decay[..., None, None] * s + (dte[..., None] * xf)[..., None] * Bh[:, :, None, :]
     # 4. y = h . C + D x, gated.
     y = jnp.einsum("bhpn,bhn->bhp", s, Ch, precision="highest") + D.astype(f32)[:, None] * xf
     if z is not None:
         y = y * silu(z.astype(f32))
-    return y.astype(x.dtype), states.at[slot_ids].set(s.astype(states.dtype))
+    keep = jnp.where(slot_ids < 0, states.shape[0], slot_ids)  # skipped rows: dropped
+    return y.astype(x.dtype), states.at[keep].set(s.astype(states.dtype), mode="drop")
 
 
 def _decode_body(*refs, hpg: int, bp: int, hb: int, loops: int, order: str,
@@ -203,10 +207,16 @@ def _decode_body(*refs, hpg: int, bp: int, hb: int, loops: int, order: str,
             plgpu.store(st_out.at[slot, heads, rows, :], new, eviction_policy=evict)
         return carry
 
-    if loops == 1:
-        step(0, 0)
+    def run():
+        if loops == 1:
+            step(0, 0)
+        else:
+            jax.lax.fori_loop(0, loops, step, 0)
+
+    if packed is None:  # `ssm_decode`: a negative slot id skips the row
+        pl.when(slot >= 0)(run)
     else:
-        jax.lax.fori_loop(0, loops, step, 0)
+        run()
 
 
 @functools.partial(jax.jit, static_argnames=(

@@ -18,7 +18,7 @@ import jax
 # without xdist) creates the directory and names it in this variable, so both workers
 # read and write one cache (an engine compiled in one worker's module is a cache hit in
 # the other's) and only its creator removes it. JAX reads a damaged entry as a miss.
-_ENV = "HYBRID_JAX_TEST_XLA_CACHE"
+_ENV = "PYTEST_HYBRID_JAX_XLA_CACHE"  # not a HYBRID_JAX_ switch: no store key
 _CACHE_DIR: str | None = None
 if jax.config.jax_compilation_cache_dir is None:
     shared = os.environ.get(_ENV)

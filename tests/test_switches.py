@@ -56,3 +56,19 @@ def test_defaults_and_bad_values(monkeypatch):
         monkeypatch.setenv("HYBRID_JAX_FOLD_CONV_ROWS", bad)
         with pytest.raises(ValueError, match="HYBRID_JAX_FOLD_CONV_ROWS"):
             switches.fold_conv_rows()
+
+
+def test_every_compile_switch_keys_the_executable_store(monkeypatch):
+    """A switch that changes what the engine compiles must be in the store's key whatever
+    its name holds (a word rule once dropped HYBRID_JAX_SINGLE_TOKEN_ROWS as a "TOKEN")."""
+    from configs import switches
+
+    secret = {"HYBRID_JAX_API_KEY", "HYBRID_JAX_DEBUG", "HYBRID_JAX_EXECUTABLE_STORE",
+              "HYBRID_JAX_EXECUTABLE_STORE_MAX_GB", "HYBRID_JAX_PROFILE_DEVICE"}
+    for s in switches.SWITCHES:
+        monkeypatch.setenv(s.name, "0")
+    monkeypatch.setenv("HYBRID_JAX_MY_TOKEN", "x")  # unknown: kept out if it looks secret
+    monkeypatch.setenv("HYBRID_JAX_MY_EXPERIMENT", "1")  # unknown: keyed
+    mine = {s.name for s in switches.SWITCHES} | {"HYBRID_JAX_MY_TOKEN", "HYBRID_JAX_MY_EXPERIMENT"}
+    keyed = {k for k, _ in switches.keyed_environment()} & mine
+    assert keyed == {s.name for s in switches.SWITCHES} - secret | {"HYBRID_JAX_MY_EXPERIMENT"}

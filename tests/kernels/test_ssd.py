@@ -136,3 +136,29 @@ def test_ssd_kernel_tilings_agree(block_m, head_block):
     live = rg.slots[:-1]
     assert rel_err(y_k, y_r) < 1e-5
     assert rel_err(np.asarray(s_k)[live], np.asarray(s_r)[live]) < 1e-5
+
+
+@pytest.mark.parametrize("impl", [KERNEL_IMPL, "reference"])
+def test_inactive_sequences_are_skipped(impl):
+    """`active` False: the sequence's slot is neither read nor written (a mixed step's
+    decodes take the decode update instead); the others equal a run without `active`."""
+    rng = np.random.default_rng(5)
+    h, g, dtype = 4, 2, jnp.float32
+    rg = make_ragged(rng, [1, 37, 1, 23, 5], pad_tail=6, num_slots=9)
+    inp = _inputs(rng, rg.t, h, g, dtype)
+    states = poison_states(rng, rg, (h, 16, 16), np.float32)
+    states[rg.slots[[0, 2]]] = rng.standard_normal((2, h, 16, 16))  # skipped: any state
+    y_all, s_all = _run(inp, rg, states, impl, dtype, True)
+    active = np.array([False, True, False, True, True, True])[:len(rg.slots)]
+    j = lambda k: jnp.asarray(inp[k], jnp.float32)
+    y, st = ssd_ragged(
+        j("x"), j("dt"), j("A"), j("B"), j("C"), j("D"), j("dt_bias"), jnp.asarray(rg.cu),
+        jnp.asarray(states), jnp.asarray(rg.slots), jnp.asarray(rg.has_initial), z=j("z"),
+        chunk_size=L, impl=impl, active=jnp.asarray(active))
+    y, st = np.asarray(y), np.asarray(st)
+    rows = np.concatenate([np.arange(rg.cu[i], rg.cu[i + 1]) for i in np.flatnonzero(active)])
+    np.testing.assert_allclose(y[rows], y_all[rows], rtol=1e-5, atol=1e-5)
+    live = rg.slots[:-1][active[:-1]]
+    np.testing.assert_allclose(st[live], s_all[live], rtol=1e-5, atol=1e-5)
+    skipped = rg.slots[[0, 2]]
+    np.testing.assert_array_equal(st[skipped], states[skipped])  # not even rewritten

@@ -160,3 +160,18 @@ def test_packed_decode_rejects_bad_shapes():
     with pytest.raises(ValueError, match="row"):  # stacks of 2 rows: row 2 is outside
         ssm_decode_packed(z(2, 4 * 32 + 2 * 16), z(2, 70), z(2, 4), z(2, 4), z(2, 4), z(3, 4, 32, 16),
                           slots, dt_col0=60, row=2, **args)
+
+
+@pytest.mark.parametrize("impl", [KERNEL_IMPL, "reference"])
+def test_negative_slot_skips_the_row(impl):
+    args, states, slots, _ = _case(23, 5, 4, 2, 32, 16, 8)
+    j = {k: jnp.asarray(v) for k, v in args.items()}
+    y_all, s_all = ssm_decode(**j, states=jnp.asarray(states), slot_ids=jnp.asarray(slots), impl=impl)
+    skip = slots.copy()
+    skip[1] = -1
+    y, st = ssm_decode(**j, states=jnp.asarray(states), slot_ids=jnp.asarray(skip), impl=impl)
+    y, st, y_all, s_all = map(np.asarray, (y, st, y_all, s_all))
+    keep = [0, 2, 3]
+    np.testing.assert_array_equal(y[keep], y_all[keep])
+    np.testing.assert_array_equal(st[slots[keep]], s_all[slots[keep]])
+    np.testing.assert_array_equal(st[slots[1]], states[slots[1]])  # read and written by no one
