@@ -77,12 +77,14 @@ def _expand(path: Path, suffixes: tuple[str, ...], exclude: tuple[str, ...]) -> 
 
 def collect_files(paths: list[str | Path], *, suffixes: tuple[str, ...] = (".py",),
                   exclude: tuple[str, ...] = ("site-packages", "dist-packages", "__pycache__"),
-                  max_file_bytes: int | None = None) -> Corpus:
+                  max_file_bytes: int | None = None, keep: set[str] | None = None) -> Corpus:
     """Read every file under `paths`, de-duplicated by content, sorted by name.
 
     A file's name is its path from the directory given, that directory's own name first
     (`python3.12/json/decoder.py`, `numpy/linalg/linalg.py`). Files larger than
-    `max_file_bytes` (generated tables, vendored bundles) are skipped and counted.
+    `max_file_bytes` (generated tables, vendored bundles) are skipped and counted. Of
+    files with the same text, the one named in `keep` (held-out files) survives, else the
+    first by name: a held-out file's vendored copy elsewhere must not be training text.
     """
     if not paths:
         raise ValueError("data=[] names no files or directories")
@@ -92,7 +94,8 @@ def collect_files(paths: list[str | Path], *, suffixes: tuple[str, ...] = (".py"
             found.setdefault(rel, p)
     seen: set[str] = set()
     docs, bad, dups, big = [], 0, 0, 0
-    for rel in sorted(found):
+    keep = keep or set()
+    for rel in sorted(found, key=lambda r: (r not in keep, r)):
         if max_file_bytes is not None and found[rel].stat().st_size > max_file_bytes:
             big += 1
             continue
@@ -108,6 +111,7 @@ def collect_files(paths: list[str | Path], *, suffixes: tuple[str, ...] = (".py"
         if text.strip():
             seen.add(digest)
             docs.append(Document(rel, text))
+    docs.sort(key=lambda d: d.name)
     if not docs:
         raise ValueError(f"data={[str(p) for p in paths]} holds no non-empty {'/'.join(suffixes)} files")
     return Corpus(tuple(docs), bad, dups, big)

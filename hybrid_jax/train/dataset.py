@@ -88,7 +88,7 @@ def prepare(data: list[str], tc: TrainConfig, run_dir: str | Path, *,
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     names = read_held_out(held_out) if held_out is not None else None
-    corpus = collect_files(data, max_file_bytes=max_file_bytes)
+    corpus = collect_files(data, max_file_bytes=max_file_bytes, keep=names)
     train_docs, held = split_by_file(corpus.docs, tc.eval_fraction, held_out_names=names)
     tok_file = _tokenizer(train_docs, tc, run_dir, tokenizer)
     tok = Tokenizer.from_file(tok_file, bos_id=BOS)
