@@ -87,11 +87,14 @@ def generate(model: str, sigs: list[str], args) -> dict:
     t0 = time.perf_counter()
     llm = LLM(model, show_progress=False)
     out = {"load_s": time.perf_counter() - t0}
-    modes = {"greedy": [SamplingParams(temperature=0.0, max_tokens=args.max_tokens,
-                                       repetition_penalty=args.repetition_penalty)] * len(sigs),
-             "sampled": [SamplingParams(temperature=args.temperature, top_p=args.top_p,
-                                        repetition_penalty=args.repetition_penalty,
-                                        max_tokens=args.max_tokens, seed=i) for i in range(len(sigs))]}
+    modes = {}
+    for rp in args.repetition_penalty:
+        tag = "" if rp == 1.0 else f"_rp{rp:g}"
+        modes["greedy" + tag] = [SamplingParams(temperature=0.0, max_tokens=args.max_tokens,
+                                                repetition_penalty=rp)] * len(sigs)
+        modes["sampled" + tag] = [SamplingParams(temperature=args.temperature, top_p=args.top_p,
+                                                 repetition_penalty=rp, max_tokens=args.max_tokens,
+                                                 seed=i) for i in range(len(sigs))]
     for mode, params in modes.items():
         t0 = time.perf_counter()
         res = llm.generate(sigs, params)
@@ -176,8 +179,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--temperature", type=float, default=0.6)
     p.add_argument("--top-p", type=float, default=0.9)
-    p.add_argument("--repetition-penalty", type=float, default=1.0,
-                   help="for both greedy and sampled runs (default 1: off)")
+    p.add_argument("--repetition-penalty", type=float, nargs="+", default=[1.0],
+                   help="for both greedy and sampled runs; several values: each is run, their "
+                        "results named greedy_rpX / sampled_rpX (default 1: off)")
     p.add_argument("--no-generate", action="store_true")
     p.add_argument("--held-out", type=Path, help="a corpus.json whose held_out_files are scored")
     p.add_argument("--root", action="append", default=[], metavar="NAME=DIR",
@@ -194,10 +198,8 @@ def main(argv: list[str] | None = None) -> int:
         roots = dict(r.split("=", 1) for r in args.root)
         res["held_out"] = held_out_loss(args.model, args.held_out, {k: Path(v) for k, v in roots.items()},
                                         args.seq_len, args.batch)
-    summary = {k: v for k, v in res.items() if k not in ("greedy", "sampled")}
-    for mode in ("greedy", "sampled"):
-        if mode in res:
-            summary[mode] = {k: v for k, v in res[mode].items() if k != "samples"}
+    summary = {k: ({i: j for i, j in v.items() if i != "samples"} if isinstance(v, dict) else v)
+               for k, v in res.items()}
     print(json.dumps(summary, indent=1))
     if args.out is not None:
         args.out.write_text(json.dumps(res, indent=1))

@@ -237,6 +237,9 @@ def _parser() -> argparse.ArgumentParser:
                      help=f"nucleus mass in (0, 1] (default {GENERATE_DEFAULTS['top_p']})")
     gen.add_argument("--top-k", type=int, default=GENERATE_DEFAULTS["top_k"],
                      help=f"keep the k most likely tokens, -1 = off (default {GENERATE_DEFAULTS['top_k']})")
+    gen.add_argument("--repetition-penalty", type=float, default=GENERATE_DEFAULTS["repetition_penalty"],
+                     help="> 0; divides the logits of tokens already seen, 1 = off "
+                          f"(default {GENERATE_DEFAULTS['repetition_penalty']})")
     gen.add_argument("--seed", type=int, default=GENERATE_DEFAULTS["seed"],
                      help=f"sampling seed, for reproducible output (default {GENERATE_DEFAULTS['seed']})")
     _spec_args(gen)
@@ -360,7 +363,8 @@ def _generate(args: argparse.Namespace) -> int:
         return 2
     # Everything the user typed is checked before the weights load and the engine compiles.
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                              seed=args.seed, max_tokens=args.max_tokens)
+                              repetition_penalty=args.repetition_penalty, seed=args.seed,
+                              max_tokens=args.max_tokens)
     text = _prompt_text(args.prompt)
     host = _sharded_loading(args.tensor_parallel_size)
     lm = load_model(prepare_model(resolve_model_name(args.model), needs_tokenizer=True, announce=_to_stderr),
