@@ -63,7 +63,8 @@ example (CPU-sized):
 
 GENERATE_EPILOG = """The prompt is printed, then its continuation as it streams. Sampled by default
 (temperature 0.6, top-p 0.9, repetition penalty 1.2, seed 0: the same text on every run);
---temperature 0 is greedy, --repetition-penalty 1 turns the penalty off. Presets (`hybrid-jax presets`) have random weights: their output is noise.
+--temperature 0 is greedy, --repetition-penalty 1 turns the penalty off. Presets
+(`hybrid-jax presets`) have random weights: their output is noise.
 
 examples:
   hybrid-jax generate "def fibonacci(n):"           # the shipped default model
