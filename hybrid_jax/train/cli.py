@@ -47,6 +47,10 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     m.add_argument("--preset", default="native-py-5m", help="model preset (default native-py-5m)")
     m.add_argument("--model-config", help="a ModelConfig JSON file instead of a preset")
     p.add_argument("--tokenizer", help="an existing tokenizer.json (default: train a BPE tokenizer)")
+    p.add_argument("--held-out", help="hold out exactly these files: a run's corpus.json (its "
+                   "held_out_files) or a list of names, one a line (default: --eval-fraction by hash)")
+    p.add_argument("--max-file-bytes", type=int,
+                   help="skip files larger than this (generated tables; default: no limit)")
     p.add_argument("--out", required=True, help="run directory (checkpoints, logs, model/)")
     p.add_argument("--export-dtype", default="float32", choices=COMPUTE_DTYPES,
                    help="dtype of the exported model's parameters (default float32)")
@@ -112,7 +116,8 @@ def run_train(args: argparse.Namespace) -> int:
     from hybrid_jax.train.dataset import prepare
     from hybrid_jax.train.loop import train
 
-    ds = prepare(data, tc, args.out, tokenizer=args.tokenizer)
+    ds = prepare(data, tc, args.out, tokenizer=args.tokenizer, held_out=args.held_out,
+                 max_file_bytes=args.max_file_bytes)
     cfg = _with_tokenizer(cfg, ds.tokenizer.vocab_size)
     res = train(cfg, tc, ds, args.out, quiet=args.quiet, export_dtype=args.export_dtype,
                 max_seconds=args.max_seconds, devices=devices)

@@ -43,6 +43,7 @@ class Corpus:
     docs: tuple[Document, ...]
     skipped_undecodable: int
     duplicates: int
+    skipped_too_large: int = 0
 
     @property
     def num_bytes(self) -> int:
@@ -58,7 +59,7 @@ class Corpus:
         return {"files": [d.name for d in self.docs], "num_files": len(self.docs),
                 "num_bytes": self.num_bytes, "file_list_sha256": hashlib.sha256(names.encode()).hexdigest(),
                 "corpus_sha256": h.hexdigest(), "skipped_undecodable": self.skipped_undecodable,
-                "duplicates_dropped": self.duplicates}
+                "duplicates_dropped": self.duplicates, "skipped_too_large": self.skipped_too_large}
 
 
 def _expand(path: Path, suffixes: tuple[str, ...], exclude: tuple[str, ...]) -> list[tuple[str, Path]]:
@@ -75,11 +76,15 @@ def _expand(path: Path, suffixes: tuple[str, ...], exclude: tuple[str, ...]) -> 
 
 
 def collect_files(paths: list[str | Path], *, suffixes: tuple[str, ...] = (".py",),
-                  exclude: tuple[str, ...] = ("site-packages", "dist-packages", "__pycache__")) -> Corpus:
+                  exclude: tuple[str, ...] = ("site-packages", "dist-packages", "__pycache__"),
+                  max_file_bytes: int | None = None, keep: set[str] | None = None) -> Corpus:
     """Read every file under `paths`, de-duplicated by content, sorted by name.
 
     A file's name is its path from the directory given, that directory's own name first
-    (`python3.12/json/decoder.py`, `numpy/linalg/linalg.py`).
+    (`python3.12/json/decoder.py`, `numpy/linalg/linalg.py`). Files larger than
+    `max_file_bytes` (generated tables, vendored bundles) are skipped and counted. Of
+    files with the same text, the one named in `keep` (held-out files) survives, else the
+    first by name: a held-out file's vendored copy elsewhere must not be training text.
     """
     if not paths:
         raise ValueError("data=[] names no files or directories")
@@ -88,8 +93,12 @@ def collect_files(paths: list[str | Path], *, suffixes: tuple[str, ...] = (".py"
         for rel, p in _expand(Path(root), suffixes, exclude):
             found.setdefault(rel, p)
     seen: set[str] = set()
-    docs, bad, dups = [], 0, 0
-    for rel in sorted(found):
+    docs, bad, dups, big = [], 0, 0, 0
+    keep = keep or set()
+    for rel in sorted(found, key=lambda r: (r not in keep, r)):
+        if max_file_bytes is not None and found[rel].stat().st_size > max_file_bytes:
+            big += 1
+            continue
         try:
             text = found[rel].read_bytes().decode("utf-8")
         except UnicodeDecodeError:
@@ -102,9 +111,10 @@ def collect_files(paths: list[str | Path], *, suffixes: tuple[str, ...] = (".py"
         if text.strip():
             seen.add(digest)
             docs.append(Document(rel, text))
+    docs.sort(key=lambda d: d.name)
     if not docs:
         raise ValueError(f"data={[str(p) for p in paths]} holds no non-empty {'/'.join(suffixes)} files")
-    return Corpus(tuple(docs), bad, dups)
+    return Corpus(tuple(docs), bad, dups, big)
 
 
 def is_held_out(name: str, fraction: float) -> bool:
@@ -112,8 +122,19 @@ def is_held_out(name: str, fraction: float) -> bool:
     return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "big") < fraction * 2**64
 
 
-def split_by_file(docs: tuple[Document, ...], fraction: float) -> tuple[list[Document], list[Document]]:
-    """(train, held_out); held-out is never empty when fraction > 0 and there are 2+ files."""
+def split_by_file(docs: tuple[Document, ...], fraction: float, *,
+                  held_out_names: set[str] | None = None) -> tuple[list[Document], list[Document]]:
+    """(train, held_out); held-out is never empty when fraction > 0 and there are 2+ files.
+
+    With `held_out_names` exactly the files of those names are held out (another run's
+    held-out list, so two models are compared on the same files) and `fraction` is unused.
+    """
+    if held_out_names is not None:
+        held = [d for d in docs if d.name in held_out_names]
+        train = [d for d in docs if d.name not in held_out_names]
+        if not train:
+            raise ValueError("held_out names every file: no training files are left")
+        return train, held
     if not 0.0 <= fraction < 1.0:
         raise ValueError(f"eval_fraction={fraction} must be in [0, 1)")
     held = [d for d in docs if is_held_out(d.name, fraction)]
@@ -125,8 +146,25 @@ def split_by_file(docs: tuple[Document, ...], fraction: float) -> tuple[list[Doc
     return train, held
 
 
+# The BPE merges are learnt from at most this much text (every k-th training file): merge
+# statistics settle long before that, and training on a large corpus would take minutes.
+BPE_SAMPLE_BYTES = 48 * 2**20
+
+
+def bpe_sample(docs: list[Document], max_bytes: int = BPE_SAMPLE_BYTES) -> list[Document]:
+    """Every k-th document, k the smallest stride that keeps the sample under max_bytes."""
+    total = sum(len(d.text) for d in docs)
+    k = max(1, -(-total // max_bytes))
+    return docs[::k]
+
+
 def train_bpe(docs: list[Document], vocab_size: int) -> tokenizers.Tokenizer:
-    """A byte-level BPE tokenizer with <pad>, <bos>, <eos> as ids 0, 1, 2."""
+    """A byte-level BPE tokenizer with <pad>, <bos>, <eos> as ids 0, 1, 2.
+
+    The byte-level pre-tokenizer's regex keeps a run of whitespace before a word as its
+    own piece ("\\n" + indentation, then " return"), so the merges learn whole indentation
+    runs as single tokens. Learnt from `bpe_sample(docs)`.
+    """
     if vocab_size < 256 + len(BYTE_SPECIALS):
         raise ValueError(f"vocab_size={vocab_size} must be >= {256 + len(BYTE_SPECIALS)} (bytes + specials)")
     tok = tokenizers.Tokenizer(models.BPE())
@@ -135,7 +173,8 @@ def train_bpe(docs: list[Document], vocab_size: int) -> tokenizers.Tokenizer:
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(BYTE_SPECIALS),
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   show_progress=False)
-    tok.train_from_iterator((d.text for d in docs), trainer=trainer, length=len(docs))
+    sample = bpe_sample(docs)
+    tok.train_from_iterator((d.text for d in sample), trainer=trainer, length=len(sample))
     return tok
 
 

@@ -63,13 +63,33 @@ def _tokenizer(train_docs, tc: TrainConfig, run_dir: Path, given: str | None) ->
     return dest
 
 
+def read_held_out(path: str) -> set[str]:
+    """File names to hold out: a run's corpus.json (its `held_out_files`) or one name a line."""
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"held_out={path!r} is not a file")
+    text = p.read_text()
+    if p.suffix == ".json":
+        names = json.loads(text).get("held_out_files")
+        if not isinstance(names, list):
+            raise ValueError(f"held_out={path!r} has no 'held_out_files' list")
+        return set(names)
+    return {line.strip() for line in text.splitlines() if line.strip()}
+
+
 def prepare(data: list[str], tc: TrainConfig, run_dir: str | Path, *,
-            tokenizer: str | None = None) -> Dataset:
-    """Read, split, tokenize and pack `data` (files or directories of .py files)."""
+            tokenizer: str | None = None, held_out: str | None = None,
+            max_file_bytes: int | None = None) -> Dataset:
+    """Read, split, tokenize and pack `data` (files or directories of .py files).
+
+    `held_out` (a corpus.json or a list of names) fixes the held-out files instead of
+    `eval_fraction`; the names it lists that the corpus lacks are counted in the manifest.
+    """
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    corpus = collect_files(data)
-    train_docs, held = split_by_file(corpus.docs, tc.eval_fraction)
+    names = read_held_out(held_out) if held_out is not None else None
+    corpus = collect_files(data, max_file_bytes=max_file_bytes, keep=names)
+    train_docs, held = split_by_file(corpus.docs, tc.eval_fraction, held_out_names=names)
     tok_file = _tokenizer(train_docs, tc, run_dir, tokenizer)
     tok = Tokenizer.from_file(tok_file, bos_id=BOS)
     _check_specials(tok, tokenizer or str(tok_file))
@@ -81,6 +101,7 @@ def prepare(data: list[str], tc: TrainConfig, run_dir: str | Path, *,
                          f"rows of seq_len={tc.seq_len}: add data or lower batch_size/seq_len")
     manifest = corpus.manifest() | {
         "held_out_files": [d.name for d in held], "train_files": len(train_docs),
+        "held_out_missing": sorted(names - {d.name for d in held}) if names is not None else [],
         "train_tokens": int(train_rows.size - len(train_rows)), "eval_rows": len(eval_rows)}
     (run_dir / "corpus.json").write_text(json.dumps(manifest, indent=1))
     return Dataset(tok, tok_file, train_rows, eval_rows, token_bytes(tok), manifest)

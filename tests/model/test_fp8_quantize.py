@@ -59,7 +59,7 @@ def test_load_and_engine_quantize_and_refuse_unknown_quantization():
     assert all(lin.quantized for lin in _linears(copy.model).values())
     assert not any(lin.quantized for lin in _linears(lm.model).values())  # the caller's model as it was
     assert _quantized(copy, "fp8") is copy and _quantized(lm, None) is lm
-    # the default model's k_proj has 128 outputs: halves of one 128-block cannot split
+    # the default model's k_proj has 64 outputs (one KV head): halves of one 128-block cannot split
     with pytest.raises(ValueError, match="tensor_parallel_size=2: the FP8 weight .*k_proj .* scale blocks"):
         tp.check_weights_shardable(quant.model, 2)
     tp.check_weights_shardable(lm.model, 2)

@@ -10,12 +10,15 @@ from hybrid_jax.train.data import (
     BOS,
     EOS,
     PAD,
+    Document,
     batch_indices,
+    bpe_sample,
     collect_files,
     pack,
     split_by_file,
     train_bpe,
 )
+from hybrid_jax.train.dataset import read_held_out
 from tests.train.helpers import SNIPPETS, write_corpus
 
 
@@ -98,3 +101,32 @@ def test_batches_depend_on_seed_and_step_only():
     assert len(set(np.concatenate(a[:3]).tolist())) == 9  # no row twice within an epoch
     with pytest.raises(ValueError, match="batch_size=11"):
         batch_indices(10, 11, 0, seed=0)
+
+
+def test_held_out_list_keeps_its_files_over_duplicates_and_large_files_are_skipped(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    (tmp_path / "a" / "copy.py").write_text("x = 1\n")  # sorts first: would win without `keep`
+    (tmp_path / "b" / "orig.py").write_text("x = 1\n")
+    (tmp_path / "b" / "other.py").write_text("y = 2\n")
+    (tmp_path / "b" / "big.py").write_text("z = 3\n" * 100)
+    paths = [tmp_path / "a", tmp_path / "b"]
+    assert [d.name for d in collect_files(paths).docs] == ["a/copy.py", "b/big.py", "b/other.py"]
+    corpus = collect_files(paths, keep={"b/orig.py"}, max_file_bytes=100)
+    assert [d.name for d in corpus.docs] == ["b/orig.py", "b/other.py"]
+    assert (corpus.duplicates, corpus.skipped_too_large) == (1, 1)
+    listing = tmp_path / "held.txt"
+    listing.write_text("b/orig.py\nb/gone.py\n")
+    names = read_held_out(str(listing))
+    train, held = split_by_file(corpus.docs, 0.0, held_out_names=names)
+    assert [d.name for d in held] == ["b/orig.py"] and [d.name for d in train] == ["b/other.py"]
+    manifest = tmp_path / "corpus.json"
+    manifest.write_text('{"held_out_files": ["b/orig.py"]}')
+    assert read_held_out(str(manifest)) == {"b/orig.py"}
+    with pytest.raises(ValueError, match="held_out"):
+        read_held_out(str(tmp_path / "missing.json"))
+    with pytest.raises(ValueError, match="held_out"):
+        split_by_file(corpus.docs, 0.0, held_out_names={"b/orig.py", "b/other.py"})
+    docs = [Document(f"f{i}", "x" * 10) for i in range(10)]
+    assert [d.name for d in bpe_sample(docs, max_bytes=35)] == ["f0", "f3", "f6", "f9"]
+    assert bpe_sample(docs, max_bytes=1000) == docs
