@@ -11,7 +11,7 @@ axis, placed by marking layers of the local model (`mark_local_model`):
 |---|---|---|
 | attention q | column-parallel by head | - |
 | attention k, v, KV pages | by KV head; a KV head is replicated on N/K devices when K < N | - |
-| o_proj, MLP down, Mamba2 out_proj, RG-LRU linear_out, short-conv out | row-parallel | psum, then bias |
+| o_proj, MLP down, Mamba2/1 out_proj, RG-LRU linear_out, short-conv out | row-parallel | psum, then bias |
 | MLP gate/up (fused or not) | column-parallel; a fused [gate, up] matrix is cut per part | - |
 | MoE experts' gate/up, down | each expert by its width f (gate/up per part) | psum of the routed sum |
 | MoE shared expert | as the MLP | psum (its down_proj) |
@@ -20,6 +20,9 @@ axis, placed by marking layers of the local model (`mark_local_model`):
 | Mamba2 conv weights and conv state | by channel (x by head, B/C by group) | - |
 | Mamba2 A, D, dt_bias, SSM state | by head | - |
 | Mamba2 gated norm | by head; a group spread over devices | all_gather of its sums of squares |
+| Mamba1 in_proj (xs, z halves), conv, dt_proj out, dt_bias, A_log, D, states | by channel (d_inner) | - |
+| Mamba1 x_proj (d_inner -> dt, B, C) | row-parallel | psum (dt, B, C whole on every device) |
+| Mamba1 dt/B/C norms (Jamba's weights) | replicated, after the psum | - |
 | RG-LRU (linears, conv, gates, state) | by channel block (head) | - |
 | Gated DeltaNet q, k (projection, conv, conv state) | by key head | - |
 | Gated DeltaNet v, z, b, a, A_log, dt_bias, delta-rule state | by value head (those of the key heads) | - |
@@ -59,11 +62,6 @@ def check_shardable(cfg: ModelConfig, n: int) -> None:
         return
     dims: list[tuple[str, int, bool]] = []  # (what, count, may replicate when count < n)
     kinds = {s.kind for s in cfg.layers}
-    if LayerKind.MAMBA1 in kinds:
-        # Splitting d_inner needs x_proj's contraction over d_inner reduced across devices
-        # before dt_proj and the scan (B, C are shared by all channels): not written yet.
-        raise ValueError(f"tensor_parallel_size={n}: Mamba1 layers ({cfg.architecture}) are not "
-                         "sharded yet; serve them on one device (tensor_parallel_size=1)")
     if cfg.attention is not None and any(k.has_attention for k in kinds):
         a = cfg.attention
         dims += [("attention heads (num_heads)", a.num_heads, False),
@@ -71,6 +69,8 @@ def check_shardable(cfg: ModelConfig, n: int) -> None:
     if cfg.mamba2 is not None and any(k.has_mamba2 for k in kinds):
         dims += [("SSM heads (mamba2.num_heads)", cfg.mamba2.num_heads, False),
                  ("SSM groups (mamba2.n_groups)", cfg.mamba2.n_groups, True)]
+    if cfg.mamba1 is not None and LayerKind.MAMBA1 in kinds:
+        dims.append(("Mamba1 channels (mamba1.d_inner)", cfg.mamba1.d_inner, False))
     if cfg.rglru is not None and LayerKind.RGLRU in kinds:
         dims.append(("RG-LRU heads (rglru.num_heads)", cfg.rglru.num_heads, False))
     if cfg.short_conv is not None and LayerKind.SHORT_CONV in kinds:
@@ -165,6 +165,8 @@ def local_config(cfg: ModelConfig, n: int) -> ModelConfig:
         m = cfg.mamba2
         subs["mamba2"] = dataclasses.replace(m, num_heads=_local(m.num_heads, n),
                                              n_groups=_local(m.n_groups, n))
+    if cfg.mamba1 is not None:
+        subs["mamba1"] = dataclasses.replace(cfg.mamba1, d_inner=cfg.mamba1.d_inner // n)
     if cfg.rglru is not None:
         r = cfg.rglru
         subs["rglru"] = dataclasses.replace(r, width=r.width // n, num_heads=_local(r.num_heads, n))
@@ -202,7 +204,8 @@ def mark_local_model(model: nnx.Module, cfg: ModelConfig, n: int) -> nnx.Module:
 
     g = cfg.mamba2.n_groups if cfg.mamba2 is not None else 1
     for path, mod in nnx.iter_graph(model):
-        if isinstance(mod, Linear) and path and path[-1] in ROW_PARALLEL:
+        if isinstance(mod, Linear) and path and (path[-1] in ROW_PARALLEL
+                                                 or tuple(path[-2:]) == ("mamba1", "x_proj")):
             mod.reduce_axis = AXIS
         elif isinstance(mod, Linear) and path and path[-1] == "lm_head" and vocab_split(cfg, n):
             mod.gather_axis = AXIS
@@ -282,6 +285,8 @@ def _rule(names: tuple, cfg: ModelConfig, n: int):
         return (0, None) if leaf == "kernel" else None
     if mod == "gdn" or owner == "gdn":
         return _gdn_rule(leaf, owner, cfg, col)
+    if mod == "mamba1" or owner == "mamba1":
+        return _mamba1_rule(leaf, owner, cfg, col)
     if mod == "mamba" or owner == "mamba":
         gn, h = m.n_groups * m.state_size, m.num_heads
         xbc = [(m.d_inner, h), (gn, m.n_groups), (gn, m.n_groups)]
@@ -318,6 +323,23 @@ def _rule(names: tuple, cfg: ModelConfig, n: int):
             return col, [(f, f), (f, f)]
         return None  # down LoRAs and the per-depth `linear`
     raise ValueError(f"tensor parallelism: no sharding rule for parameter {'.'.join(map(str, names))}")
+
+
+def _mamba1_rule(leaf: str, owner: str, cfg: ModelConfig, col: int):
+    """Mamba1 by channel (of d_inner): in_proj's xs and z halves, the conv, dt_proj's outputs,
+    dt_bias, A_log, D. x_proj contracts the channels into dt, B, C (shared by all channels):
+    row-parallel, its partial products summed on every device (`mark_local_model`), so
+    Falcon-Mamba's and Jamba's dt/B/C norms (replicated weights) see the whole vector."""
+    c = cfg.mamba1.d_inner
+    if owner == "in_proj":
+        return col, [(c, c), (c, c)]
+    if owner == "x_proj":
+        return (0, None) if leaf == "kernel" else None
+    if owner == "dt_proj":
+        return col, [(c, c)]
+    if leaf in ("conv_weight", "conv_bias", "dt_bias", "A_log", "D"):
+        return 0, [(c, c)]
+    raise ValueError(f"tensor parallelism: no sharding rule for Mamba1 parameter {owner}.{leaf}")
 
 
 def _gdn_rule(leaf: str, owner: str, cfg: ModelConfig, col: int):
@@ -431,7 +453,7 @@ def shard_params(cfg: ModelConfig, state, n: int, d: int, local_state,
 def cache_axes(caches) -> object:
     """Per cache leaf: the axis split over devices (KV pages by KV head, states by head/channel;
     the stacks of hybrid_jax/cache.py: K/V [k, n, P, s, e], states [n, S, ...])."""
-    from hybrid_jax.cache import GDNState, KVCache, Mamba2State, RGLRUState, ShortConvState
+    from hybrid_jax.cache import GDNState, KVCache, Mamba1State, Mamba2State, RGLRUState, ShortConvState
 
     def axes(c):
         if isinstance(c, KVCache):
@@ -440,13 +462,16 @@ def cache_axes(caches) -> object:
             return GDNState(3, 2)
         if isinstance(c, Mamba2State):
             return Mamba2State(3, 2)
+        if isinstance(c, Mamba1State):  # conv [n, S, k-1, c], ssm [n, S, c, N]: by channel
+            return Mamba1State(3, 2)
         if isinstance(c, RGLRUState):
             return RGLRUState(3, 2)
         if isinstance(c, ShortConvState):
             return ShortConvState(3)
         return None
 
-    is_leaf = lambda c: isinstance(c, KVCache | Mamba2State | RGLRUState | ShortConvState | GDNState)
+    is_leaf = lambda c: isinstance(c, KVCache | Mamba2State | Mamba1State | RGLRUState | ShortConvState
+                                   | GDNState)
     return jax.tree.map(axes, caches, is_leaf=is_leaf)
 
 

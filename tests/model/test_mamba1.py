@@ -21,8 +21,6 @@ pytest.importorskip("transformers")
 from hybrid_jax.checkpoints import load_hf  # noqa: E402
 from hybrid_jax.checkpoints.hf import CheckpointError  # noqa: E402
 from hybrid_jax.config import ModelConfig  # noqa: E402
-from hybrid_jax.presets import load_preset  # noqa: E402
-from hybrid_jax.tensor_parallel import check_shardable  # noqa: E402
 from tests.model.hf_models import build  # noqa: E402
 
 
@@ -60,9 +58,3 @@ def test_loader_reports_missing_unexpected_and_misshaped_together(tmp_path):
     (tmp_path / "a" / "config.json").write_text(json.dumps(cfg | {"hidden_act": "gelu"}))
     with pytest.raises(ValueError, match="hidden_act"):
         load_hf(tmp_path / "a")
-
-
-def test_tensor_parallel_refuses_mamba1_by_name():
-    with pytest.raises(ValueError, match="tensor_parallel_size=2: Mamba1"):
-        check_shardable(load_preset("falcon-mamba-7b"), 2)
-    check_shardable(load_preset("falcon-mamba-7b"), 1)

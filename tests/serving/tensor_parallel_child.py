@@ -8,8 +8,8 @@ check and each engine serves several workloads.
 
 Models: three tiny configurations that together hold every layer kind and every
 sharding rule of the architectures the engine serves (native / Falcon-H1 / Mamba2 /
-Bamba / Granite / Nemotron-H / Qwen3-Next; RecurrentGemma / Gemma 3 / LFM2 / Mistral /
-Qwen3.5; Zamba2), with
+Bamba / Granite / Nemotron-H / Qwen3-Next / Falcon-Mamba; RecurrentGemma / Gemma 3 / LFM2 /
+Mistral / Qwen3.5 / Jamba; Zamba2), with
 head counts that force replication at 4 devices (MQA, n_groups=1, vocabulary 130).
 The reference is the same engine at tensor_parallel_size=1, whose code path does not
 shard anything.
@@ -29,6 +29,7 @@ from hybrid_jax.config import (
     AttentionConfig,
     GatedDeltaNetConfig,
     LayerSpec,
+    Mamba1Config,
     Mamba2Config,
     MLPConfig,
     ModelConfig,
@@ -64,15 +65,18 @@ def models() -> dict[str, ModelConfig]:
     # norm's group spread over devices), an MLP-only layer, tied embeddings (vocab split).
     # Qwen3-Next: a Gated DeltaNet layer with grouped projections (4 key heads of 8, 8 value
     # heads; its conv and delta-rule states also checkpointed by the prefix cache).
+    # Falcon-Mamba: a Mamba1 layer whose dt, B, C are RMS-normalised without weights (after
+    # x_proj's psum over the channels), its states checkpointed too.
     ssm = ModelConfig(
         architecture="tp-test-ssm", vocab_size=128, hidden_size=64,
-        layers=(L("hybrid", 16), L("attention"), L("mlp"), L("gated_deltanet")),
+        layers=(L("hybrid", 16), L("attention"), L("mlp"), L("gated_deltanet"), L("mamba1")),
         attention=AttentionConfig(num_heads=4, num_kv_heads=1, head_dim=16, key_multiplier=0.8),
         mamba2=Mamba2Config(num_heads=8, head_dim=16, state_size=16, n_groups=1, chunk_size=16,
                             in_proj_multipliers=(1.1, 0.9, 1.2, 0.8, 1.05)),
         mlp=MLPConfig(intermediate_size=96, gate_multiplier=1.2, down_multiplier=0.9),
         gated_deltanet=GatedDeltaNetConfig(num_k_heads=4, num_v_heads=8, head_k_dim=8, head_v_dim=8,
                                            grouped_projections=True),
+        mamba1=Mamba1Config(d_inner=64, state_size=16, dt_rank=8, bcdt_norm="unweighted"),
         tie_embeddings=True, residual_in_fp32=True, attention_out_multiplier=0.9,
         ssm_in_multiplier=1.1, ssm_out_multiplier=0.8, norm_eps=1e-5)
     # RecurrentGemma / Gemma 3 / LFM2 / Mistral: RG-LRU, q/k norms, soft-caps, partial
@@ -82,15 +86,17 @@ def models() -> dict[str, ModelConfig]:
     # Granite-4.0-H / LFM2-MoE: a mixture of experts (softmax top-2 of 4 gated experts, each
     # split by its width) with a fused gate/up shared expert; Qwen3.5: gated attention (q_proj's
     # per-head sigmoid output gate) and a Gated DeltaNet layer (projections apart, 4 key heads
-    # of 16, 8 value heads of 8).
+    # of 16, 8 value heads of 8). Jamba: a Mamba1 layer with weighted dt/B/C norms (replicated)
+    # and in/out projection biases, its channel sub-block the mixture of experts.
     rec = ModelConfig(
         architecture="tp-test-recurrent", vocab_size=130, hidden_size=64,
         layers=(L("rglru"), L("attention", 16), L("short_conv"), L("mamba2", moe=True),
-                L("attention"), L("gated_deltanet")),
+                L("attention"), L("gated_deltanet"), L("mamba1", moe=True)),
         attention=AttentionConfig(num_heads=4, num_kv_heads=2, head_dim=16, rotary_dim=8,
                                   qkv_bias=True, o_bias=True, softcap=50.0, qk_norm=True,
                                   output_gate=True),
         gated_deltanet=GatedDeltaNetConfig(num_k_heads=4, num_v_heads=8, head_k_dim=16, head_v_dim=8),
+        mamba1=Mamba1Config(d_inner=128, state_size=8, dt_rank=4, bcdt_norm="weighted", proj_bias=True),
         rglru=RGLRUConfig(width=64, num_heads=4),
         short_conv=ShortConvConfig(conv_kernel=3, bias=True),
         mamba2=Mamba2Config(num_heads=8, head_dim=8, state_size=16, n_groups=4, chunk_size=16,

@@ -117,10 +117,8 @@ def test_every_preset_shards_to_its_local_shapes(name):
     for n in (2, 4):
         try:
             local = nnx.state(tp.local_abstract_model(cfg, n, jax.numpy.float32))
-        except ValueError as e:  # RecurrentGemma's 10 heads on 4 devices; Mamba1 not sharded
-            mamba1 = any(s.kind == LayerKind.MAMBA1 for s in cfg.layers)
-            assert (f"tensor_parallel_size={n}" in str(e)
-                    and ("Mamba1 layers" in str(e) if mamba1 else n == 4 and "heads" in str(e))), str(e)
+        except ValueError as e:  # RecurrentGemma's 10 heads on 4 devices
+            assert f"tensor_parallel_size={n}" in str(e) and n == 4 and "heads" in str(e), str(e)
             continue
         total = 0
         for (path, x), want in zip(glob, jax.tree.leaves(local), strict=True):
@@ -132,8 +130,45 @@ def test_every_preset_shards_to_its_local_shapes(name):
         assert total <= (1 / n + 0.1) * sum(x.size for _, x in glob)
 
 
+@pytest.mark.parametrize("name", ["falcon-mamba-7b", "jamba-mini-1.5"])
+def test_mamba1_presets_split_by_channel(name):
+    """At N = 2 a Mamba1 layer holds half of d_inner (8192 -> 4096): in_proj's xs and z
+    halves, the conv, dt_proj's outputs, dt_bias, A_log, D, out_proj's rows and the conv and
+    SSM states; x_proj's rows too, its dt / B / C summed over the devices (psum) before the
+    norms. Jamba-Mini-1.5 (52B, 104 GB in bf16) fits an 80 GB H100 only split."""
+    import jax.numpy as jnp
+
+    from hybrid_jax.cache import init_caches
+
+    full = load_preset(name)
+    cfg = dataclasses.replace(full, layers=tuple(dict.fromkeys(full.layers)))
+    local = tp.local_abstract_model(cfg, 2, jnp.bfloat16)
+    i = next(j for j, s in enumerate(cfg.layers) if s.kind == LayerKind.MAMBA1)
+    mixer = local.layers[i].mamba1
+    shapes = {".".join(map(str, p)): tuple(x.shape) for p, x in nnx.to_flat_state(nnx.state(mixer))}
+    assert shapes == {"in_proj.kernel": (4096, 8192), "conv_weight": (4096, 4), "conv_bias": (4096,),
+                      "x_proj.kernel": (4096, 256 + 2 * 16), "dt_proj.kernel": (256, 4096),
+                      "dt_bias": (4096,), "A_log": (4096, 16), "D": (4096,),
+                      "out_proj.kernel": (4096, 4096)} | (
+                         {f"{k}_norm.weight": (w,) for k, w in (("dt", 256), ("b", 16), ("c", 16))}
+                         if name.startswith("jamba") else {}), shapes
+    assert mixer.x_proj.reduce_axis == mixer.out_proj.reduce_axis == tp.AXIS
+    assert mixer.in_proj.reduce_axis is None and mixer.dt_proj.reduce_axis is None
+    lc = tp.local_config(cfg, 2)
+    states = jax.eval_shape(lambda: init_caches(lc, num_pages=(1,) * len(lc.windows), page_size=16,
+                                                num_slots=3, dtype=jnp.bfloat16)).mamba1
+    assert states.conv.shape[1:] == (3, 3, 4096) and states.ssm.shape[1:] == (3, 4096, 16)
+    assert tp.cache_axes(states) == type(states)(3, 2)  # [n, S, ...]: the channel axes
+    if name.startswith("jamba"):
+        a, moe = lc.attention, lc.moe
+        assert (a.num_heads, a.num_kv_heads, moe.intermediate_size) == (16, 4, 7168)
+        per_device = tp.param_bytes_per_device(full, 2, jnp.bfloat16)
+        assert 48e9 < per_device < 56e9, per_device  # half of ~104 GB (the untied head split too)
+
+
 def test_shards_reassemble_the_parameter():
-    """Mamba2's fused in_proj, cut per device, holds each device's z, x, B, C, dt columns."""
+    """Mamba2's fused in_proj, cut per device, holds each device's z, x, B, C, dt columns
+    (Mamba1's its xs and z columns)."""
     from hybrid_jax.config import LayerSpec, Mamba2Config, ModelConfig
 
     m = Mamba2Config(num_heads=4, head_dim=2, state_size=3, n_groups=1)
@@ -144,6 +179,14 @@ def test_shards_reassemble_the_parameter():
     got = [tp.shard_param(names, cols, cfg, 2, d)[0].tolist() for d in (0, 1)]
     assert got[0] == [0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 20, 21, 22, 23]
     assert got[1] == [4, 5, 6, 7, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 24, 25]
+    # Mamba1's in_proj [xs | z]: each device's xs channels, then the same channels of z.
+    from hybrid_jax.config import Mamba1Config
+
+    m1 = dataclasses.replace(cfg, layers=(LayerSpec("mamba1"),), mamba2=None,
+                             mamba1=Mamba1Config(d_inner=4, state_size=2, dt_rank=1))
+    names = ("layers", 0, "mamba1", "in_proj", "kernel")
+    got = [tp.shard_param(names, np.arange(8)[None, :], m1, 2, d)[0].tolist() for d in (0, 1)]
+    assert got == [[0, 1, 4, 5], [2, 3, 6, 7]]
 
 
 def test_refusals_name_the_setting():
@@ -162,6 +205,8 @@ def test_refusals_name_the_setting():
                                                                  num_kv_heads=3))
     with pytest.raises(ValueError, match="tensor_parallel_size=8 cannot split the 3 attention KV heads"):
         tp.check_shardable(odd, 8)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=3 cannot split the 8192 Mamba1 channels"):
+        tp.check_shardable(load_preset("falcon-mamba-7b"), 3)
 
 
 def test_cli_refuses_more_devices_than_present_before_loading(capsys):
