@@ -74,7 +74,9 @@ def assert_same(got, want) -> None:
         for lg, lw in zip(g.logprobs, w.logprobs, strict=True):
             assert lg.keys() == lw.keys()
             keys = sorted(lw)
-            np.testing.assert_allclose([lg[k] for k in keys], [lw[k] for k in keys], rtol=1e-5, atol=1e-6)
+            # f32 rounding only: a decode can run in a decode step or beside a prompt in a
+            # mixed step (different kernels for the same update: hybrid_jax/ragged.py `_mamba`)
+            np.testing.assert_allclose([lg[k] for k in keys], [lw[k] for k in keys], rtol=5e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
