@@ -236,8 +236,9 @@ def load_hf(path: str | Path, *, dtype: jnp.dtype = jnp.float32) -> tuple[Causal
             if isinstance(_module_at(abstract, target.path[:-1]), Linear):
                 fp8[target.path] = (kernel, scale)
                 continue
-            # A checkpoint Linear held as a plain parameter (a router, a shared expert's
-            # gate): dequantized once here, exactly (hybrid_jax/layers/fp8.py).
+            # A checkpoint Linear held as (a piece of) a plain parameter: a router, a shared
+            # expert's gate, one expert of the stacked experts. Dequantized once here,
+            # exactly (hybrid_jax/layers/fp8.py): it stays in the load dtype, not FP8.
             x = dequantize(kernel, scale, block, want.dtype)
         else:
             with safe_open(files[stored], framework="flax") as f:

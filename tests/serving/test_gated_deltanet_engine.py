@@ -18,13 +18,14 @@ log-softmax within 1e-4.
 3. the four sharing requests again in one batch, speculated by the MTP head (prefix hits,
    preemptions): tokens equal step 2's, with drafts accepted and rejected, so
    verification keeps the Gated DeltaNet states after each drafted position and the
-   accepted one is chosen;
+   accepted one is chosen; again with the head's first draft only (one draft per step);
 4. all five with an oracle drafting their continuation, corrupted at random, prefills
    interleaved with verification (full acceptance of both drafts too, which the head
    rarely reaches).
-A second engine with k = 1 (its other executables hit the XLA cache of the first) repeats
-3. The head's drafts are checked against a torch reference of the head built from
-transformers' own decoder layer: the engine's drafts are its argmax wherever its gap is
+(An engine with num_speculative_tokens=1 passed the same checks; it is left out of the
+suite for CI time: ~40 s more compilation for executables of other shapes.) The head's
+drafts are checked against a torch reference of the head built from transformers' own
+decoder layer: the engine's drafts are its argmax wherever its gap is
 clear (the head's logits within 1e-4 of it: tests/model/test_fp8_checkpoints.py, on the
 Qwen3.5-MoE layout).
 """
@@ -178,6 +179,11 @@ def test_engine_equals_transformers_and_invariants(qwen, requests):
     check_drafts(hf_model, qwen[1], seen)
     assert d["spec_verify_steps"] > 0 and 0 < d["spec_accepted_tokens"] < d["spec_proposed_tokens"], d
     assert d["num_preemptions"] > 0 and d["prefix_cache_hit_tokens"] > 0, d
+    # One draft per step (the head's first): a single draft accepted or rejected.
+    eng.drafter.propose_batch = lambda work: [x[:1] for x in seen.propose(work)]
+    d = speculated(eng, shared, refs[1:])
+    eng.drafter.propose_batch = seen.propose
+    assert 0 < d["spec_accepted_tokens"] < d["spec_proposed_tokens"] <= d["spec_verify_steps"] * 4, d
 
     # 4. Oracle drafts (some wrong), both drafts accepted at times.
     mtp, eng.drafter = eng.drafter, Oracle({tuple(p): r for p, r in zip([base, *shared], refs, strict=True)},
@@ -189,15 +195,3 @@ def test_engine_equals_transformers_and_invariants(qwen, requests):
         eng.drafter = mtp
     # The head drafts again after another drafter's steps (its K/V are rewritten by them).
     assert speculated(eng, [shared[0]], refs[1:2])["spec_verify_steps"] > 0
-
-
-def test_mtp_k1_equals_plain(qwen, requests):
-    """num_speculative_tokens=1: greedy output equals the plain rows' (and transformers')."""
-    hf_model, _, lm = qwen
-    base, shared = requests
-    eng = LLMEngine(lm, dataclasses.replace(CFG, num_speculative_tokens=1), show_progress=False)
-    want = generate(eng, [base]) + generate(eng, shared)
-    check(hf_model, [base, *shared], want)
-    d = speculated(eng, shared, [o.token_ids for o in want[1:]])
-    assert d["spec_verify_steps"] > 0 and 0 < d["spec_accepted_tokens"] < d["spec_proposed_tokens"], d
-    assert d["num_preemptions"] > 0 and d["prefix_cache_hit_tokens"] > 0, d
