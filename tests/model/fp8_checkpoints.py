@@ -82,3 +82,31 @@ def write_fp8(hf_model: torch.nn.Module, out_dir: Path, *, block: int, scale_dty
         for name, w in dequantized.items():
             params[name].copy_(w)
     return quantized
+
+
+def quantize_experts(out_dir: Path, params: dict[str, torch.nn.Parameter], *, block: int,
+                     scale_dtype: str) -> int:
+    """Quantize, in the checkpoint in `out_dir`, every expert stored one Linear each
+    (`...experts.{j}.{gate,up,down}_proj.weight`, as Qwen3.5-FP8 stores them) and give the
+    torch model's stacked experts (`params`: file stem -> `gate_up_proj` [e, 2f, d] /
+    `down_proj` [e, d, f] by the stem's name, e.g. `model.layers.0.mlp.experts.gate_up_proj`)
+    the dequantized values. Returns how many tensors were quantized."""
+    file = out_dir / "model.safetensors"
+    tensors = load_file(file)
+    names = [n for n in tensors if ".experts." in n and n.endswith(("gate_proj.weight", "up_proj.weight",
+                                                                     "down_proj.weight"))]
+    with torch.no_grad():
+        for name in names:
+            stem, j, proj, _ = name.rsplit(".", 3)
+            q, scale = quantize_np(tensors[name].float().numpy(), block, scale_dtype)
+            tensors[name] = _torch_fp8(q)
+            tensors[name + "_scale_inv"] = torch.from_numpy(scale).to(getattr(torch, scale_dtype))
+            w = torch.from_numpy(dequantize_np(q, scale, block))
+            if proj == "down_proj":
+                params[f"{stem}.down_proj"][int(j)] = w
+            else:
+                f = w.shape[0]
+                rows = slice(0, f) if proj == "gate_proj" else slice(f, 2 * f)
+                params[f"{stem}.gate_up_proj"][int(j), rows] = w
+    save_file(tensors, file, metadata={"format": "pt"})
+    return len(names)

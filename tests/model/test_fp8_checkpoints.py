@@ -35,7 +35,7 @@ from serving.engine.engine_config import EngineConfig  # noqa: E402
 from serving.engine.llm_engine import LLMEngine  # noqa: E402
 from serving.entrypoints.llm import LLM  # noqa: E402
 from serving.sample.sampling_params import SamplingParams  # noqa: E402
-from tests.model.fp8_checkpoints import dequantize_np, quantize_np, write_fp8  # noqa: E402
+from tests.model.fp8_checkpoints import dequantize_np, quantize_experts, quantize_np, write_fp8  # noqa: E402
 from tests.model.hf_models import falcon_h1_config, mistral_config, randomize_  # noqa: E402
 
 BLOCK = 32
@@ -218,7 +218,8 @@ def test_e4m3_round_trip_is_ml_dtypes():
 def test_fp8_mtp_head_loads_like_the_trunk(tmp_path):
     """Qwen/Qwen3.5-35B-A3B-FP8's layout: the multimodal Qwen3.5-MoE with its MTP head
     (`mtp.*`, tests/serving/qwen_mtp_helpers.py), the head's Linears FP8 like the trunk's
-    (bf16 scales), one head module in modules_to_not_convert. The head's FP8 weights stay FP8;
+    (bf16 scales; experts one Linear each, dequantized at load), one head module in
+    modules_to_not_convert. The head's FP8 weights stay FP8;
     trunk and head logits equal the dequantized torch models' (1e-4); a missing head scale
     and an FP8 head tensor in a not-converted module are refused naming the tensor."""
     from safetensors.torch import load_file, save_file
@@ -232,6 +233,10 @@ def test_fp8_mtp_head_loads_like_the_trunk(tmp_path):
     quantized = write_fp8(hf_model, tmp_path, block=BLOCK, scale_dtype="bfloat16", not_convert=(kept,),
                           extra=extra)
     assert {"mtp.fc.weight", "mtp.layers.0.self_attn.q_proj.weight"} <= set(quantized)
+    # The experts too, one Linear each (trunk and head): dequantized at load (stacked parameters).
+    params = dict(hf_model.named_parameters()) | {f"mtp.{n.replace('layer.', 'layers.0.', 1)}": p
+                                                  for n, p in head.named_parameters()}
+    assert quantize_experts(tmp_path, params, block=BLOCK, scale_dtype="bfloat16") == 3 * 4 * 5
     model, cfg = load_hf(tmp_path, dtype=jnp.float32)
     head_fp8 = {n for n, lin in _linears(model.mtp).items() if lin.quantized}
     # every quantized head Linear but the shared expert's gate (a plain parameter: dequantized)
