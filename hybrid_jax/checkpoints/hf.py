@@ -44,9 +44,11 @@ from hybrid_jax.checkpoints import (
 )
 from hybrid_jax.checkpoints.fp8 import SCALE_SUFFIX, fp8_format, plan_fp8, read_fp8, stored_dtype
 from hybrid_jax.checkpoints.mtp import PREFIX as MTP_PREFIX
-from hybrid_jax.checkpoints.mtp import load_mtp
+from hybrid_jax.checkpoints.mtp import mtp_weight_map
 from hybrid_jax.checkpoints.names import Target
 from hybrid_jax.config import ModelConfig
+from hybrid_jax.layers.fp8 import dequantize
+from hybrid_jax.layers.linear import Linear
 from hybrid_jax.model import CausalLM
 
 _MODULES: tuple[ModuleType, ...] = (mamba2, mistral, recurrent_gemma, falcon_h1, zamba2, lfm2,
@@ -188,14 +190,17 @@ def load_hf(path: str | Path, *, dtype: jnp.dtype = jnp.float32) -> tuple[Causal
     hf = read_hf_config(path)
     module = _module_for(hf)
     cfg = module.config_from_hf(hf)
-    files = files_all = _tensor_files(path)
-    # The MTP head's tensors (speculative_method="mtp") load apart (checkpoints/mtp.py); a
-    # checkpoint whose config has a head but whose files do not (a stripped re-upload)
-    # loads without one, and speculative_method="mtp" is then refused by name.
+    files = _tensor_files(path)
+    # The MTP head's tensors (speculative_method="mtp"; names from checkpoints/mtp.py) load
+    # with the trunk's, checked and FP8-read by the same plan. A checkpoint whose config has
+    # a head but whose files do not (a stripped re-upload) loads without one, and
+    # speculative_method="mtp" is then refused by name; `mtp.*` tensors of a config without
+    # a head are set aside (transformers ignores them too).
     mtp_names = {n for n in files if n.startswith(MTP_PREFIX)}
-    files = {n: f for n, f in files.items() if n not in mtp_names}
     if cfg.mtp_num_hidden_layers and not mtp_names:
         cfg = dataclasses.replace(cfg, mtp_num_hidden_layers=0)
+    if not cfg.mtp_num_hidden_layers:
+        files = {n: f for n, f in files.items() if n not in mtp_names}
     abstract = nnx.eval_shape(lambda: CausalLM(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
     expected = {tuple(p): v.get_value() for p, v in nnx.to_flat_state(state)}
@@ -212,7 +217,9 @@ def load_hf(path: str | Path, *, dtype: jnp.dtype = jnp.float32) -> tuple[Causal
         wmap = module.weight_map(cfg, {aliases.get(n, n) for n in files})
     else:
         wmap = module.weight_map(cfg)
-    unmapped = set(expected) - {t.path for t in wmap.values()} - {p for p in expected if p[0] == "mtp"}
+    if cfg.mtp_num_hidden_layers:
+        wmap = wmap | mtp_weight_map(cfg, wmap)
+    unmapped = set(expected) - {t.path for t in wmap.values()}
     assert not unmapped, f"name map of {module.ARCHITECTURE} misses params {sorted(unmapped)}"
     _check_parts(module.ARCHITECTURE, wmap, expected)
     present, scales, block = _plan(path, files, wmap, aliases, expected, hf)
@@ -221,14 +228,21 @@ def load_hf(path: str | Path, *, dtype: jnp.dtype = jnp.float32) -> tuple[Causal
     parts: dict[tuple, np.ndarray] = {}  # parameters filled piece by piece (Target.index)
     for name, target in wmap.items():
         stored = present[name]
+        want = expected[target.path]
         if name in scales:  # FP8 kernel [in, out] and its scales [ceil(in/B), ceil(out/B)]
             with safe_open(files[scales[name]], framework="flax") as f:
-                scale = f.get_tensor(scales[name]).T
-            fp8[target.path] = (jnp.asarray(read_fp8(files[stored], stored).T), jnp.asarray(scale))
-            continue
-        with safe_open(files[stored], framework="flax") as f:
-            x = _apply(target.transform, f.get_tensor(stored))
-        want = expected[target.path]
+                scale = jnp.asarray(f.get_tensor(scales[name]).T)
+            kernel = jnp.asarray(read_fp8(files[stored], stored).T)
+            if isinstance(_module_at(abstract, target.path[:-1]), Linear):
+                fp8[target.path] = (kernel, scale)
+                continue
+            # A checkpoint Linear held as (a piece of) a plain parameter: a router, a shared
+            # expert's gate, one expert of the stacked experts. Dequantized once here,
+            # exactly (hybrid_jax/layers/fp8.py): it stays in the load dtype, not FP8.
+            x = dequantize(kernel, scale, block, want.dtype)
+        else:
+            with safe_open(files[stored], framework="flax") as f:
+                x = _apply(target.transform, f.get_tensor(stored))
         if target.index is None:
             values[target.path] = jnp.asarray(x, want.dtype)
         else:
@@ -241,12 +255,6 @@ def load_hf(path: str | Path, *, dtype: jnp.dtype = jnp.float32) -> tuple[Causal
     model = nnx.merge(graphdef, state)
     for where, (kernel, scale) in fp8.items():
         _module_at(model, where[:-1]).set_fp8(kernel, scale, block)
-    if cfg.mtp_num_hidden_layers:
-        tensors = {}
-        for name in sorted(mtp_names):
-            with safe_open(files_all[name], framework="flax") as f:
-                tensors[name] = f.get_tensor(name)
-        load_mtp(model, tensors, wmap, str(path))
     return model, cfg
 
 

@@ -9,8 +9,12 @@ Qwen3-Next / Qwen3.5 (and vLLM's DeepSeek-style MTP) store the head as
 The decoder layers' names are derived from the architecture's own name map: the map of
 the trunk's first layer of the head's kind (hybrid_jax/layers/mtp.py `mtp_layer_spec`),
 its `<prefix>.I.` renamed `mtp.layers.J.`. So any architecture with a name map and an
-`mtp_num_hidden_layers` in its config gets the head's loader for free. Loading refuses to
-guess: missing, unexpected and mis-shaped tensors are reported together.
+`mtp_num_hidden_layers` in its config gets the head's loader for free. From a checkpoint
+directory, hybrid_jax/checkpoints/hf.py adds `mtp_weight_map` to the trunk's map, so the
+head's tensors are checked with the trunk's (one error for both) and FP8 weights with
+their `weight_scale_inv` and `modules_to_not_convert` read as the trunk's; `load_mtp` fills
+a head from tensors in memory. Loading refuses to guess: missing, unexpected and
+mis-shaped tensors are reported together.
 """
 
 from __future__ import annotations

@@ -24,9 +24,10 @@ as `model.*`. Quirks, each from transformers 5.24's modeling_qwen3_next.py / qwe
 
 Tensors not loaded into the trunk: `mtp.*` (the multi-token-prediction head, which
 transformers ignores: hf.py loads it into the model's MTP head when the config's
-`mtp_num_hidden_layers` says there is one, for speculative_method="mtp"; `mtp_tensors(path)`
-reads it raw) and the vision tower `model.visual.*` (skipped: images are not supported;
-text prompts give the text model's output exactly).
+`mtp_num_hidden_layers` says there is one, for speculative_method="mtp", FP8 weights and
+`modules_to_not_convert` read as the trunk's; `mtp_tensors(path)` reads it raw) and the
+vision tower `model.visual.*` (skipped: images are not supported; text prompts give the
+text model's output exactly).
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ ARCHITECTURE = "Qwen3NextForCausalLM"
 ARCHITECTURES = ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM",
                  "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration")
 MTP_PREFIX = "mtp."
-_SKIPPED = (MTP_PREFIX, "model.visual.")
+_SKIPPED = ("model.visual.",)
 _KINDS = {"linear_attention": LayerKind.GATED_DELTANET, "full_attention": LayerKind.ATTENTION}
 
 
@@ -161,7 +162,7 @@ def canonical_name(name: str) -> str:
 
 
 def skipped(name: str) -> bool:
-    """The MTP head (`mtp_tensors`) and the vision tower: not part of the served model."""
+    """The vision tower: not part of the served model (images are not supported)."""
     return name.startswith(_SKIPPED)
 
 

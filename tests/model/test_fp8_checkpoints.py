@@ -35,7 +35,7 @@ from serving.engine.engine_config import EngineConfig  # noqa: E402
 from serving.engine.llm_engine import LLMEngine  # noqa: E402
 from serving.entrypoints.llm import LLM  # noqa: E402
 from serving.sample.sampling_params import SamplingParams  # noqa: E402
-from tests.model.fp8_checkpoints import dequantize_np, quantize_np, write_fp8  # noqa: E402
+from tests.model.fp8_checkpoints import dequantize_np, quantize_experts, quantize_np, write_fp8  # noqa: E402
 from tests.model.hf_models import falcon_h1_config, mistral_config, randomize_  # noqa: E402
 
 BLOCK = 32
@@ -213,3 +213,62 @@ def test_e4m3_round_trip_is_ml_dtypes():
     x = np.linspace(-448, 448, 997, dtype=np.float32)
     np.testing.assert_array_equal(np.asarray(jnp.asarray(x).astype(jnp.float8_e4m3fn)).view(np.uint8),
                                   x.astype(ml_dtypes.float8_e4m3fn).view(np.uint8))
+
+
+def test_fp8_mtp_head_loads_like_the_trunk(tmp_path):
+    """Qwen/Qwen3.5-35B-A3B-FP8's layout: the multimodal Qwen3.5-MoE with its MTP head
+    (`mtp.*`, tests/serving/qwen_mtp_helpers.py), the head's Linears FP8 like the trunk's
+    (bf16 scales; experts one Linear each, dequantized at load), one head module in
+    modules_to_not_convert. The head's FP8 weights stay FP8;
+    trunk and head logits equal the dequantized torch models' (1e-4); a missing head scale
+    and an FP8 head tensor in a not-converted module are refused naming the tensor."""
+    from safetensors.torch import load_file, save_file
+
+    from tests.serving.qwen_mtp_helpers import build_with_mtp, text_model
+
+    hf_model, head = build_with_mtp("qwen3_5_moe_vlm", tmp_path, seed=0)
+    kept = "mtp.layers.0.self_attn.o_proj"
+    extra = {f"mtp.{n.replace('layer.', 'layers.0.', 1)}.weight": m.weight
+             for n, m in head.named_modules() if isinstance(m, torch.nn.Linear)}
+    quantized = write_fp8(hf_model, tmp_path, block=BLOCK, scale_dtype="bfloat16", not_convert=(kept,),
+                          extra=extra)
+    assert {"mtp.fc.weight", "mtp.layers.0.self_attn.q_proj.weight"} <= set(quantized)
+    # The experts too, one Linear each (trunk and head): dequantized at load (stacked parameters).
+    params = dict(hf_model.named_parameters()) | {f"mtp.{n.replace('layer.', 'layers.0.', 1)}": p
+                                                  for n, p in head.named_parameters()}
+    assert quantize_experts(tmp_path, params, block=BLOCK, scale_dtype="bfloat16") == 3 * 4 * 5
+    model, cfg = load_hf(tmp_path, dtype=jnp.float32)
+    head_fp8 = {n for n, lin in _linears(model.mtp).items() if lin.quantized}
+    # every quantized head Linear but the shared expert's gate (a plain parameter: dequantized)
+    assert len(head_fp8) == sum(n.startswith("mtp.") for n in quantized) - 1 > 0
+    assert model.mtp.fc.quantized and model.mtp.fc.scale[...].dtype == jnp.bfloat16
+    assert not model.mtp.layers[0].attention.o_proj.quantized
+    assert model.layers[0].gdn.in_proj_qkv.quantized
+
+    ids = np.random.default_rng(1).integers(0, cfg.vocab_size, (1, SEQ))
+    tm = text_model(hf_model)
+    with torch.no_grad():
+        h = tm(input_ids=torch.tensor(ids)).last_hidden_state
+        ref = hf_model.lm_head(torch.cat([h[:, :-1], head(tm, torch.tensor(ids[:, 1:]), h[:, :-1])])).numpy()
+    x = jnp.asarray(ids, jnp.int32)
+
+    @jax.jit
+    def logits(x):  # the trunk's at each position, then the head's
+        hidden = model.final_norm(model.hidden(x))[:, :-1]
+        g = model.mtp(model.embed_tokens(x)[:, 1:], hidden, jnp.arange(SEQ - 1)[None])
+        return model.head(jnp.concatenate([hidden, g]))
+
+    ours = np.asarray(logits(x))
+    for what, a, b in (("trunk", ours[0], ref[0]), ("head", ours[1], ref[1])):
+        err = np.abs(a - b).max() / np.abs(b).max()
+        assert err <= 1e-4, f"{what}: max relative logit error {err:.2e}"
+
+    tensors = load_file(tmp_path / "model.safetensors")
+    del tensors["mtp.fc.weight_scale_inv"]
+    q, _ = quantize_np(tensors[kept + ".weight"].numpy(), BLOCK, "bfloat16")
+    tensors[kept + ".weight"] = torch.from_numpy(q.view(np.uint8).copy()).view(torch.float8_e4m3fn)
+    save_file(tensors, tmp_path / "model.safetensors")
+    with pytest.raises(CheckpointError) as err:
+        load_hf(tmp_path)
+    assert err.value.missing == ["mtp.fc.weight_scale_inv"]
+    assert f"modules_to_not_convert names {kept}" in "\n".join(err.value.misshaped)

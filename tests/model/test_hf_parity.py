@@ -3,7 +3,9 @@
 Each test builds a model with transformers (tests/model/hf_models.py), saves it with
 save_pretrained, loads it with hybrid_jax, and compares in f32:
 - logits over 80 tokens (longer than every window and several SSD chunks):
-  max |ours - hf| / max |hf| <= 1e-4;
+  max |ours - hf| / max |hf| <= 1e-4, except at positions where the model is
+  ill-conditioned, measured against transformers' float64 forward
+  (`check_ill_conditioned`: f32 rounding amplified, not a different computation);
 - 32 greedy tokens from our full forward (recomputed over the whole sequence each
   step) against transformers' own cached `generate`: tokens must agree wherever our
   top-1/top-2 logit gap exceeds 1e-3; the first low-gap disagreement ends the comparison.
@@ -21,7 +23,7 @@ pytest.importorskip("transformers")
 
 from hybrid_jax.checkpoints import load_hf  # noqa: E402
 from hybrid_jax.generate import greedy_steps  # noqa: E402
-from tests.model.hf_models import BUILDERS, build  # noqa: E402
+from tests.model.hf_models import BUILDERS, TOL, build, check_ill_conditioned  # noqa: E402
 
 pytestmark = pytest.mark.slow  # minutes on a 2-core CPU: outside the quick subset (-m "not slow")
 
@@ -49,7 +51,8 @@ def test_logits_and_greedy_match_transformers(arch, tmp_path):
         ref = hf_model(torch.tensor(ids)).logits.numpy()
     ours = np.asarray(jax.jit(lambda x: model(x))(jnp.asarray(ids, jnp.int32)))  # eager: 4x slower
     err = np.abs(ours - ref).max() / np.abs(ref).max()
-    assert err <= 1e-4, f"{arch}: max relative logit error {err:.2e}"
+    if err > TOL:
+        check_ill_conditioned(arch, hf_model, ids, ours, ref)
 
     prompt = ids[0, :PROMPT]
     with torch.no_grad():

@@ -4,7 +4,9 @@ MTP head and vision tower set aside, config round trip.
 References are transformers' tiny random models (tests/model/hf_models.py): Qwen3-Next
 (grouped fused Gated DeltaNet projections, MoE with a gated shared expert, one dense
 layer), Qwen3.5 dense (projections apart), and the multimodal Qwen3.5-MoE checkpoint
-layout (text under `text_config`, tensors `model.language_model.*`, a vision tower). The
+layout (text under `text_config`, tensors `model.language_model.*`, a vision tower), on
+test_hf_parity's sequences (the last has one ill-conditioned position, checked against
+transformers' float64 forward: tests/model/hf_models.py `check_ill_conditioned`). The
 serving path (slot-indexed conv and rule kernels, chunked prefill, decode, verification)
 is checked through the engine in tests/serving/test_gated_deltanet_engine.py.
 """
@@ -32,7 +34,7 @@ ARCHS = ("qwen3_next", "qwen3_5", "qwen3_5_moe_vlm")
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_logits_match_transformers(arch, tmp_path):
-    hf_model = hf_models.build(arch, tmp_path, seed=1)
+    hf_model = hf_models.build(arch, tmp_path, seed=0)
     file = tmp_path / "model.safetensors"
     tensors = load_file(file)
     # An MTP head as the published checkpoints ship it: set aside, not loaded.
@@ -48,11 +50,14 @@ def test_logits_match_transformers(arch, tmp_path):
         assert any(n.startswith("model.visual.") for n in tensors)
     got = mtp_tensors(tmp_path)
     assert got.keys() == mtp.keys() and all(np.array_equal(got[k], mtp[k]) for k in mtp)
-    ids = np.random.default_rng(2).integers(0, cfg.vocab_size, (2, 40))
+    # test_hf_parity's model and sequences (its generic run leaves these architectures out)
+    ids = np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 80))
     with torch.no_grad():
         ref = hf_model(torch.tensor(ids)).logits.numpy()
     ours = np.asarray(jax.jit(lambda x: model(x))(jnp.asarray(ids, jnp.int32)))
-    assert np.abs(ours - ref).max() / np.abs(ref).max() <= 1e-4
+    if np.abs(ours - ref).max() / np.abs(ref).max() > hf_models.TOL:
+        assert arch == "qwen3_5_moe_vlm"  # its known ill-conditioned position (row 0, 62)
+        hf_models.check_ill_conditioned(arch, hf_model, ids, ours, ref)
     assert ModelConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
 
 
