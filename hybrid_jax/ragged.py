@@ -37,12 +37,10 @@ token's effect never reaches a slot.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
 from configs import switches
 from hybrid_jax.cache import (
@@ -663,46 +661,6 @@ def _forward_decode_glued(model: CausalLM, batch: RaggedBatch, caches: CacheStac
     return model.logits(jnp.take(h, batch.last_token, axis=0)), unflatten_stacks(flat, caches), h
 
 
-def _stacked_modules(block: Block) -> list[nnx.Module]:
-    """The block's modules that read their weights at a row of a stack shared by the layers
-    (`stack_row`, hybrid_jax/fusion.py), in graph order."""
-    return [m for _, m in nnx.iter_graph(block) if getattr(m, "stack_row", None) is not None]
-
-
-def _block_prefill(block: Block, h: jax.Array, batch: RaggedBatch, cache: LayerCache,
-                   group: int | None) -> tuple[jax.Array, LayerCache]:
-    """`block_ragged` of a prefill (mixed) step through one jitted function shared by every
-    layer of the same structure.
-
-    Layers of one kind differ only in their weights, the rows of the shared stacks they
-    read (`stack_row`) and their batch view's offsets; with the rows passed as an operand,
-    their graph definitions are equal, so the layer body is traced once per step shape and
-    lowered once per executable (a pjit equation's lowering is cached per module), not once
-    per layer: a 24-layer model's mixed executable lowered in ~half the time (CPU, lowering
-    for the GPU: benchmarks/lowering_cost.py; docs/benchmarks.md, Start-up). XLA inlines the
-    calls and folds the constant rows back into static slices, so the compiled step is
-    the same."""
-    mods = _stacked_modules(block)
-    rows = [m.stack_row for m in mods]
-    for m in mods:
-        m.stack_row = 0
-    try:
-        graphdef, state = nnx.split(block)
-    finally:
-        for m, r in zip(mods, rows, strict=True):
-            m.stack_row = r
-    return _block_prefill_jit(graphdef, state, jnp.asarray(rows, jnp.int32), h, batch, cache, group=group)
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef", "group"))
-def _block_prefill_jit(graphdef, state, rows: jax.Array, h: jax.Array, batch: RaggedBatch,
-                       cache: LayerCache, *, group: int | None) -> tuple[jax.Array, LayerCache]:
-    block = nnx.merge(graphdef, state)
-    for i, m in enumerate(_stacked_modules(block)):
-        m.stack_row = rows[i]
-    return block_ragged(block, h, batch, cache, group, False)
-
-
 def _layers(model: CausalLM, batch: RaggedBatch, caches: CacheStacks, decode: bool, q: int = 0
             ) -> tuple[jax.Array, CacheStacks, tuple[LayerCache, ...]]:
     """Every layer over the flattened stacks -> (h, the flattened stacks after them, each
@@ -717,10 +675,7 @@ def _layers(model: CausalLM, batch: RaggedBatch, caches: CacheStacks, decode: bo
             sb = model.shared_blocks[block.depth.block]
             shared, kv = _shared_block(sb, block, h, e, lb, cache.kv, site.group, decode, q)
             cache = cache._replace(kv=kv)
-        if shared is None and not (decode or q):
-            h, cache = _block_prefill(block, h, lb, cache, site.group)
-        else:
-            h, cache = block_ragged(block, h, lb, cache, site.group, decode, shared, q)
+        h, cache = block_ragged(block, h, lb, cache, site.group, decode, shared, q)
         # Verification returns candidates in the recurrent fields: only K/V go back.
         flat = store_layer(flat, site, LayerCache(kv=cache.kv) if q else cache)
         returned.append(cache)
