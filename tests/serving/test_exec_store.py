@@ -4,6 +4,8 @@ damaged file is compiled again, never trusted."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 import serving.runner.exec_store as exec_store
@@ -13,6 +15,10 @@ from serving.engine.llm_engine import LLMEngine
 from serving.sample.sampling_params import SamplingParams
 
 PROMPTS = [[1, 5, 9, 13, 7, 22, 3], [4, 8], [30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43]]
+
+
+# The suite's flags (tests/conftest.py) and the forced host devices.
+FLAGS = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2".strip()
 
 
 @pytest.fixture(scope="module")
@@ -133,7 +139,7 @@ def two_device_results(tmp_path_factory) -> dict[str, str]:
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu",
+    env = dict(os.environ, XLA_FLAGS=FLAGS, JAX_PLATFORMS="cpu",
                PYTHONPATH=f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     proc = subprocess.run([sys.executable, str(Path(__file__).with_name("exec_store_child.py")),
                            str(tmp_path_factory.mktemp("store"))],

@@ -34,9 +34,13 @@ from serving.engine.engine_config import EngineConfig
 ROOT = Path(__file__).resolve().parents[2]
 
 
+# The suite's flags (tests/conftest.py) and the forced host devices.
+FLAGS = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=4".strip()
+
+
 @pytest.fixture(scope="module")
 def child_results() -> dict[str, object]:
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
+    env = dict(os.environ, XLA_FLAGS=FLAGS,
                PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, str(Path(__file__).with_name("tensor_parallel_child.py"))],
                           env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)

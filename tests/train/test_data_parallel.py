@@ -22,10 +22,14 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
+# The suite's flags (tests/conftest.py) and the forced host devices.
+FLAGS = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=4".strip()
+
+
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("dp")
-    env = os.environ | {"XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu",
+    env = os.environ | {"XLA_FLAGS": FLAGS, "JAX_PLATFORMS": "cpu",
                         "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, "-m", "tests.train.dp_worker", str(out)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
