@@ -38,11 +38,15 @@ def test_decode_floor_counts_weights_window_kv_and_state_by_hand():
 def test_decode_floor_counts_gated_deltanet_state_by_hand():
     cfg = load_preset("qwen3.5-35b-a3b")  # 30 Gated DeltaNet layers, 10 global attention layers
     b, ctx = 2, 999
-    got = decode_floor_bytes(cfg, batch=b, context=ctx, weight_bytes=1000, dtype="bfloat16")
+    held = 70 * 10**9  # every weight (the floor keeps the touched experts' share)
+    got = decode_floor_bytes(cfg, batch=b, context=ctx, weight_bytes=held, dtype="bfloat16")
     conv_dim = 2 * 16 * 128 + 32 * 128  # q, k (16 key heads) and v (32 value heads) of 128
     state = 30 * 2 * b * (32 * 128 * 128 * 4 + 3 * conv_dim * 2)  # read + write, f32 rule, bf16 conv
     kv = 10 * b * (ctx + 1) * 2 * 2 * 256 * 2  # global layers: every cached key, 2 KV heads of 256
-    weights = 1000 - cfg.vocab_size * 2048 * 2 + b * 2048 * 2  # untied: the input rows gathered
+    weights = held - cfg.vocab_size * 2048 * 2 + b * 2048 * 2  # untied: the input rows gathered
+    # 40 MoE layers of 256 experts (gate, up, down of 2048 x 512): two tokens' top-8 sets
+    # touch 16 experts less the expected overlap 8 * 8 / 256 = 0.25
+    weights -= int(40 * (256 - (16 - 8 * 8 / 256)) * 3 * 2048 * 512 * 2)
     assert got == {"weights": weights, "kv": kv, "state": state, "total": weights + kv + state}
 
 

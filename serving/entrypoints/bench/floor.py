@@ -28,11 +28,36 @@ from hybrid_jax.config import LayerKind, ModelConfig
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 
 
+def expert_params(cfg: ModelConfig) -> int:
+    """Parameters of one routed expert (gate and up, or up alone, and down)."""
+    m = cfg.moe
+    return (3 if m.gated else 2) * cfg.hidden_size * m.intermediate_size
+
+
+def touched_experts(cfg: ModelConfig, batch: int) -> float:
+    """Experts a decode step of `batch` tokens touches per MoE layer, expected under uniform
+    routing: E (1 - (1 - k/E)^batch). Random-weight routers route close to uniformly; a
+    skewed router touches fewer (a lower floor), so a figure against this floor errs on
+    the kind side only by that skew (the MoE kernel benchmark counts the real ones)."""
+    e, k = cfg.moe.num_experts, cfg.moe.top_k
+    return e * (1.0 - (1.0 - k / e) ** batch)
+
+
 def decode_floor_bytes(cfg: ModelConfig, *, batch: int, context: int, weight_bytes: int,
-                       dtype: str, state_dtype: str = "float32") -> dict[str, int]:
-    """Bytes one decode step of `batch` sequences at `context` cached tokens must move."""
+                       dtype: str, state_dtype: str = "float32",
+                       expert_itemsize: float | None = None) -> dict[str, int]:
+    """Bytes one decode step of `batch` sequences at `context` cached tokens must move.
+
+    A mixture-of-experts layer reads only the experts its tokens touch (`touched_experts`);
+    `expert_itemsize` is the bytes per expert weight as held (default: `dtype`'s; 1 + the
+    scales' share for FP8 experts)."""
     kv_b, st_b = DTYPE_BYTES[dtype], DTYPE_BYTES[state_dtype]
     weights = weight_bytes
+    moe_layers = sum(1 for s in cfg.layers if s.moe) if cfg.moe is not None else 0
+    if moe_layers:  # weight_bytes holds every expert: drop the untouched ones' share
+        untouched = cfg.moe.num_experts - touched_experts(cfg, batch)
+        item = expert_itemsize if expert_itemsize is not None else kv_b
+        weights -= int(moe_layers * untouched * expert_params(cfg) * item)
     if not cfg.tie_embeddings:  # the input table is gathered, not read whole
         weights -= cfg.vocab_size * cfg.hidden_size * kv_b
         weights += batch * cfg.hidden_size * kv_b
@@ -81,18 +106,20 @@ def copy_bandwidth(nbytes: int = 1 << 30, reps: int = 10) -> float:
 
 
 def floor_report(cfg: ModelConfig, *, batch: int, context: int, weight_bytes: int, dtype: str,
-                 step_s: float, bandwidth: float, state_dtype: str = "float32") -> dict[str, float]:
+                 step_s: float, bandwidth: float, state_dtype: str = "float32",
+                 expert_itemsize: float | None = None) -> dict[str, float]:
     """The floor (bytes, ms) of one decode step and the measured step's ratio to it."""
     b = decode_floor_bytes(cfg, batch=batch, context=context, weight_bytes=weight_bytes, dtype=dtype,
-                           state_dtype=state_dtype)
+                           state_dtype=state_dtype, expert_itemsize=expert_itemsize)
     floor_s = b["total"] / bandwidth
     return {"floor_bytes": b["total"], "floor_weights_bytes": b["weights"], "floor_kv_bytes": b["kv"],
             "floor_state_bytes": b["state"], "floor_ms": 1e3 * floor_s, "gap_x": step_s / floor_s}
 
 
 def engine_floor_bytes(engine, lengths: np.ndarray) -> dict[str, int]:
-    """Weights once, each sequence's in-window K/V once, recurrent state read + written,
-    from the engine's own parameters and caches.
+    """Weights once (of a mixture of experts, the share its touched experts hold), each
+    sequence's in-window K/V once, recurrent state read + written, from the engine's own
+    parameters and caches.
 
     lengths [b]: each sequence's keys in cache in the step (its context). They differ:
     sequences admitted early have decoded while later ones still prefilled.
@@ -100,6 +127,12 @@ def engine_floor_bytes(engine, lengths: np.ndarray) -> dict[str, int]:
     cfg, runner = engine.model_config, engine.runner
     weights = sum(x.nbytes for x in jax.tree.leaves(runner.params))
     batch = len(lengths)
+    if cfg.moe is not None and any(s.moe for s in cfg.layers):
+        # the experts' bytes as held (FP8 or not): every routed-expert tensor is stacked [E, ...]
+        e, lay = cfg.moe.num_experts, runner.layout  # params are packed: the layout's leaves
+        expert = sum(int(np.prod(shape)) * jnp.dtype(lay.dtypes[buf]).itemsize
+                     for buf, _, shape in lay.leaves if len(shape) >= 3 and shape[0] == e)
+        weights -= int(expert * (1.0 - touched_experts(cfg, batch) / e))
     kv = state = 0
     for window, cache in zip(cfg.windows, runner.caches.kv, strict=True):
         k = cache.k  # [k, layers, pages, s, e]
@@ -132,9 +165,13 @@ def model_flops(engine, context: int) -> float:
     per token (every weight but the embedding table; a tied head counts once) + attention
     4 x heads x head_dim x keys in the window + SSD 2 x heads x head_dim x (3 x state +
     chunk) (the chunked form counted at its matmul size) + the gated delta rule 6 x value
-    heads x d_k x d_v (its recurrent form: three state-sized products per token)."""
+    heads x d_k x d_v (its recurrent form: three state-sized products per token). A token
+    passes through top_k of a mixture's experts: the others' parameters are not counted."""
     cfg = engine.model_config
     params = sum(x.size for x in jax.tree.leaves(engine.runner.params))
+    if cfg.moe is not None:
+        idle = cfg.moe.num_experts - cfg.moe.top_k
+        params -= sum(1 for s in cfg.layers if s.moe) * idle * expert_params(cfg)
     dense = 2 * (params - cfg.vocab_size * cfg.hidden_size * (0 if cfg.tie_embeddings else 1))
     att = ssm = 0
     for spec in cfg.layers:
