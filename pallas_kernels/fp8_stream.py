@@ -42,6 +42,7 @@ from jax.experimental import pallas as pl
 BLOCK = 128  # the scale block this kernel takes (and its k tile)
 SMEM_BYTES = 227 * 1024
 NUM_SMS = 132
+MAX_ROWS = 64
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,12 @@ class Fp8StreamConfig:
     stages: int = 4  # shared-memory buffers in the ring
     splits: int = 0  # k ranges; 0: chosen by `default_splits`
     out_tiled: bool = True  # the f32 partial tile staged swizzled (else plain) before its TMA store
+
+
+def fits(x_rows: int, k: int, n: int, block: int) -> bool:
+    """Whether `fp8_matmul` takes this kernel: 128 x 128 scale blocks, k whole blocks, at
+    most MAX_ROWS rows (decode; more rows are a GEMM's job)."""
+    return block == BLOCK and 1 <= x_rows <= MAX_ROWS and k % BLOCK == 0 and n >= 64
 
 
 def default_splits(m: int, n: int, kb: int, tn: int) -> int:

@@ -27,6 +27,8 @@ from configs import switches
 from pallas_kernels.backend import Impl, resolve_impl
 from pallas_kernels.fp8_gemv import fits as gemv_fits
 from pallas_kernels.fp8_gemv import fp8_gemv
+from pallas_kernels.fp8_stream import fits as stream_fits
+from pallas_kernels.fp8_stream import fp8_stream_matmul
 
 FP8_GEMV = switches.fp8_gemv()  # HYBRID_JAX_FP8_GEMV=0: the dequantize path at every row count
 FP8 = jnp.dtype(jnp.float8_e4m3fn)
@@ -73,11 +75,20 @@ def fp8_matmul(x: jax.Array, kernel: jax.Array, scale: jax.Array, *, block: int,
     rows, k = math.prod(x.shape[:-1]), x.shape[-1]
     n = kernel.shape[0] if transposed else kernel.shape[1]
     impl = resolve_impl(impl)
+    if (impl == "pallas" and FP8_GEMV and transposed and jnp.dtype(dtype) == jnp.bfloat16
+            and stream_fits(rows, k, n, block) and _hopper()):
+        y = fp8_stream_matmul(x.reshape(rows, k).astype(dtype), kernel, scale, out_dtype=dtype)
+        return y.reshape(*x.shape[:-1], n)
     if impl != "reference" and FP8_GEMV and gemv_fits(rows, k, n, block):
         y = fp8_gemv(x.reshape(rows, k).astype(dtype), kernel, scale, transposed=transposed,
                      interpret=impl == "interpret")
         return y.reshape(*x.shape[:-1], n)
     return matmul(x, dequantize(kernel, scale, block, dtype), transposed)
+
+
+def _hopper() -> bool:
+    """Whether the default device is a Hopper GPU (wgmma, TMA: pallas_kernels/fp8_stream.py)."""
+    return getattr(jax.devices()[0], "compute_capability", "") in ("9.0", "9.0a")
 
 
 def quantize(w: np.ndarray | jax.Array, block: int) -> tuple[jax.Array, jax.Array]:
