@@ -13,9 +13,9 @@ distinct weights (so they stream from HBM), per product:
   bf16        XLA's dot with bf16 weights (the engine's bf16 path)
   fp8_deq     hybrid_jax.layers.fp8.fp8_matmul's reference: dequantize then the bf16
               product (what the engine runs for FP8 weights at more than 64 rows)
-  fp8_gemv    the FP8 decode GEMV kernel (pallas_kernels/fp8_gemv.py: e4m3 weights and
-              block scales streamed once, dequantized in registers), at <= 64 rows: what
-              fp8_matmul runs there on a GPU
+  fp8_gemv    fp8_matmul's FP8 decode kernel at <= 64 rows on a GPU (on Hopper
+              pallas_kernels/fp8_stream.py, else fp8_gemv.py: e4m3 weights and block
+              scales streamed once, dequantized in registers)
   torch_bf16  torch.matmul, bf16 (cuBLAS), when torch with CUDA is importable
   scaled_mm   torch._scaled_mm, e4m3 x e4m3 -> bf16 with 1 x 128 activation and
               128 x 128 weight block scales where this torch takes them, else per-tensor

@@ -60,7 +60,8 @@ SWITCHES: tuple[Switch, ...] = (
            "tn,tk,stages,swap: overrides `stream_glu`'s launch (tuning on another GPU)"),
     Switch("HYBRID_JAX_FP8_GEMV", "1",
            "0 runs FP8 Linears' decode products (<= 64 rows) through the dequantize path "
-           "instead of the Pallas `fp8_gemv` kernel"),
+           "instead of the Pallas FP8 decode kernels (`fp8_stream` on Hopper for [out, in] "
+           "kernels, else `fp8_gemv`)"),
     Switch("HYBRID_JAX_XLA_OPTIONS", "unset",
            "JSON object of XLA compile options added to, or overriding, the step executables' own"),
     Switch("HYBRID_JAX_SHARDED_RUNNER", "0",

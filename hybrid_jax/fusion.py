@@ -190,7 +190,9 @@ def fuse_projections(model: CausalLM) -> CausalLM:
     # parameters is copied before every custom call (a buffer of its own).
     if linear.stream_gemm_active():  # decode's gate/up + silu * up read their layer's rows of one stack
         _stack_linears([b.mlp.gate_up_proj for b in fused.layers if _streams_glu(b.mlp)])
-        load_runtime()  # before any stored executable with the kernel is loaded
+    # Mosaic GPU's runtime, before any stored executable holding stream_glu or the FP8
+    # decode kernel (pallas_kernels/fp8_stream.py, also with the stream GEMM off) is loaded.
+    load_runtime()
     mixers = [b.mamba for b in fused.layers if b.mamba is not None]
     _stack(mixers, MAMBA_STACKED)  # conv1d_decode, ssm_decode_packed
     # decode_glue.add_rms_norm (input and MLP norms in one stack) and mixer_merge

@@ -9,10 +9,11 @@ included when a dimension is not a multiple of B (a [540, 64] kernel with B = 32
 
 `dequantize` is the reference: exact in f32 (an e4m3 value times an f32 scale is one
 rounding, as transformers' own dequantization does), then cast to the compute dtype.
-`fp8_matmul` is the product a Linear with an FP8 kernel runs: the FP8 decode GEMV kernel
-for few rows where the kernel switch picks Pallas, else the dequantized kernel multiplied
-in the compute dtype (docs/kernels.md). `quantize` makes the format from a float kernel (quantization at
-load). This module knows nothing of checkpoints or serving.
+`fp8_matmul` is the product a Linear with an FP8 kernel runs: an FP8 decode kernel for
+few rows where the kernel switch picks Pallas (Mosaic GPU on Hopper, else Triton), else
+the dequantized kernel multiplied in the compute dtype (docs/kernels.md "FP8").
+`quantize` makes the format from a float kernel (quantization at load). This module knows
+nothing of checkpoints or serving.
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ from configs import switches
 from pallas_kernels.backend import Impl, resolve_impl
 from pallas_kernels.fp8_gemv import fits as gemv_fits
 from pallas_kernels.fp8_gemv import fp8_gemv
+from pallas_kernels.fp8_stream import MAX_ROWS as STREAM_MAX_ROWS
+from pallas_kernels.fp8_stream import fits as stream_fits
+from pallas_kernels.fp8_stream import fp8_stream_matmul
 
 FP8_GEMV = switches.fp8_gemv()  # HYBRID_JAX_FP8_GEMV=0: the dequantize path at every row count
 FP8 = jnp.dtype(jnp.float8_e4m3fn)
@@ -63,21 +67,38 @@ def fp8_matmul(x: jax.Array, kernel: jax.Array, scale: jax.Array, *, block: int,
     """x [..., i] times the FP8 kernel [i, o] (or [o, i] when `transposed`) -> [..., o] in
     `dtype`. Few rows (decode: at most 64) with 128 x 128 blocks and whole blocks, where
     the kernel switch (`impl`, pallas_kernels/backend.py) picks Pallas and
-    HYBRID_JAX_FP8_GEMV is not 0: the FP8 GEMV
-    (pallas_kernels/fp8_gemv.py), which streams the e4m3 weight once and dequantizes in
+    HYBRID_JAX_FP8_GEMV is not 0: on a Hopper GPU, for an [o, i] kernel and bf16, the
+    Mosaic GPU FP8 stream kernel (pallas_kernels/fp8_stream.py); else the Triton FP8 GEMV
+    (pallas_kernels/fp8_gemv.py). Both stream the e4m3 weight once and dequantize in
     registers. Otherwise, and as the reference: the dequantized kernel through the plain
     product (layers/linear.matmul, which also takes the one-row reduction, where XLA fuses
-    the dequantization into the read)."""
+    the dequantization into the read); past 64 rows the dequantized kernel is written
+    apart before the GEMM (measured faster than XLA fusing it into the GEMM)."""
     from hybrid_jax.layers.linear import matmul
 
     rows, k = math.prod(x.shape[:-1]), x.shape[-1]
     n = kernel.shape[0] if transposed else kernel.shape[1]
     impl = resolve_impl(impl)
+    if (impl == "pallas" and FP8_GEMV and transposed and jnp.dtype(dtype) == jnp.bfloat16
+            and stream_fits(rows, k, n, block) and _hopper()):
+        y = fp8_stream_matmul(x.reshape(rows, k).astype(dtype), kernel, scale, out_dtype=dtype)
+        return y.reshape(*x.shape[:-1], n)
     if impl != "reference" and FP8_GEMV and gemv_fits(rows, k, n, block):
         y = fp8_gemv(x.reshape(rows, k).astype(dtype), kernel, scale, transposed=transposed,
                      interpret=impl == "interpret")
         return y.reshape(*x.shape[:-1], n)
-    return matmul(x, dequantize(kernel, scale, block, dtype), transposed)
+    w = dequantize(kernel, scale, block, dtype)
+    if rows > STREAM_MAX_ROWS:
+        # Prefill: the dequantized weight written apart, then XLA's GEMM reads it. Fused
+        # into the GEMM's operand instead, the dequantization slowed it 10-35% (H200,
+        # 8192 rows: 513 vs 622 us at 11264 x 2048; bf16 464; docs/kernels.md "FP8").
+        w = jax.lax.optimization_barrier(w)
+    return matmul(x, w, transposed)
+
+
+def _hopper() -> bool:
+    """Whether the default device is a Hopper GPU (wgmma, TMA: pallas_kernels/fp8_stream.py)."""
+    return getattr(jax.devices()[0], "compute_capability", "") in ("9.0", "9.0a")
 
 
 def quantize(w: np.ndarray | jax.Array, block: int) -> tuple[jax.Array, jax.Array]:

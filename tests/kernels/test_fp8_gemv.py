@@ -56,4 +56,32 @@ def test_fp8_matmul_takes_the_kernel_by_row_count():
         jaxpr = str(jax.make_jaxpr(lambda a: fp8_matmul(a, kernel, scale, **kw, impl="interpret"))(
             jnp.zeros((rows, 256))))
         assert ("fp8_gemv" in jaxpr) == taken
+        # past 64 rows the dequantized kernel is written apart (no fusion into the GEMM)
+        assert ("optimization_barrier" in jaxpr) == (not taken)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+def test_fp8_stream_against_float64():
+    """The Mosaic GPU FP8 stream kernel's reference (the dequantize path) against float64 on
+    any backend, its refusals, and, on a Hopper GPU, the kernel itself (1 / 5 / 64 rows,
+    one split and several, n not a multiple of the tile)."""
+    from pallas_kernels.fp8_stream import Fp8StreamConfig, fp8_stream_matmul
+    from pallas_kernels.fp8_stream import fits as stream_fits
+
+    rng = np.random.default_rng(3)
+    n, k = 200, 512  # n: the last tile runs past W's rows (TMA reads zeros there)
+    w = rng.standard_normal((n, k)).astype(np.float32) * np.repeat(rng.uniform(0.01, 10, (1, 4)), 128, 1)
+    kernel, scale = quantize(w, 128)
+    deq = np.asarray(kernel, np.float64) * np.kron(np.asarray(scale, np.float64), np.ones((128, 128)))[:n, :k]
+    hopper = getattr(jax.devices()[0], "compute_capability", "") in ("9.0", "9.0a")
+    for m, cfg in ((1, Fp8StreamConfig()), (5, Fp8StreamConfig(tn=64, splits=4)), (64, Fp8StreamConfig())):
+        x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+        want = np.asarray(x, np.float64) @ deq.T
+        tol = 1e-2 * np.abs(want).max()  # the weight rounded to bf16 after scaling
+        for impl in ("reference", "pallas") if hopper else ("reference",):
+            got = fp8_stream_matmul(x, kernel, scale, cfg=cfg, out_dtype=jnp.float32, impl=impl)
+            np.testing.assert_allclose(np.asarray(got), want, atol=tol, err_msg=f"{impl} m={m} {cfg}")
+    assert stream_fits(64, 512, 200, 128) and not stream_fits(65, 512, 200, 128)
+    assert not stream_fits(1, 300, 200, 128) and not stream_fits(1, 512, 200, 64)
+    with pytest.raises(ValueError, match="scale must be"):
+        fp8_stream_matmul(jnp.ones((1, 512), jnp.bfloat16), kernel, scale[:, :2])
