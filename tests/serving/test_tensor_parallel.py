@@ -59,8 +59,10 @@ def test_sharded_engine_equals_single_device(child_results, model):
 
 @pytest.mark.slow
 def test_moe_kernel_runs_on_device_shards(child_results):
-    """The grouped GEMM kernel (interpret mode) under shard_map on width-split experts."""
+    """The grouped GEMM kernel (interpret mode) under shard_map on width-split experts,
+    bf16/f32 and FP8 (weights and block scales split by tensor_parallel's rules)."""
     assert child_results.get("moe kernel on device shards == dense") is True, child_results
+    assert child_results.get("fp8 moe kernel on device shards == dense") is True, child_results
 
 
 @pytest.mark.slow
