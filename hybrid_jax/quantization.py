@@ -33,6 +33,10 @@ def fp8_linears(model: nnx.Module) -> list[str]:
             if isinstance(m, Linear | MoE) and m.quantized]
 
 
+def _on_accelerator(x) -> bool:
+    return all(d.platform != "cpu" for d in getattr(x, "devices", lambda: set())())
+
+
 def quantize_model(model: nnx.Module, quantization: str | None, block: int = FP8_BLOCK) -> nnx.Module:
     """`model` with its decoder Linears quantized (module doc), in place; returned."""
     check_quantization(quantization)
@@ -41,7 +45,11 @@ def quantize_model(model: nnx.Module, quantization: str | None, block: int = FP8
     for path, lin in list(nnx.iter_graph(model)):
         if (isinstance(lin, Linear) and path and path[0] in ("layers", "shared_blocks")
                 and lin.stack_row is None and not lin.transposed):
-            kernel, scale = quantize(lin.kernel[...], block)
+            w = lin.kernel[...]
+            if _on_accelerator(w):  # quantized where it lives (a real-size model's 2 GB of
+                kernel, scale = (a[0] for a in quantize_stack(w[None], block))  # Linears)
+            else:  # host numpy: no compilation per weight shape
+                kernel, scale = quantize(w, block)
             lin.set_fp8(kernel, scale, block)
         elif isinstance(lin, MoE) and path and path[0] == "layers":
             for name in MoE.STACKS:
