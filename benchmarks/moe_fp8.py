@@ -52,7 +52,7 @@ def shapes_of(preset: str) -> dict:
     return dict(d=load_preset(preset).hidden_size, e=moe.num_experts, f=moe.intermediate_size, k=moe.top_k)
 
 
-def run_case(t: int, s: dict, stacks: dict, bw: float, reps: int, smoke: bool) -> dict:
+def run_case(t: int, s: dict, stacks: dict, bw: float, reps: int, smoke: bool, tries: bool) -> dict:
     d, e, f, k = s["d"], s["e"], s["f"], s["k"]
     experts, weights = routing(t, e, k, seed=t)
     x = jax.random.normal(jax.random.key(t), (t, d), jnp.bfloat16)
@@ -63,34 +63,36 @@ def run_case(t: int, s: dict, stacks: dict, bw: float, reps: int, smoke: bool) -
               "fp8": touched * (per_expert + scale_bytes) / bw * 1e6}
     impl = "interpret" if smoke else "pallas"
     routed = (x, jnp.asarray(weights), jnp.asarray(experts))
+    # Weights are arguments, never closed over: a closed-over array is a constant of the
+    # executable (slow to compile, and carried into every profiler trace).
+    args = {"bf16": (*routed, stacks["gu"], stacks["dn"]),
+            "fp8": (*routed, stacks["qgu"], stacks["qdn"], stacks["sgu"], stacks["sdn"])}
     opts = compile_options()
     row = {"tokens": t, "touched_experts": touched, "floor_us": floors,
            "engine_config": str(moe_config(t * k))}
 
     def bf16(cfg):
-        return lambda x, w, ex: routed_experts(x, w, ex, stacks["gu"], stacks["dn"], activation="silu",
-                                               gated=True, impl=impl, cfg=cfg)
+        return lambda x, w, ex, gu, dn: routed_experts(x, w, ex, gu, dn, activation="silu", gated=True,
+                                                       impl=impl, cfg=cfg)
 
     def fp8(cfg):
-        q = (stacks["sgu"], stacks["sdn"], BLOCK)
-        return lambda x, w, ex: routed_experts(x, w, ex, stacks["qgu"], stacks["qdn"], activation="silu",
-                                               gated=True, impl=impl, cfg=cfg, fp8=q)
+        return lambda x, w, ex, gu, dn, sgu, sdn: routed_experts(
+            x, w, ex, gu, dn, activation="silu", gated=True, impl=impl, cfg=cfg, fp8=(sgu, sdn, BLOCK))
 
-    want_bf16 = jax.jit(lambda x, w, ex: routed_reference(x, w, ex, stacks["gu"], stacks["dn"],
-                                                          activation="silu", gated=True))(*routed)
-    want_fp8 = jax.jit(lambda x, w, ex: routed_reference(
-        x, w, ex, stacks["qgu"], stacks["qdn"], activation="silu", gated=True,
-        fp8=(stacks["sgu"], stacks["sdn"], BLOCK)))(*routed)
+    want_bf16 = jax.jit(lambda x, w, ex, gu, dn: routed_reference(x, w, ex, gu, dn, activation="silu",
+                                                                  gated=True))(*args["bf16"])
+    want_fp8 = jax.jit(lambda x, w, ex, gu, dn, sgu, sdn: routed_reference(
+        x, w, ex, gu, dn, activation="silu", gated=True, fp8=(sgu, sdn, BLOCK)))(*args["fp8"])
     variants = {"bf16": (bf16(None), want_bf16, "bf16"), "fp8": (fp8(None), want_fp8, "fp8")}
-    if not smoke:
+    if not smoke and tries:
         for c in DECODE_TRIES if t <= 64 else PREFILL_TRIES:
             variants[f"fp8{list(c[:5])}".replace(" ", "")] = (fp8(GroupedConfig(*c)), want_fp8, "fp8")
     rel = lambda a, b: float(jnp.abs(a - b).max() / (jnp.abs(b).max() + 1e-9))  # noqa: E731
     for name, (fn, want, kind) in variants.items():
         try:
-            compiled = jax.jit(fn).lower(*routed).compile(opts)
-            out = compiled(*routed)
-            us, kernels, gemm = _time_us(compiled, routed, reps)
+            compiled = jax.jit(fn).lower(*args[kind]).compile(opts)
+            out = compiled(*args[kind])
+            us, kernels, gemm = _time_us(compiled, args[kind], reps)
             gemm = gemm or us
             row[name] = {"us": us, "gemm_us": gemm, "floor_ratio": us / floors[kind],
                          "gemm_floor_ratio": gemm / floors[kind], "kernels": kernels,
@@ -140,6 +142,7 @@ def main() -> None:
     p.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode (CPU check)")
     p.add_argument("--fit", nargs="?", const=PRESET, help="also load this model (default the preset) "
                    "quantized and run one engine step")
+    p.add_argument("--no-tries", action="store_true", help="the engine's tiles only")
     p.add_argument("--out", help="also append each row as a JSON line here")
     a = p.parse_args()
     s = SMOKE if a.smoke else shapes_of(PRESET)
@@ -156,7 +159,7 @@ def main() -> None:
     stacks = dict(gu=gu, dn=dn, qgu=qgu, sgu=sgu, qdn=qdn, sdn=sdn)
     rows = []
     for t in a.tokens:
-        rows.append(run_case(t, s, stacks, bw, a.reps, a.smoke))
+        rows.append(run_case(t, s, stacks, bw, a.reps, a.smoke, not a.no_tries))
     del gu, dn, qgu, qdn, stacks
     if a.fit:
         rows.append(fit(a.fit, a.out))

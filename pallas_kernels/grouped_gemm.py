@@ -275,7 +275,9 @@ def _kernel(group_ref, row0_ref, count_ref, src_ref, dst_ref, x_ref, w_ref, *ref
             block, kb, nb = fp8
             # The tile's block: row k0 // B of expert g, column (c0 // B) of its half.
             at = (g * kb + k0 // block) * nb + half * (nb // 2) + c0 // block
-            return dot(xt, wt.astype(xt.dtype)) * s_ref[at]
+            # e4m3 -> bf16 is exact and lowers everywhere (Triton converts e4m3 to 16-bit
+            # types), then to x's dtype (exact again for f32).
+            return dot(xt, wt.astype(jnp.bfloat16).astype(xt.dtype)) * s_ref[at]
 
         def step(i, accs):  # launch.dot: bf16 on the tensor cores, f32 at full precision
             k0 = pl.multiple_of(i * bk, bk)
