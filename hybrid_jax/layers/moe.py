@@ -185,7 +185,7 @@ class MoE(nnx.Module):
         setattr(self, f"{name}_scale", nnx.Param(scale))
         self.block = block
 
-    def experts(self, x, weights, experts, **kw) -> jax.Array:
+    def routed(self, x, weights, experts, **kw) -> jax.Array:
         """The routed sum (`routed_experts`) over this layer's stacks, FP8 or not."""
         first, name = (self.gate_up, "gate_up") if self.gate_up is not None else (self.up, "up")
         fp8 = None
@@ -204,7 +204,7 @@ class MoE(nnx.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         weights, experts = self.route(x)
-        y = self.experts(x.astype(self.dtype) if self.quantized else x, weights, experts)
+        y = self.routed(x.astype(self.dtype) if self.quantized else x, weights, experts)
         if self.reduce_axis is not None:
             y = jax.lax.psum(y, self.reduce_axis)
         y = y.astype(x.dtype)
