@@ -151,7 +151,8 @@ def test_fp8_weights_match_float64_of_the_dequantized(t, k, nw, sizes, glu, dtyp
     for impl in (IMPL, "reference"):
         got = grouped_matmul(x, q, jnp.asarray(sizes), src=src, glu=glu, act=act, out_dtype=jnp.float32,
                              cfg=cfg, impl=impl, scale=scale, block=block)
-        ktol = 1e-2 if impl == "pallas" and dtype == jnp.float32 else tol
+        # On a GPU f32 dots are TF32 by default, the kernel's and XLA's alike (see above).
+        ktol = 1e-2 if jax.default_backend() == "gpu" and dtype == jnp.float32 else tol
         np.testing.assert_allclose(np.asarray(got), want, atol=ktol * np.abs(want).max(), rtol=ktol,
                                    err_msg=impl)
     with pytest.raises(ValueError, match="scale"):
