@@ -3,17 +3,20 @@
 Each Linear of the decoder layers (and of Zamba2's shared blocks) gets a float8_e4m3fn
 kernel with one f32 scale per 128 x 128 block, the format of the Hub's FP8 checkpoints
 (hybrid_jax/layers/fp8.py), so a quantized model and a loaded FP8 checkpoint are served
-by the same code. Embeddings, norms, the LM head and the recurrent layers' own
-parameters stay as they are. A model that already holds FP8 weights (an FP8 checkpoint)
-is left as loaded: its own choice of unquantized modules stands. Knows nothing of serving.
+by the same code. So do the MoE layers' stacked experts (each expert block-wise, on the
+device that holds them: `quantize_stack`). Embeddings, norms, the LM head, the routers
+and shared-expert gates (tiny) and the recurrent layers' own parameters stay as they are.
+A model that already holds FP8 weights (an FP8 checkpoint) is left as loaded: its own
+choice of unquantized modules stands. Knows nothing of serving.
 """
 
 from __future__ import annotations
 
 from flax import nnx
 
-from hybrid_jax.layers.fp8 import quantize
+from hybrid_jax.layers.fp8 import quantize, quantize_stack
 from hybrid_jax.layers.linear import Linear
+from hybrid_jax.layers.moe import MoE
 
 QUANTIZATIONS = ("fp8",)
 FP8_BLOCK = 128
@@ -25,8 +28,13 @@ def check_quantization(quantization: str | None) -> None:
 
 
 def fp8_linears(model: nnx.Module) -> list[str]:
-    """The paths of the model's Linears that hold FP8 kernels."""
-    return [".".join(map(str, p)) for p, m in nnx.iter_graph(model) if isinstance(m, Linear) and m.quantized]
+    """The paths of the model's Linears and MoE layers that hold FP8 weights."""
+    return [".".join(map(str, p)) for p, m in nnx.iter_graph(model)
+            if isinstance(m, Linear | MoE) and m.quantized]
+
+
+def _on_accelerator(x) -> bool:
+    return all(d.platform != "cpu" for d in getattr(x, "devices", lambda: set())())
 
 
 def quantize_model(model: nnx.Module, quantization: str | None, block: int = FP8_BLOCK) -> nnx.Module:
@@ -37,6 +45,15 @@ def quantize_model(model: nnx.Module, quantization: str | None, block: int = FP8
     for path, lin in list(nnx.iter_graph(model)):
         if (isinstance(lin, Linear) and path and path[0] in ("layers", "shared_blocks")
                 and lin.stack_row is None and not lin.transposed):
-            kernel, scale = quantize(lin.kernel[...], block)
+            w = lin.kernel[...]
+            if _on_accelerator(w):  # quantized where it lives (a real-size model's 2 GB of
+                kernel, scale = (a[0] for a in quantize_stack(w[None], block))  # Linears)
+            else:  # host numpy: no compilation per weight shape
+                kernel, scale = quantize(w, block)
             lin.set_fp8(kernel, scale, block)
+        elif isinstance(lin, MoE) and path and path[0] == "layers":
+            for name in MoE.STACKS:
+                if getattr(lin, name) is not None:
+                    kernel, scale = quantize_stack(getattr(lin, name)[...], block, glu=name == "gate_up")
+                    lin.set_fp8(name, kernel, scale, block)
     return model

@@ -14,6 +14,7 @@ axis, placed by marking layers of the local model (`mark_local_model`):
 | o_proj, MLP down, Mamba2/1 out_proj, RG-LRU linear_out, short-conv out | row-parallel | psum, then bias |
 | MLP gate/up (fused or not) | column-parallel; a fused [gate, up] matrix is cut per part | - |
 | MoE experts' gate/up, down | each expert by its width f (gate/up per part) | psum of the routed sum |
+| FP8 experts' block scales | with their blocks (a device's width share is whole blocks) | - |
 | MoE shared expert | as the MLP | psum (its down_proj) |
 | MoE router, expert bias, shared-expert gate | replicated | - |
 | Mamba2 in_proj | per part: z, x, dt by head; B, C by group (replicated when G < N) | - |
@@ -97,15 +98,23 @@ def check_shardable(cfg: ModelConfig, n: int) -> None:
     # KV head (SSM group): heads per KV head = (heads per device) * (n / KV heads).
 
 
-Fp8Layout = dict[str, tuple[int, object]]  # FP8 Linear's path -> (block, scale dtype)
+Fp8Layout = dict[str, tuple[int, object]]  # FP8 Linear's / expert stack's path -> (block, scale dtype)
+MOE_SCALES = ("gate_up_scale", "up_scale", "down_scale")
 
 
 def fp8_layout(model: nnx.Module) -> Fp8Layout:
-    """The model's FP8 Linears: path ("layers.0.mlp.down_proj") -> (block, scale dtype)."""
+    """The model's FP8 Linears: path ("layers.0.mlp.down_proj") -> (block, scale dtype), and
+    its FP8 expert stacks: path ("layers.0.moe.gate_up") -> (block, scale dtype)."""
     from hybrid_jax.layers.linear import Linear
+    from hybrid_jax.layers.moe import MoE
 
-    return {".".join(map(str, p)): (m.block, m.scale[...].dtype) for p, m in nnx.iter_graph(model)
-            if isinstance(m, Linear) and m.quantized}
+    out = {".".join(map(str, p)): (m.block, m.scale[...].dtype) for p, m in nnx.iter_graph(model)
+           if isinstance(m, Linear) and m.quantized}
+    for p, m in nnx.iter_graph(model):
+        if isinstance(m, MoE) and m.quantized:
+            out |= {".".join(map(str, (*p, name))): (m.block, getattr(m, f"{name}_scale")[...].dtype)
+                    for name in MoE.STACKS if getattr(m, name) is not None}
+    return out
 
 
 def _held_index(names: tuple, dim: int, axis: int, cfg: ModelConfig, n: int, d: int) -> np.ndarray:
@@ -120,9 +129,16 @@ def check_weights_shardable(model: nnx.Module, n: int) -> None:
     boundaries: each device's share of the split axis must be whole B x B blocks (then its
     block scales split with it: `shard_params`)."""
     from hybrid_jax.layers.linear import Linear
+    from hybrid_jax.layers.moe import MoE
 
     cfg = model.cfg
     for path, m in nnx.iter_graph(model):
+        if isinstance(m, MoE) and m.quantized and n > 1 and (cfg.moe.intermediate_size // n) % m.block:
+            raise ValueError(f"tensor_parallel_size={n}: the FP8 experts of {'.'.join(map(str, path))} "
+                             f"(width {cfg.moe.intermediate_size}) do not split on their {m.block} x "
+                             f"{m.block} scale blocks (each device's {cfg.moe.intermediate_size // n} "
+                             "columns must be whole blocks); serve them on one device or with another "
+                             "tensor_parallel_size")
         if not (isinstance(m, Linear) and m.quantized) or n == 1:
             continue
         names = (*path, "kernel")
@@ -219,15 +235,26 @@ def mark_local_model(model: nnx.Module, cfg: ModelConfig, n: int) -> nnx.Module:
 
 
 def local_abstract_model(cfg: ModelConfig, n: int, dtype, fp8: Fp8Layout | None = None) -> nnx.Module:
-    """The marked local model with abstract (shape-only) parameters; the Linears named in
-    `fp8` (`fp8_layout` of the global model) hold FP8 kernels and their block scales."""
+    """The marked local model with abstract (shape-only) parameters; the Linears and expert
+    stacks named in `fp8` (`fp8_layout` of the global model) hold FP8 weights and their
+    block scales."""
     from hybrid_jax.layers.fp8 import FP8, scale_shape
+    from hybrid_jax.layers.linear import Linear
+    from hybrid_jax.layers.moe import MoE
     from hybrid_jax.model import CausalLM
+    from pallas_kernels.grouped_gemm import scale_blocks
 
     local = local_config(cfg, n)
     model = nnx.eval_shape(lambda: CausalLM(local, dtype=dtype, rngs=nnx.Rngs(0)))
     for path, m in nnx.iter_graph(model):
-        if (key := ".".join(map(str, path))) in (fp8 or {}):
+        if isinstance(m, MoE):
+            for name in MoE.STACKS:
+                if (key := ".".join(map(str, (*path, name)))) in (fp8 or {}):
+                    block, scale_dtype = fp8[key]
+                    e, k, nw = shape = tuple(getattr(m, name).value.shape)
+                    m.set_fp8(name, jax.ShapeDtypeStruct(shape, FP8), jax.ShapeDtypeStruct(
+                        (e, *scale_blocks(k, nw, block, name == "gate_up")), scale_dtype), block)
+        if isinstance(m, Linear) and (key := ".".join(map(str, path))) in (fp8 or {}):
             block, scale_dtype = fp8[key]
             shape = tuple(m.kernel.value.shape)
             m.set_fp8(jax.ShapeDtypeStruct(shape, FP8),
@@ -367,6 +394,8 @@ def _moe_rule(names: tuple, cfg: ModelConfig):
     leaf, owner = names[-1], names[-2]
     if owner == "moe":
         f = cfg.moe.intermediate_size
+        if leaf in MOE_SCALES:
+            raise AssertionError(f"{leaf}: block scales split by their shape (_moe_scale_rule)")
         return {"gate_up": (-1, [(f, f), (f, f)]), "up": (-1, [(f, f)]),
                 "down": (1, None)}.get(leaf)  # None: router, expert_bias, shared_gate
     f = cfg.moe.shared_expert.intermediate_size
@@ -389,9 +418,23 @@ def _names(path) -> tuple:
     return tuple(out)
 
 
+def _moe_scale_rule(leaf: str, shape: tuple[int, ...]):
+    """The rule of an FP8 expert stack's block scales [e, in blocks, out blocks], read off
+    their shape (units: blocks): gate/up's two halves by columns, down by rows, like their
+    stacks (`_moe_rule`); whole blocks per device (`check_weights_shardable`)."""
+    if leaf == "gate_up_scale":
+        h = shape[-1] // 2
+        return -1, [(h, h), (h, h)]
+    return (-1, [(shape[-1], shape[-1])]) if leaf == "up_scale" else (1, None)
+
+
+def _is_moe_scale(names: tuple) -> bool:
+    return names[-1] in MOE_SCALES and len(names) > 1 and names[-2] == "moe"
+
+
 def shard_param(names: tuple, x: np.ndarray, cfg: ModelConfig, n: int, d: int) -> np.ndarray:
     """Device d's shard of the global parameter x at `names` (a path in the model)."""
-    rule = _rule(names, cfg, n)
+    rule = _moe_scale_rule(names[-1], x.shape) if _is_moe_scale(names) else _rule(names, cfg, n)
     if rule is None:
         return x
     axis, parts = rule
@@ -403,7 +446,7 @@ def shard_param(names: tuple, x: np.ndarray, cfg: ModelConfig, n: int, d: int) -
 
 def shard_shape(names: tuple, shape: tuple[int, ...], cfg: ModelConfig, n: int) -> tuple[int, ...]:
     """The shape of every device's shard of a parameter of `shape` (no data touched)."""
-    rule = _rule(names, cfg, n)
+    rule = _moe_scale_rule(names[-1], shape) if _is_moe_scale(names) else _rule(names, cfg, n)
     if rule is None:
         return tuple(shape)
     axis, parts = rule

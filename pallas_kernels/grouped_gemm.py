@@ -29,9 +29,19 @@ group with no rows costs nothing (decode at small batch reads only the touched e
 - One kernel serves prefill (bm 128: a tiled GEMM per group) and decode (bm 16: each
   touched expert's weights streamed once, its few rows riding along); `moe_config` picks
   the tiles by row count. H100 figures at Granite-4.0-H-Small shapes: docs/benchmarks.md.
+- FP8 weights (the Hub's fine-grained format, stacked): w in float8_e4m3fn with one scale
+  per B x B block of each expert, `scale` [e, ceil(k/B), nb] (f32 or bf16), read in place.
+  nb = ceil(n_w/B) plain; gated, the gate and up halves each have their own block grid
+  (nb = 2 ceil(n/B): gate's block columns, then up's), so an expert width n that is not a
+  multiple of B keeps whole blocks per half, as per-expert checkpoints store them. Tiles
+  are capped at the largest power of 2 dividing B, so a [bk, bn] weight tile lies inside
+  one block: the kernel widens the e4m3 tile to x's dtype in registers (exact), multiplies
+  (f32 accumulation) and scales the partial product by its block's scale (exact in real
+  arithmetic: the scale factors out of the block's sum). Decode moves one byte per weight.
 
-`grouped_reference` is the same contract in XLA (`jax.lax.ragged_dot`). This module knows
-nothing of routing or models: hybrid_jax/layers/moe.py sorts the assignments and combines.
+`grouped_reference` is the same contract in XLA (`jax.lax.ragged_dot`; FP8 weights
+dequantized first by `dequantize_stack`). This module knows nothing of routing or models:
+hybrid_jax/layers/moe.py sorts the assignments and combines.
 """
 
 from __future__ import annotations
@@ -103,6 +113,43 @@ def work_table(sizes: jax.Array, m: int, bm: int) -> tuple[jax.Array, jax.Array,
     return group, jnp.where(used, row0, 0), jnp.where(used, count, 0).astype(jnp.int32)
 
 
+FP8 = jnp.dtype(jnp.float8_e4m3fn)
+
+
+def scale_blocks(k: int, nw: int, block: int, glu: bool) -> tuple[int, int]:
+    """The block grid of one expert's scales: (ceil(k/B), nb) (module doc: gated halves
+    each have their own block columns)."""
+    kb = -(-k // block)
+    return (kb, 2 * -(-(nw // 2) // block)) if glu else (kb, -(-nw // block))
+
+
+def dequantize_stack(w: jax.Array, scale: jax.Array, block: int, glu: bool, dtype) -> jax.Array:
+    """The reference: FP8 experts w [e, k, n_w] times their block scales (module doc) in
+    f32, then `dtype`."""
+    def expand(s, cols):  # [e, kb, cb] -> [e, k, cols]
+        s = jnp.repeat(jnp.repeat(s.astype(F32), block, axis=1), block, axis=2)
+        return s[:, :w.shape[1], :cols]
+
+    if glu:
+        n = w.shape[2] // 2
+        half = scale.shape[2] // 2
+        s = jnp.concatenate([expand(scale[..., :half], n), expand(scale[..., half:], n)], axis=2)
+    else:
+        s = expand(scale, w.shape[2])
+    return (w.astype(F32) * s).astype(dtype)
+
+
+def _check_fp8(w, scale, block, glu: bool):
+    if (scale is None) != (w.dtype != FP8) or (scale is not None and not block):
+        raise ValueError(f"w {w.dtype} needs `scale` and `block` exactly when it is float8_e4m3fn")
+    if scale is not None:
+        e, k, nw = w.shape
+        want = (e, *scale_blocks(k, nw, block, glu))
+        if tuple(scale.shape) != want:
+            raise ValueError(f"scale {scale.shape} must be {want} for FP8 w {w.shape} in {block} x "
+                             f"{block} blocks{' (gate and up halves apart)' if glu else ''}")
+
+
 def _check(x, w, sizes, src, dst, glu: bool):
     e, k, nw = w.shape
     if x.shape[-1] != k:
@@ -120,11 +167,16 @@ def _check(x, w, sizes, src, dst, glu: bool):
 
 def grouped_reference(x: jax.Array, w: jax.Array, sizes: jax.Array, *, src: jax.Array | None = None,
                       dst: jax.Array | None = None, glu: bool = False, act: Callable | None = None,
-                      out_dtype=None, table=None) -> jax.Array:
+                      out_dtype=None, table=None, scale: jax.Array | None = None,
+                      block: int | None = None) -> jax.Array:
     """XLA: the module's contract by `jax.lax.ragged_dot` (f32 accumulation, the epilogue in
-    f32, one rounding to `out_dtype`, default x's). `table` is ignored (kernel only)."""
+    f32, one rounding to `out_dtype`, default x's; FP8 w dequantized to x's dtype first).
+    `table` is ignored (kernel only)."""
     del table
     _check(x, w, sizes, src, dst, glu)
+    _check_fp8(w, scale, block, glu)
+    if scale is not None:
+        w = dequantize_stack(w, scale, block, glu, x.dtype)
     rows = x if src is None else jnp.take(x, src, axis=0)
     y = jax.lax.ragged_dot(rows.astype(w.dtype), w, sizes.astype(jnp.int32),
                            preferred_element_type=F32)
@@ -142,15 +194,20 @@ def _epilogue(y: jax.Array, glu: bool, act: Callable | None) -> jax.Array:
 def grouped_matmul(x: jax.Array, w: jax.Array, sizes: jax.Array, *, src: jax.Array | None = None,
                    dst: jax.Array | None = None, glu: bool = False, act: Callable | None = None,
                    out_dtype=None, cfg: GroupedConfig | None = None, table=None,
-                   impl: Impl | None = None) -> jax.Array:
+                   impl: Impl | None = None, scale: jax.Array | None = None,
+                   block: int | None = None) -> jax.Array:
     """x [t, k] (rows gathered by src [m]; x itself when src is None), w [e, k, n_w],
     sizes [e] (sum == m) -> [m, n] with n = n_w / 2 gated, else n_w (module doc); sorted
     row r is stored at output row dst[r] (a permutation of [0, m); r when None). `table`:
-    `work_table(sizes, m, cfg.bm)` when the caller shares one between calls."""
+    `work_table(sizes, m, cfg.bm)` when the caller shares one between calls. FP8 w
+    (float8_e4m3fn) comes with its block scales `scale` and `block` (module doc); the
+    products then run in x's dtype."""
     impl = resolve_impl(impl)
     if impl == "reference":
-        return grouped_reference(x, w, sizes, src=src, dst=dst, glu=glu, act=act, out_dtype=out_dtype)
+        return grouped_reference(x, w, sizes, src=src, dst=dst, glu=glu, act=act, out_dtype=out_dtype,
+                                 scale=scale, block=block)
     _check(x, w, sizes, src, dst, glu)
+    _check_fp8(w, scale, block, glu)
     e, k, nw = w.shape
     n = nw // 2 if glu else nw
     m = x.shape[0] if src is None else src.shape[0]
@@ -158,38 +215,49 @@ def grouped_matmul(x: jax.Array, w: jax.Array, sizes: jax.Array, *, src: jax.Arr
         raise ValueError(f"x {x.shape} or the output [{m}, {n}] is too large for the kernel's "
                          "int32 flat offsets")
     cfg = cfg or moe_config(m)
-    bn, bk = channel_block(n, cfg.bn), channel_block(k, cfg.bk)
+    # FP8: tiles inside one scale block (the largest power of 2 dividing B caps them).
+    cap = channel_block(block, 1 << 30) if scale is not None else 1 << 30
+    bn, bk = channel_block(n, min(cfg.bn, cap)), channel_block(k, min(cfg.bk, cap))
     if bn < 16 or bk < 16:
-        raise ValueError(f"n={n} and k={k} must be multiples of 16 (tiles of >= 16 for the dot)")
+        raise ValueError(f"n={n} and k={k} must be multiples of 16 (tiles of >= 16 for the dot)"
+                         + (f", and the FP8 block {block} too" if scale is not None else ""))
     rows = jnp.arange(m, dtype=jnp.int32)
     # Padded by a tile so that the last tile's index loads stay in bounds; its masked rows read
     # row 0 and point past the output (m), where no store lands (the interpreter drops it).
     src = jnp.pad(rows if src is None else src.astype(jnp.int32), (0, cfg.bm))
     dst = jnp.pad(rows if dst is None else dst.astype(jnp.int32), (0, cfg.bm), constant_values=m)
     table = work_table(sizes, m, cfg.bm) if table is None else table
-    return _launch(*table, src, dst, x.astype(w.dtype).reshape(-1), w, m=m, n=n, bn=bn, bk=bk,
-                   glu=glu, act=act, out_dtype=jnp.dtype(out_dtype or x.dtype), cfg=cfg, impl=impl)
+    x = x if scale is not None else x.astype(w.dtype)
+    # Scales flat in f32: the kernel loads one scalar per (k tile, column tile).
+    flat = None if scale is None else scale.astype(F32).reshape(-1)
+    return _launch(*table, src, dst, x.reshape(-1), w, flat, m=m, n=n, bn=bn, bk=bk, glu=glu, act=act,
+                   out_dtype=jnp.dtype(out_dtype or x.dtype), cfg=cfg, impl=impl, block=block)
 
 
 @functools.partial(jax.jit, static_argnames=("m", "n", "bn", "bk", "glu", "act", "out_dtype",
-                                             "cfg", "impl"))
-def _launch(group, row0, count, src, dst, x_flat, w, *, m, n, bn, bk, glu, act, out_dtype, cfg, impl):
+                                             "cfg", "impl", "block"))
+def _launch(group, row0, count, src, dst, x_flat, w, scale, *, m, n, bn, bk, glu, act, out_dtype, cfg,
+            impl, block):
     items = group.shape[0]
-    kernel = functools.partial(_kernel, bm=cfg.bm, bn=bn, bk=bk, n=n, k=w.shape[1], glu=glu, act=act,
-                               cols_major=cfg.cols_major)
+    e, k, nw = w.shape
+    fp8 = None if scale is None else (block, *scale_blocks(k, nw, block, glu))
+    kernel = functools.partial(_kernel, bm=cfg.bm, bn=bn, bk=bk, n=n, k=k, glu=glu, act=act,
+                               cols_major=cfg.cols_major, fp8=fp8)
     grid = (n // bn, items) if cfg.cols_major else (items, n // bn)
+    operands = (group, row0, count, src, dst, x_flat, w) + (() if scale is None else (scale,))
     out = pl.pallas_call(
         kernel,
         grid=grid,
         out_shape=jax.ShapeDtypeStruct((m * n,), out_dtype),
-        name="grouped_glu" if glu else "grouped_gemm",
+        name=("grouped_glu" if glu else "grouped_gemm") + ("_fp8" if fp8 else ""),
         **impl_kwargs(impl, cfg.num_warps, cfg.num_stages),
-    )(group, row0, count, src, dst, x_flat, w)
+    )(*operands)
     return out.reshape(m, n)
 
 
-def _kernel(group_ref, row0_ref, count_ref, src_ref, dst_ref, x_ref, w_ref, o_ref, *, bm, bn, bk,
-            n, k, glu, act, cols_major):
+def _kernel(group_ref, row0_ref, count_ref, src_ref, dst_ref, x_ref, w_ref, *refs, bm, bn, bk,
+            n, k, glu, act, cols_major, fp8):
+    s_ref, o_ref = refs if fp8 else (None, refs[0])
     item, j = pl.program_id(int(cols_major)), pl.program_id(1 - int(cols_major))
     g, r0, count = group_ref[item], row0_ref[item], count_ref[item]
 
@@ -200,13 +268,24 @@ def _kernel(group_ref, row0_ref, count_ref, src_ref, dst_ref, x_ref, w_ref, o_re
         cols = jax.lax.broadcasted_iota(jnp.int32, (bm, bk), 1)
         c0 = j * bn
 
+        def product(xt, k0, col, half):  # x tile times a weight tile (FP8: widened, then scaled)
+            wt = w_ref[g, pl.ds(k0, bk), pl.ds(col, bn)]
+            if not fp8:
+                return dot(xt, wt)
+            block, kb, nb = fp8
+            # The tile's block: row k0 // B of expert g, column (c0 // B) of its half.
+            at = (g * kb + k0 // block) * nb + half * (nb // 2) + c0 // block
+            # e4m3 -> bf16 is exact and lowers everywhere (Triton converts e4m3 to 16-bit
+            # types), then to x's dtype (exact again for f32).
+            return dot(xt, wt.astype(jnp.bfloat16).astype(xt.dtype)) * s_ref[at]
+
         def step(i, accs):  # launch.dot: bf16 on the tensor cores, f32 at full precision
             k0 = pl.multiple_of(i * bk, bk)
             xt = x_ref[base[:, None] + k0 + cols]
-            acc_g = accs[0] + dot(xt, w_ref[g, pl.ds(k0, bk), pl.ds(c0, bn)])
+            acc_g = accs[0] + product(xt, k0, c0, 0)
             if not glu:
                 return (acc_g,)
-            return acc_g, accs[1] + dot(xt, w_ref[g, pl.ds(k0, bk), pl.ds(n + c0, bn)])
+            return acc_g, accs[1] + product(xt, k0, n + c0, 1)
 
         zero = jnp.zeros((bm, bn), F32)
         accs = jax.lax.fori_loop(0, k // bk, step, (zero, zero) if glu else (zero,))

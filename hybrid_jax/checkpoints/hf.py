@@ -5,7 +5,10 @@ tensor in the files and every parameter of the model; missing, unexpected and
 mis-shaped tensors are reported together in one `CheckpointError`. The model is
 built abstractly (no random init) and filled from the files in bf16 or f32; the Linear
 weights an FP8 checkpoint stores in float8_e4m3fn with block scales stay FP8
-(hybrid_jax/checkpoints/fp8.py).
+(hybrid_jax/checkpoints/fp8.py), and so do MoE experts stored one FP8 Linear each
+(Qwen3.5-FP8): they are stacked, with their scales, into the layer's FP8 expert stacks
+(`_fp8_stacks`). FP8 Linears held as (pieces of) other plain parameters, the router and
+the shared-expert gate, are dequantized exactly at load (tiny).
 This module knows nothing of serving.
 """
 
@@ -19,6 +22,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 from flax import nnx
 from safetensors import safe_open
@@ -49,7 +53,9 @@ from hybrid_jax.checkpoints.names import Target
 from hybrid_jax.config import ModelConfig
 from hybrid_jax.layers.fp8 import dequantize
 from hybrid_jax.layers.linear import Linear
+from hybrid_jax.layers.moe import MoE
 from hybrid_jax.model import CausalLM
+from pallas_kernels.grouped_gemm import scale_blocks
 
 _MODULES: tuple[ModuleType, ...] = (mamba2, mistral, recurrent_gemma, falcon_h1, zamba2, lfm2,
                                     gemma3, gemma2, bamba, granite_hybrid, nemotron_h,
@@ -226,6 +232,7 @@ def load_hf(path: str | Path, *, dtype: jnp.dtype = jnp.float32) -> tuple[Causal
     values: dict[tuple, jax.Array] = {}
     fp8: dict[tuple, tuple[jax.Array, jax.Array]] = {}
     parts: dict[tuple, np.ndarray] = {}  # parameters filled piece by piece (Target.index)
+    stacks = _fp8_stacks(abstract, wmap, scales, expected, block)
     for name, target in wmap.items():
         stored = present[name]
         want = expected[target.path]
@@ -236,9 +243,15 @@ def load_hf(path: str | Path, *, dtype: jnp.dtype = jnp.float32) -> tuple[Causal
             if isinstance(_module_at(abstract, target.path[:-1]), Linear):
                 fp8[target.path] = (kernel, scale)
                 continue
-            # A checkpoint Linear held as (a piece of) a plain parameter: a router, a shared
-            # expert's gate, one expert of the stacked experts. Dequantized once here,
-            # exactly (hybrid_jax/layers/fp8.py): it stays in the load dtype, not FP8.
+            if target.path in stacks:  # one expert's Linear into the FP8 stack, scales beside
+                q, s, dtypes = stacks[target.path]
+                q[target.index] = np.asarray(kernel)
+                s[_scale_index(target, want.shape, block)] = np.asarray(scale.astype(jnp.float32))
+                dtypes.add(jnp.dtype(scale.dtype))
+                continue
+            # A checkpoint Linear held as (a piece of) another plain parameter: a router, a
+            # shared expert's gate. Dequantized once here, exactly (hybrid_jax/layers/fp8.py):
+            # it stays in the load dtype, not FP8.
             x = dequantize(kernel, scale, block, want.dtype)
         else:
             with safe_open(files[stored], framework="flax") as f:
@@ -255,7 +268,55 @@ def load_hf(path: str | Path, *, dtype: jnp.dtype = jnp.float32) -> tuple[Causal
     model = nnx.merge(graphdef, state)
     for where, (kernel, scale) in fp8.items():
         _module_at(model, where[:-1]).set_fp8(kernel, scale, block)
+    for where, (q, s, dtypes) in stacks.items():  # bf16 scales stay bf16 (exact either way)
+        sdt = dtypes.pop() if len(dtypes) == 1 else jnp.float32
+        _module_at(model, where[:-1]).set_fp8(where[-1], jnp.asarray(q), jnp.asarray(s, sdt), block)
     return model, cfg
+
+
+def _scale_index(target: Target, shape: tuple[int, ...], block: int) -> tuple | None:
+    """Where one expert's Linear (Target.index (j, :, cols)) puts its block scales in its
+    stack's scales [e, ceil(in/B), nb] (gate_up: the gate and up halves on their own block
+    grids), or None when its columns do not start and end on that grid."""
+    j, rows, cols = target.index
+    width = shape[2] // 2 if target.path[-1] == "gate_up" else shape[2]
+    start = cols.start or 0
+    stop = cols.stop if cols.stop is not None else shape[2]
+    part, off = divmod(start, width)
+    end = (part + 1) * width  # the end of its half (of the stack when not gate_up)
+    if rows != slice(None) or off % block or stop > end or (stop != end and (stop - start) % block):
+        return None
+    first = part * -(-width // block) + off // block
+    return j, slice(None), slice(first, first + -(-(stop - start) // block))
+
+
+def _fp8_stacks(abstract, wmap: dict[str, Target], scales: dict[str, str], expected, block: int | None
+                ) -> dict[tuple, tuple[np.ndarray, np.ndarray, set]]:
+    """The MoE expert stacks an FP8 checkpoint fills with FP8 Linears only, each piece on
+    its scale grid, in layers whose every stack qualifies: path -> (e4m3 stack, f32 scales,
+    the scales' stored dtypes). Other FP8 pieces of plain parameters are dequantized."""
+    if block is None:
+        return {}
+    pieces: dict[tuple, list[bool]] = {}
+    for name, t in wmap.items():
+        if t.index is not None and t.path[-1] in MoE.STACKS and isinstance(
+                _module_at(abstract, t.path[:-1]), MoE):
+            ok = name in scales and _scale_index(t, tuple(expected[t.path].shape), block) is not None
+            pieces.setdefault(t.path, []).append(ok)
+    layers: dict[tuple, bool] = {}
+    for p, oks in pieces.items():
+        layers[p[:-1]] = layers.get(p[:-1], True) and all(oks)
+    moe_stacks = lambda p: [n for n in MoE.STACKS if getattr(_module_at(abstract, p), n) is not None]
+    out = {}
+    for layer, ok in layers.items():
+        if ok and all((*layer, n) in pieces for n in moe_stacks(layer)):
+            for n in moe_stacks(layer):
+                shape = tuple(expected[(*layer, n)].shape)
+                e, k, nw = shape
+                out[(*layer, n)] = (np.zeros(shape, ml_dtypes.float8_e4m3fn),
+                                    np.ones((e, *scale_blocks(k, nw, block, n == "gate_up")), np.float32),
+                                    set())
+    return out
 
 
 def _module_at(model: nnx.Module, path: tuple) -> nnx.Module:

@@ -12,12 +12,14 @@ rounding, as transformers' own dequantization does), then cast to the compute dt
 `fp8_matmul` is the product a Linear with an FP8 kernel runs: an FP8 decode kernel for
 few rows where the kernel switch picks Pallas (Mosaic GPU on Hopper, else Triton), else
 the dequantized kernel multiplied in the compute dtype (docs/kernels.md "FP8").
-`quantize` makes the format from a float kernel (quantization at load). This module knows
+`quantize` makes the format from a float kernel (quantization at load); `quantize_stack`
+does the same for a MoE layer's stacked experts, on their device. This module knows
 nothing of checkpoints or serving.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -115,3 +117,28 @@ def quantize(w: np.ndarray | jax.Array, block: int) -> tuple[jax.Array, jax.Arra
     full = np.repeat(np.repeat(scale, block, axis=0), block, axis=1)[:r, :c]
     q = np.clip(w / full, -FP8_MAX, FP8_MAX).astype(FP8)
     return jnp.asarray(q), jnp.asarray(scale)
+
+
+def _quantize_blocks(w: jax.Array, block: int) -> tuple[jax.Array, jax.Array]:
+    """w [e, r, c] -> (e4m3 [e, r, c], f32 scales [e, ceil(r/B), ceil(c/B)]): `quantize`'s rule."""
+    e, r, c = w.shape
+    br, bc = scale_shape((r, c), block)
+    w = w.astype(jnp.float32)
+    padded = jnp.pad(w, ((0, 0), (0, br * block - r), (0, bc * block - c)))
+    amax = jnp.max(jnp.abs(padded.reshape(e, br, block, bc, block)), axis=(2, 4))
+    scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0).astype(jnp.float32)
+    full = jnp.repeat(jnp.repeat(scale, block, axis=1), block, axis=2)[:, :r, :c]
+    return jnp.clip(w / full, -FP8_MAX, FP8_MAX).astype(FP8), scale
+
+
+@functools.partial(jax.jit, static_argnames=("block", "glu"))
+def quantize_stack(w: jax.Array, block: int, glu: bool = False) -> tuple[jax.Array, jax.Array]:
+    """Stacked experts w [e, k, n_w] float -> (e4m3 [e, k, n_w], f32 scales [e, ceil(k/B), nb]),
+    each expert block-wise as `quantize`; `glu`: the gate and up halves each on their own
+    block grid (nb = 2 ceil(n_w/2/B), pallas_kernels/grouped_gemm.py). Jitted where w lives:
+    a real-size layer's experts are quantized on the GPU, not moved to the host."""
+    if not glu:
+        return _quantize_blocks(w, block)
+    n = w.shape[2] // 2
+    (qg, sg), (qu, su) = _quantize_blocks(w[..., :n], block), _quantize_blocks(w[..., n:], block)
+    return jnp.concatenate([qg, qu], axis=2), jnp.concatenate([sg, su], axis=2)

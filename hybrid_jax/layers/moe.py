@@ -17,6 +17,13 @@ is never read. `routed_reference` is the same sum written densely
 (every expert on every token, weighted by a dense [t, e] combine matrix), an independent
 check of the sorting and grouping.
 
+The stacks may be FP8 (`MoE.set_fp8`: float8_e4m3fn with one scale per B x B block of
+each expert, gate and up halves on their own block grids; pallas_kernels/grouped_gemm.py):
+an FP8 checkpoint's per-expert Linears and `quantization="fp8"` keep them so in device
+memory, and the grouped GEMM reads them in place; the products run in the compute dtype.
+The router and the shared-expert gate stay unquantized (an FP8 checkpoint's are
+dequantized at load: [d, e] and [d, 1], a fraction of a percent of the layer's bytes).
+
 MoE is token-wise, so the full-sequence forward and the engine's ragged serving path
 are the same call. Tensor parallelism (hybrid_jax/tensor_parallel.py) splits every
 expert by its width f (gate/up by columns, down by rows): a device's routed output is a
@@ -32,7 +39,15 @@ from flax import nnx
 from hybrid_jax.config import MoEConfig
 from hybrid_jax.layers.mlp import ACTIVATIONS, GatedMLP
 from pallas_kernels.backend import Impl, resolve_impl
-from pallas_kernels.grouped_gemm import GroupedConfig, grouped_matmul, moe_config, work_table
+from pallas_kernels.grouped_gemm import (
+    FP8,
+    GroupedConfig,
+    dequantize_stack,
+    grouped_matmul,
+    moe_config,
+    scale_blocks,
+    work_table,
+)
 
 F32 = jnp.float32
 
@@ -70,11 +85,16 @@ def _hidden(h: jax.Array, act, gated: bool) -> jax.Array:  # the dense reference
     return act(gate) * up
 
 
+Fp8Scales = tuple[jax.Array, jax.Array, int]  # (gate_up / up scales, down scales, block)
+
+
 def routed_experts(x: jax.Array, weights: jax.Array, experts: jax.Array, gate_up: jax.Array,
                    down: jax.Array, *, activation: str, gated: bool,
-                   impl: Impl | None = None, cfg: GroupedConfig | None = None) -> jax.Array:
+                   impl: Impl | None = None, cfg: GroupedConfig | None = None,
+                   fp8: Fp8Scales | None = None) -> jax.Array:
     """sum_j w_tj * expert_{e_tj}(x_t) -> [t, d] f32, by grouped GEMMs over the assignments
-    sorted by expert. x [t, d], weights/experts [t, k], gate_up [e, d, w], down [e, f, d].
+    sorted by expert. x [t, d], weights/experts [t, k], gate_up [e, d, w], down [e, f, d];
+    FP8 stacks come with `fp8` (their block scales and block; products in x's dtype).
 
     `impl` picks the grouped GEMM (pallas_kernels/backend.py): the Pallas kernel
     (pallas_kernels/grouped_gemm.py; its tiles chosen by the row count t*k: decode tiles
@@ -88,20 +108,28 @@ def routed_experts(x: jax.Array, weights: jax.Array, experts: jax.Array, gate_up
     impl = resolve_impl(impl)
     cfg = cfg or moe_config(t * k)
     table = None if impl == "reference" else work_table(sizes, t * k, cfg.bm)  # both passes
+    s1, s2, block = fp8 or (None, None, None)
+    dtype = x.dtype if fp8 else down.dtype
     # Gate/up and the activation in one pass, rows gathered from x by token (order // k);
     # down stores each sorted row back at its assignment (order): y [t*k, d] in (token, j) order.
     h = grouped_matmul(x, gate_up, sizes, src=(order // k).astype(jnp.int32), glu=gated,
-                       act=ACTIVATIONS[activation], out_dtype=down.dtype, cfg=cfg, table=table,
-                       impl=impl)
-    y = grouped_matmul(h, down, sizes, dst=order.astype(jnp.int32), out_dtype=down.dtype, cfg=cfg,
-                       table=table, impl=impl).reshape(t, k, -1)
+                       act=ACTIVATIONS[activation], out_dtype=dtype, cfg=cfg, table=table,
+                       impl=impl, scale=s1, block=block)
+    y = grouped_matmul(h, down, sizes, dst=order.astype(jnp.int32), out_dtype=dtype, cfg=cfg,
+                       table=table, impl=impl, scale=s2, block=block).reshape(t, k, -1)
     return jnp.einsum("tkd,tk->td", y.astype(F32), weights.astype(F32))
 
 
 def routed_reference(x: jax.Array, weights: jax.Array, experts: jax.Array, gate_up: jax.Array,
-                     down: jax.Array, *, activation: str, gated: bool) -> jax.Array:
+                     down: jax.Array, *, activation: str, gated: bool,
+                     fp8: Fp8Scales | None = None) -> jax.Array:
     """`routed_experts` written densely: every expert on every token, weighted by the
-    combine matrix c [t, e] (c_te = w_tj where e_tj = e, else 0). Same shapes and result."""
+    combine matrix c [t, e] (c_te = w_tj where e_tj = e, else 0). Same shapes and result
+    (FP8 stacks dequantized to x's dtype first)."""
+    if fp8 is not None:
+        s1, s2, block = fp8
+        gate_up = dequantize_stack(gate_up, s1, block, gated, x.dtype)
+        down = dequantize_stack(down, s2, block, False, x.dtype)
     e = gate_up.shape[0]
     combine = jnp.einsum("tk,tke->te", weights.astype(F32), jax.nn.one_hot(experts, e, dtype=F32))
     h = jnp.einsum("td,edw->tew", x.astype(gate_up.dtype), gate_up)
@@ -128,18 +156,55 @@ class MoE(nnx.Module):
         self.shared_gate = normal((dim, 1), dim, dtype) if cfg.shared_expert_gate else None
         self.reduce_axis: str | None = None  # tensor parallel: routed partial sums added over it
         self.cfg = cfg
+        self.dtype = jnp.dtype(dtype)  # the compute dtype (FP8 stacks' products run in it)
+        # FP8 stacks (`set_fp8`): their block scales [e, ceil(in/B), nb] and the block B.
+        self.gate_up_scale: nnx.Param | None = nnx.data(None)
+        self.up_scale: nnx.Param | None = nnx.data(None)
+        self.down_scale: nnx.Param | None = nnx.data(None)
+        self.block: int | None = None
+
+    STACKS = ("gate_up", "up", "down")
+
+    @property
+    def quantized(self) -> bool:
+        return self.block is not None
+
+    def set_fp8(self, name: str, kernel: jax.Array, scale: jax.Array, block: int) -> None:
+        """Hold the stack `name` ("gate_up", "up" or "down") in FP8: kernel [e, in, out]
+        float8_e4m3fn and its block scales (module doc; gate_up's halves apart). Every
+        stack of the layer must be FP8 with one block (`quantized`)."""
+        e, k, nw = kernel.shape
+        want = (e, *scale_blocks(k, nw, block, name == "gate_up"))
+        if name not in self.STACKS or getattr(self, name) is None:
+            raise ValueError(f"set_fp8: {name=} is not a stack of this MoE layer")
+        if jnp.dtype(kernel.dtype) != FP8 or tuple(scale.shape) != want or self.block not in (None, block):
+            raise ValueError(f"FP8 stack {name} needs float8_e4m3fn and scales {want} in one block "
+                             f"({self.block or block}), got {kernel.dtype} {kernel.shape}, scales "
+                             f"{scale.shape}, block {block}")
+        setattr(self, name, nnx.Param(kernel))
+        setattr(self, f"{name}_scale", nnx.Param(scale))
+        self.block = block
+
+    def routed(self, x, weights, experts, **kw) -> jax.Array:
+        """The routed sum (`routed_experts`) over this layer's stacks, FP8 or not."""
+        first, name = (self.gate_up, "gate_up") if self.gate_up is not None else (self.up, "up")
+        fp8 = None
+        if self.quantized:
+            if getattr(self, f"{name}_scale") is None or self.down_scale is None:
+                raise ValueError("an FP8 MoE layer needs every expert stack in FP8 (set_fp8)")
+            fp8 = (getattr(self, f"{name}_scale")[...], self.down_scale[...], self.block)
+        return routed_experts(x, weights, experts, first[...], self.down[...], activation=self.cfg.activation,
+                              gated=self.cfg.gated, fp8=fp8, **kw)
 
     def route(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         bias = None if self.expert_bias is None else self.expert_bias[...]
         return route(x, self.router[...], bias, self.cfg)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        cfg, shape = self.cfg, x.shape
+        shape = x.shape
         x = x.reshape(-1, shape[-1])
         weights, experts = self.route(x)
-        first = self.gate_up if self.gate_up is not None else self.up
-        y = routed_experts(x, weights, experts, first[...], self.down[...],
-                           activation=cfg.activation, gated=cfg.gated)
+        y = self.routed(x.astype(self.dtype) if self.quantized else x, weights, experts)
         if self.reduce_axis is not None:
             y = jax.lax.psum(y, self.reduce_axis)
         y = y.astype(x.dtype)

@@ -104,3 +104,57 @@ def test_bad_shapes_are_refused_by_name():
         grouped_matmul(jnp.zeros((4, 16)), w, jnp.array([4]), impl=IMPL)
     with pytest.raises(ValueError, match="multiples of 16"):
         grouped_matmul(jnp.zeros((4, 8)), jnp.zeros((2, 8, 32)), jnp.array([2, 2]), impl=IMPL)
+
+
+def _dequant_np(q, scale, block, glu):
+    """float64 numpy: each expert's e4m3 weights times its block scales (gated: the gate and
+    up halves on their own block grids), edge blocks cut to the weight's extent."""
+    q64, s64 = np.asarray(q.astype(jnp.float32), np.float64), np.asarray(scale.astype(jnp.float32),
+                                                                         np.float64)
+    e, k, nw = q64.shape
+    halves = np.split(np.arange(nw), 2) if glu else [np.arange(nw)]
+    s_halves = np.split(s64, 2, axis=2) if glu else [s64]
+    out = np.empty_like(q64)
+    for cols, s in zip(halves, s_halves, strict=True):
+        full = np.stack([np.kron(s[j], np.ones((block, block)))[:k, :len(cols)] for j in range(e)])
+        out[:, :, cols] = q64[:, :, cols] * full
+    return out
+
+
+FP8_CASES = [  # t, k, n_w, sizes, glu, dtype, scale dtype, block, config
+    # edge blocks: k = 48 and each 48-wide half of gate/up end in a 16-wide block of 32
+    (12, 48, 96, [5, 0, 21, 3, 0, 7], True, jnp.float32, jnp.float32, 32,
+     GroupedConfig(bm=16, bn=128, bk=128)),
+    (36, 64, 80, [0, 17, 0, 19], False, jnp.bfloat16, jnp.bfloat16, 32,
+     GroupedConfig(bm=16, bn=32, bk=32, cols_major=True)),
+    # decode-like: 128 x 128 blocks, most experts untouched
+    (3, 256, 256, [0, 0, 2, 0, 1, 0, 0, 0], True, jnp.bfloat16, jnp.float32, 128,
+     GroupedConfig(bm=16, bn=128, bk=128)),
+]
+
+
+@pytest.mark.parametrize("t,k,nw,sizes,glu,dtype,sdtype,block,cfg", FP8_CASES)
+def test_fp8_weights_match_float64_of_the_dequantized(t, k, nw, sizes, glu, dtype, sdtype, block, cfg):
+    """FP8 experts with block scales read in place: the kernel and the reference against
+    float64 numpy of the dequantized weights."""
+    from pallas_kernels.grouped_gemm import scale_blocks
+
+    rng = np.random.default_rng(t + k + nw)
+    m, e = sum(sizes), len(sizes)
+    x = jnp.asarray(rng.standard_normal((t, k)), dtype)
+    q = jnp.asarray(rng.uniform(-448, 448, (e, k, nw)), jnp.float32).astype(jnp.float8_e4m3fn)
+    scale = jnp.asarray(rng.uniform(0.5, 2, (e, *scale_blocks(k, nw, block, glu))) / 448 * k**-0.5, sdtype)
+    src = jnp.asarray(rng.integers(0, t, m), jnp.int32)
+    act, np_act = (ACTIVATIONS["silu"], _silu) if glu else (ACTIVATIONS["relu2"], _relu2)
+    want = _numpy(x, _dequant_np(q, scale, block, glu), sizes, src, glu, np_act)
+    tol = 1e-4 if dtype == jnp.float32 else 2e-2
+    for impl in (IMPL, "reference"):
+        got = grouped_matmul(x, q, jnp.asarray(sizes), src=src, glu=glu, act=act, out_dtype=jnp.float32,
+                             cfg=cfg, impl=impl, scale=scale, block=block)
+        # On a GPU f32 dots are TF32 by default, the kernel's and XLA's alike (see above).
+        ktol = 1e-2 if jax.default_backend() == "gpu" and dtype == jnp.float32 else tol
+        np.testing.assert_allclose(np.asarray(got), want, atol=ktol * np.abs(want).max(), rtol=ktol,
+                                   err_msg=impl)
+    with pytest.raises(ValueError, match="scale"):
+        grouped_matmul(x, q, jnp.asarray(sizes), src=src, glu=glu, impl=IMPL, scale=scale[:, :1],
+                       block=block)

@@ -218,10 +218,12 @@ def test_e4m3_round_trip_is_ml_dtypes():
 def test_fp8_mtp_head_loads_like_the_trunk(tmp_path):
     """Qwen/Qwen3.5-35B-A3B-FP8's layout: the multimodal Qwen3.5-MoE with its MTP head
     (`mtp.*`, tests/serving/qwen_mtp_helpers.py), the head's Linears FP8 like the trunk's
-    (bf16 scales; experts one Linear each, dequantized at load), one head module in
-    modules_to_not_convert. The head's FP8 weights stay FP8;
-    trunk and head logits equal the dequantized torch models' (1e-4); a missing head scale
-    and an FP8 head tensor in a not-converted module are refused naming the tensor."""
+    (bf16 scales; experts one Linear each), one head module in modules_to_not_convert.
+    Blocks of 48: hidden 64 ends in a 16-wide edge block, the expert width 32 is one edge
+    block. The FP8 weights stay FP8, the experts stacked into e4m3 [e, ...] with their bf16
+    block scales (gate and up halves on their own grids); trunk and head logits equal the
+    dequantized torch models' (1e-4); a missing head scale and an FP8 head tensor in a
+    not-converted module are refused naming the tensor."""
     from safetensors.torch import load_file, save_file
 
     from tests.serving.qwen_mtp_helpers import build_with_mtp, text_model
@@ -230,13 +232,14 @@ def test_fp8_mtp_head_loads_like_the_trunk(tmp_path):
     kept = "mtp.layers.0.self_attn.o_proj"
     extra = {f"mtp.{n.replace('layer.', 'layers.0.', 1)}.weight": m.weight
              for n, m in head.named_modules() if isinstance(m, torch.nn.Linear)}
-    quantized = write_fp8(hf_model, tmp_path, block=BLOCK, scale_dtype="bfloat16", not_convert=(kept,),
+    block = 48
+    quantized = write_fp8(hf_model, tmp_path, block=block, scale_dtype="bfloat16", not_convert=(kept,),
                           extra=extra)
     assert {"mtp.fc.weight", "mtp.layers.0.self_attn.q_proj.weight"} <= set(quantized)
-    # The experts too, one Linear each (trunk and head): dequantized at load (stacked parameters).
+    # The experts too, one Linear each (trunk and head): stacked FP8 at load.
     params = dict(hf_model.named_parameters()) | {f"mtp.{n.replace('layer.', 'layers.0.', 1)}": p
                                                   for n, p in head.named_parameters()}
-    assert quantize_experts(tmp_path, params, block=BLOCK, scale_dtype="bfloat16") == 3 * 4 * 5
+    assert quantize_experts(tmp_path, params, block=block, scale_dtype="bfloat16") == 3 * 4 * 5
     model, cfg = load_hf(tmp_path, dtype=jnp.float32)
     head_fp8 = {n for n, lin in _linears(model.mtp).items() if lin.quantized}
     # every quantized head Linear but the shared expert's gate (a plain parameter: dequantized)
@@ -244,6 +247,15 @@ def test_fp8_mtp_head_loads_like_the_trunk(tmp_path):
     assert model.mtp.fc.quantized and model.mtp.fc.scale[...].dtype == jnp.bfloat16
     assert not model.mtp.layers[0].attention.o_proj.quantized
     assert model.layers[0].gdn.in_proj_qkv.quantized
+    e, d, f = cfg.moe.num_experts, cfg.hidden_size, cfg.moe.intermediate_size
+    for moe in [layer.moe for layer in model.layers] + [model.mtp.layers[0].moe]:
+        assert moe.quantized and moe.block == block
+        assert moe.gate_up[...].dtype == moe.down[...].dtype == jnp.float8_e4m3fn
+        assert moe.gate_up[...].shape == (e, d, 2 * f) and moe.down[...].shape == (e, f, d)
+        # [e, ceil(64/48), 2 halves x ceil(32/48)] and [e, ceil(32/48), ceil(64/48)], bf16 as stored
+        assert moe.gate_up_scale[...].shape == (e, 2, 2) and moe.down_scale[...].shape == (e, 1, 2)
+        assert moe.gate_up_scale[...].dtype == moe.down_scale[...].dtype == jnp.bfloat16
+        assert moe.router[...].dtype == moe.shared_gate[...].dtype == jnp.float32  # dequantized (tiny)
 
     ids = np.random.default_rng(1).integers(0, cfg.vocab_size, (1, SEQ))
     tm = text_model(hf_model)
@@ -265,7 +277,7 @@ def test_fp8_mtp_head_loads_like_the_trunk(tmp_path):
 
     tensors = load_file(tmp_path / "model.safetensors")
     del tensors["mtp.fc.weight_scale_inv"]
-    q, _ = quantize_np(tensors[kept + ".weight"].numpy(), BLOCK, "bfloat16")
+    q, _ = quantize_np(tensors[kept + ".weight"].numpy(), block, "bfloat16")
     tensors[kept + ".weight"] = torch.from_numpy(q.view(np.uint8).copy()).view(torch.float8_e4m3fn)
     save_file(tensors, tmp_path / "model.safetensors")
     with pytest.raises(CheckpointError) as err:

@@ -75,3 +75,27 @@ def test_cli_subcommands_take_quantization():
     for command, rest in (("generate", ["x"]), ("serve", [])):
         assert _parser().parse_args([command, "--quantization", "fp8", *rest]).quantization == "fp8"
         assert _parser().parse_args([command, *rest]).quantization is None
+
+
+def test_expert_stacks_quantize_per_expert_and_gated_half():
+    """quantize_stack (quantization="fp8" of MoE layers): each expert's gate and up halves
+    block-wise on their own grids (40 columns per half, blocks of 32: edge blocks), every
+    block's largest magnitude at the top of e4m3, the error e4m3's rounding."""
+    from hybrid_jax.layers.fp8 import quantize_stack
+    from pallas_kernels.grouped_gemm import dequantize_stack
+
+    w = np.random.default_rng(0).normal(size=(3, 70, 80)).astype(np.float32)
+    w[1, :, 40:] *= 100  # expert 1's up half on another scale than its gate half
+    q, s = quantize_stack(jnp.asarray(w), 32, glu=True)
+    assert q.dtype == jnp.float8_e4m3fn and s.shape == (3, 3, 4)  # 3 row blocks, 2 + 2 column blocks
+    for j in range(3):
+        for half in range(2):
+            for rb in range(3):
+                for cb in range(2):
+                    blk = w[j, rb * 32:(rb + 1) * 32, half * 40 + cb * 32:half * 40 + min((cb + 1) * 32, 40)]
+                    want = np.abs(blk).max() / FP8_MAX
+                    assert float(s[j, rb, half * 2 + cb]) == pytest.approx(want, rel=1e-6)
+    deq = np.asarray(dequantize_stack(q, s, 32, True, jnp.float32))
+    for j in range(3):
+        for half in (slice(0, 40), slice(40, 80)):
+            assert np.abs(deq[j, :, half] - w[j, :, half]).max() <= np.abs(w[j, :, half]).max() * 2.0**-4

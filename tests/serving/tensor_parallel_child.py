@@ -17,6 +17,7 @@ shard anything.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import traceback
@@ -322,6 +323,34 @@ def moe_kernel_on_shards(results: dict, n: int = 2) -> None:
                             activation="silu", gated=True)
     err = float(jnp.abs(got - want).max())
     results["moe kernel on device shards == dense"] = err < 1e-4 or f"max error {err}"
+
+    # FP8 experts (16 x 16 blocks: each device's 32 columns per half are 2 whole blocks),
+    # weights and scales split by tensor_parallel's rules, against the dense reference on
+    # the whole FP8 stacks.
+    from hybrid_jax import tensor_parallel as tp
+    from hybrid_jax.layers.fp8 import quantize_stack
+
+    qgu, sgu = (np.asarray(a) for a in quantize_stack(jnp.asarray(gate_up), 16, glu=True))
+    qdn, sdn = (np.asarray(a) for a in quantize_stack(jnp.asarray(down), 16))
+    cfg = models()["recurrent"]
+    cfg = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, intermediate_size=f))
+    layer = ("layers", 3, "moe")
+    split = lambda name, a: jnp.asarray(np.stack([tp.shard_param((*layer, name), a, cfg, n, i)  # noqa: E731
+                                                  for i in range(n)]))
+
+    def local_fp8(x, weights, experts, gu, sg, dn, sd):
+        y = routed_experts(x, weights, experts, gu[0], dn[0], activation="silu", gated=True,
+                           impl="interpret", fp8=(sg[0], sd[0], 16))
+        return jax.lax.psum(y, "x")
+
+    got = jax.jit(jax.shard_map(local_fp8, mesh=mesh, in_specs=(rep, rep, rep) + (P("x"),) * 4,
+                                out_specs=rep, check_vma=False))(
+        x, weights, experts, split("gate_up", qgu), split("gate_up_scale", sgu), split("down", qdn),
+        split("down_scale", sdn))
+    want = routed_reference(x, weights, experts, jnp.asarray(qgu), jnp.asarray(qdn), activation="silu",
+                            gated=True, fp8=(jnp.asarray(sgu), jnp.asarray(sdn), 16))
+    err = float(jnp.abs(got - want).max())
+    results["fp8 moe kernel on device shards == dense"] = err < 1e-4 or f"max error {err}"
 
 
 def main() -> None:

@@ -63,8 +63,10 @@ def test_sharded_engine_equals_single_device(child_results, model):
 
 @pytest.mark.slow
 def test_moe_kernel_runs_on_device_shards(child_results):
-    """The grouped GEMM kernel (interpret mode) under shard_map on width-split experts."""
+    """The grouped GEMM kernel (interpret mode) under shard_map on width-split experts,
+    bf16/f32 and FP8 (weights and block scales split by tensor_parallel's rules)."""
     assert child_results.get("moe kernel on device shards == dense") is True, child_results
+    assert child_results.get("fp8 moe kernel on device shards == dense") is True, child_results
 
 
 @pytest.mark.slow
@@ -75,16 +77,39 @@ def test_sharded_fp8_weights_equal_single_device(child_results):
 
 
 def test_fp8_shards_hold_the_shards_of_the_dequantized_weight():
-    """Every FP8 Linear's kernel and block scales, split for each of 2 devices, dequantize to
-    that device's shard of the dequantized global kernel (4 x 4 blocks: whole blocks at
-    every split of this model); the local model holds FP8 of those shapes."""
-    from hybrid_jax.layers.fp8 import dequantize
+    """Every FP8 Linear's kernel and block scales, and every FP8 expert stack's (the MoE
+    layer's gate/up halves and down, split by width), split for each of 2 devices,
+    dequantize to that device's shard of the dequantized global weight (4 x 4 blocks: whole
+    blocks at every split of this model); the local model holds FP8 of those shapes."""
     from hybrid_jax.quantization import quantize_model
     from tests.serving.tensor_parallel_child import models
 
+    models_ = {}
+    for cfg in (models()["ssm"], _moe_only(models()["recurrent"])):
+        models_[cfg.architecture] = model = quantize_model(CausalLM(cfg, rngs=nnx.Rngs(0)), "fp8", block=4)
+        _check_fp8_shards(cfg, model)
     cfg = models()["ssm"]
-    model = quantize_model(CausalLM(cfg, rngs=nnx.Rngs(0)), "fp8", block=4)
+    with pytest.raises(ValueError, match="tensor_parallel_size=2: the FP8 weight .* scale blocks"):
+        tp.check_weights_shardable(quantize_model(CausalLM(cfg, rngs=nnx.Rngs(0)), "fp8", block=16), 2)
+    # expert width 32 over 16 devices: 2 columns each, half a 4-block
+    with pytest.raises(ValueError, match="tensor_parallel_size=16: the FP8 experts .* scale blocks"):
+        tp.check_weights_shardable(models_["tp-test-recurrent"], 16)
+
+
+def _moe_only(cfg):
+    """`cfg`'s gated experts (no shared expert) as the only layer kind."""
+    layer = dataclasses.replace(cfg.layers[0], kind=LayerKind.MLP, moe=True)
+    return dataclasses.replace(cfg, layers=(layer,), moe=dataclasses.replace(cfg.moe, shared_expert=None),
+                               attention=None, gated_deltanet=None, mamba1=None,
+                               rglru=None, short_conv=None, mamba2=None, mlp=None)
+
+
+def _check_fp8_shards(cfg, model):
+    from hybrid_jax.layers.fp8 import dequantize
+    from pallas_kernels.grouped_gemm import dequantize_stack
+
     fp8 = tp.fp8_layout(model)
+    assert cfg.moe is None or {"layers.0.moe.gate_up", "layers.0.moe.down"} <= set(fp8)
     tp.check_weights_shardable(model, 2)
     state = nnx.state(model)
     local = nnx.state(tp.local_abstract_model(cfg, 2, model.dtype, fp8))
@@ -95,14 +120,17 @@ def test_fp8_shards_hold_the_shards_of_the_dequantized_weight():
         held = dict(zip(names, tp.shard_params(cfg, state, 2, d, local, fp8), strict=True))
         for path in fp8:
             key = tuple(int(x) if x.isdigit() else x for x in path.split("."))
-            k, s = (*key, "kernel"), (*key, "scale")
+            if key[-2] == "moe":  # an expert stack [e, in, out] and its scales
+                k, s = key, (*key[:-1], f"{key[-1]}_scale")
+                dq = lambda q, sc, glu=key[-1] == "gate_up": np.asarray(dequantize_stack(  # noqa: E731
+                    jax.numpy.asarray(q), jax.numpy.asarray(sc), 4, glu, np.float32))
+            else:
+                k, s, dq = (*key, "kernel"), (*key, "scale"), deq
             assert held[k].dtype == jax.numpy.float8_e4m3fn
-            want = tp.shard_param(k, deq(glob[k], glob[s]), cfg, 2, d)
-            np.testing.assert_array_equal(deq(held[k], held[s]), want, err_msg=path)
+            want = tp.shard_param(k, dq(glob[k], glob[s]), cfg, 2, d)
+            np.testing.assert_array_equal(dq(held[k], held[s]), want, err_msg=path)
     plain = tp.param_bytes_per_device(cfg, 2, model.dtype)
     assert tp.param_bytes_per_device(cfg, 2, model.dtype, fp8) < plain
-    with pytest.raises(ValueError, match="tensor_parallel_size=2: the FP8 weight .* scale blocks"):
-        tp.check_weights_shardable(quantize_model(CausalLM(cfg, rngs=nnx.Rngs(0)), "fp8", block=16), 2)
 
 
 @pytest.mark.slow
