@@ -2,7 +2,7 @@
 # TPOT tail against TTFT for admission intervals (EngineConfig.admission_interval_steps):
 # one `hybrid-jax serve` per interval (gRPC; the load generator in another process; the
 # http_vs_grpc.sh load: native-1b-parallel bf16, 512 +-50% in, 128 +-50% out, Poisson).
-#   ADMIT="1 8" N=320 bash benchmarks/admission_ab.sh OUT
+#   ADMIT="1 16" N=320 bash benchmarks/admission_ab.sh OUT
 # Writes OUT/admit-A-RATE/serving.json per interval A and rate, and prints a table.
 set -eu
 export PYTHONPATH=${PYTHONPATH:-.}
@@ -10,13 +10,13 @@ OUT=${1:-bench_admission}
 MODEL=${MODEL:-native-1b-parallel}
 N=${N:-320}
 RATES=${RATES:-16 32}
-ADMIT=${ADMIT:-1 8}
+ADMIT=${ADMIT:-1 16}
 LENGTHS=${LENGTHS:---input-len 512 --output-len 128}
 SIZING=${SIZING:---dtype bfloat16 --max-num-seqs 64 --max-num-batched-tokens 2048 --max-prefill-chunk 512 --memory-fraction 0.9}
 mkdir -p "$OUT"
 LOAD="--num-requests $N $LENGTHS --len-dist uniform --range-ratio 0.5 --seed 0"
 for A in $ADMIT; do
-    python -m serving.entrypoints.cli serve --model "$MODEL" $SIZING --admission-interval-steps "$A" \
+    python -m serving.entrypoints.cli serve --model "$MODEL" $SIZING --admission-interval-steps "$A" --no-background-compile \
         --port 50051 --http-port 8000 --log-level warning 2> "$OUT/server-$A.log" &
     SERVER=$!
     until curl -sf localhost:8000/health > /dev/null; do

@@ -11,7 +11,8 @@ Policy (FCFS by arrival):
   3. admission of waiting sequences (FCFS, stopping at the first that does not
      fit; none at all in a step that preempted): a free slot, fewer than
      max_num_seqs running, token budget left, and pages for its chunk; while
-     sequences run, only in a step `admit_every` or more steps after the last admission.
+     sequences run, only in a step `admit_every` or more steps after the last admission
+     or when `admit_batch` or more wait.
 A chunk is min(tokens left, max_prefill_chunk, budget left, what the free pages
 hold). The oldest running sequence is never preempted for a newer one, and a
 sequence alone always fits (SchedulerConfig checks it), so every step makes
@@ -139,6 +140,7 @@ class Scheduler:
         # prompts arriving close together share one mixed step (each mixed step costs the
         # running decodes a fixed ~3 ms on a GPU). Admission timing never changes outputs.
         self.admit_every = 1
+        self.admit_batch = 2  # ... or when this many wait: coalescing has enough to share a step
         self._since_admit = 0
         self.prefix = (PrefixCache(self.groups, config.page_size, config.prefix_state_stride,
                                    config.num_checkpoints) if config.prefix_caching else None)
@@ -540,7 +542,8 @@ class Scheduler:
 
     def _can_admit(self) -> bool:
         return (bool(self.waiting) and len(self.running) < self.max_num_seqs and self.slots.num_free > 0
-                and (self.admit_every <= 1 or self._since_admit >= self.admit_every or not self.running))
+                and (self.admit_every <= 1 or self._since_admit >= self.admit_every or not self.running
+                     or len(self.waiting) >= self.admit_batch))
 
     def _fit(self, seq: Sequence, want: int) -> int:
         """Largest chunk <= want whose new pages are free in every group (may be 0)."""
