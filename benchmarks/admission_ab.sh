@@ -17,9 +17,11 @@ mkdir -p "$OUT"
 LOAD="--num-requests $N $LENGTHS --len-dist uniform --range-ratio 0.5 --seed 0"
 for A in $ADMIT; do
     python -m serving.entrypoints.cli serve --model "$MODEL" $SIZING --admission-interval-steps "$A" --no-background-compile \
-        --port 50051 --http-port 8000 --log-level warning 2> "$OUT/server-$A.log" &
+        --port 50051 --log-level warning 2> "$OUT/server-$A.log" &
     SERVER=$!
-    until curl -sf localhost:8000/health > /dev/null; do
+    until python -c "import grpc, sys; from grpc_health.v1 import health_pb2 as h, health_pb2_grpc as g; \
+sys.exit(g.HealthStub(grpc.insecure_channel('localhost:50051')).Check(h.HealthCheckRequest(), timeout=1).status != 1)" \
+            2> /dev/null; do
         kill -0 $SERVER || { echo "the server died; see $OUT/server-$A.log"; exit 1; }
         sleep 2
     done

@@ -121,8 +121,8 @@ def test_warmup_runs_every_bucket_and_changes_no_output():
 
 
 def test_larger_executables_compile_in_the_background_while_smaller_ones_serve(monkeypatch):
-    """compile_in_background: the engine serves within the start-up limits (4 sequences,
-    16 tokens per step here) until the larger executables arrive, then lifts them; every
+    """compile_in_background: the engine serves within the start-up limits (4 sequences
+    here) until the larger executables arrive, then lifts them; every
     request's greedy tokens equal its solo run's."""
     import threading
 
@@ -136,12 +136,12 @@ def test_larger_executables_compile_in_the_background_while_smaller_ones_serve(m
         return later([(k, lambda lo=lo: gate.wait() and lo(), sk, a) for k, lo, sk, a in jobs], **kw)
 
     monkeypatch.setattr(runner_mod, "compile_later", held)
-    cfg = EngineConfig(max_num_seqs=8, max_num_batched_tokens=32, max_prefill_chunk=32, max_model_len=96,
-                       seq_buckets=(4, 8), token_buckets=(16, 32), compile_in_background=True)
+    cfg = EngineConfig(max_num_seqs=8, max_num_batched_tokens=16, max_prefill_chunk=16, max_model_len=96,
+                       seq_buckets=(4, 8), token_buckets=(16,), compile_in_background=True)
     engine = LLMEngine(lm, cfg, show_progress=False)
     first = {Bucket(4, 4, True), Bucket(16, 4, False)}
     assert set(engine.runner.compiled) == first and set(engine.runner.samplers) == {4}
-    assert engine.runner.startup["deferred"] == 5  # 8-row decode, (16, 8), (32, 4), (32, 8), sampler 8
+    assert engine.runner.startup["deferred"] == 3  # the 8-row decode, (16 tokens, 8 rows), sampler 8
     assert (engine.scheduler.max_num_seqs, engine.scheduler.max_num_batched_tokens) == (4, 16)
     used: list[Bucket] = []
     pick = engine.runner.pick
@@ -157,7 +157,7 @@ def test_larger_executables_compile_in_the_background_while_smaller_ones_serve(m
 
     for i, p in enumerate(prompts):
         engine.add_request(prompt_token_ids=p, request_id=str(i), params=params)
-    for _ in range(6):  # within the limits: at most 4 running, 16 tokens a step
+    for _ in range(6):  # within the limits: at most 4 running
         for d in engine.step():
             out.setdefault(d.request_id, []).extend(d.token_ids)
         assert len(engine.scheduler.running) <= 4
@@ -167,7 +167,7 @@ def test_larger_executables_compile_in_the_background_while_smaller_ones_serve(m
         gate.wait(0.05)
     run()
     assert engine.deferred_ready_s is not None and not engine.runner.deferred
-    assert (engine.scheduler.max_num_seqs, engine.scheduler.max_num_batched_tokens) == (8, 32)
+    assert (engine.scheduler.max_num_seqs, engine.scheduler.max_num_batched_tokens) == (8, 16)
     assert set(engine.runner.compiled) == set(engine.runner.buckets)
     batched = dict(out)
     for i, p in enumerate(prompts):  # all 8 at once now: the 8-sequence executables serve
