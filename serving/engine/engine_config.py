@@ -131,7 +131,7 @@ class EngineConfig:
     compile_in_background: bool | None = None
     # While sequences run, admit waiting prompts only every N-th step (1: every step), so
     # that prompts arriving within N steps share one mixed step (serving/core/scheduler.py;
-    # docs/serving.md has the measured trade: TTFT for the TPOT tail). Outputs unchanged.
+    # docs/benchmarks.md, "Serving under load", has the measured trade). Outputs unchanged.
     admission_interval_steps: int = 1
 
     def __post_init__(self) -> None:
