@@ -21,7 +21,8 @@ LENGTHS=${LENGTHS:---input-len 512 --output-len 128}
 PROFILE=${PROFILE:-}
 SIZING=${SIZING:---dtype bfloat16 --max-num-seqs 64 --max-num-batched-tokens 2048 --max-prefill-chunk 512 --memory-fraction 0.9}
 mkdir -p "$OUT"
-python -m serving.entrypoints.cli serve --model "$MODEL" $SIZING --port 50051 --http-port 8000 --metrics-port 9464 \
+python -m serving.entrypoints.cli serve --model "$MODEL" $SIZING --no-background-compile \
+    --port 50051 --http-port 8000 --metrics-port 9464 \
     ${PROFILE:+--profile-dir "$PROFILE"} \
     --max-waiting 1024 --log-level warning 2> "$OUT.server.log" &
 SERVER=$!

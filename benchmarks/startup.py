@@ -1,5 +1,9 @@
 """Engine start-up with default settings: cold (empty compilation cache) or warm.
 
+Cold on a GPU, the executables of steps over 64 sequences or 1024 tokens compile in the
+background after start-up (EngineConfig.compile_in_background): startup_s is until the
+engine serves, background_s how long after that they arrived.
+
 Warm: every step executable comes from the executable store beside the cache
 (serving/runner/exec_store.py), loaded without tracing. exec_load_s / exec_lower_s /
 exec_compile_s split the runner's part; load_s is the model.
@@ -67,12 +71,21 @@ def main() -> None:
         for d in engine.step():
             out.setdefault(d.request_id, []).extend(d.token_ids)
     digest = hashlib.sha256(json.dumps(sorted(out.items())).encode()).hexdigest()[:16]
+    # The executables compiled in the background (compile_in_background): until they are in.
+    deferred = len(engine.runner.deferred)
+    while engine.runner.deferred and engine.deferred_ready_s is None:
+        if engine.background_ready():
+            engine.install_background()
+        else:
+            time.sleep(0.05)
     res = {"model": a.model, "tokens_digest": digest, "cache": "cold" if cold else "warm",
            "startup_s": round(dt, 1),
            "executables": len(engine.runner.compiled) + len(engine.runner.samplers),
            "buckets": [(b.tokens, b.seqs, b.decode) for b in engine.runner.buckets],
            "import_s": round(t0 - t_import, 1), "device": str(jax.devices()[0]),
-           "executables_loaded": engine.runner.startup["loaded"],
+           "executables_loaded": engine.runner.startup["loaded"], "executables_deferred": deferred,
+           # from the end of the serving start-up to the deferred executables' arrival
+           "background_s": engine.deferred_ready_s and round(engine.deferred_ready_s, 1),
            **{f"exec_{k}": round(v, 2) for k, v in engine.runner.startup.items() if k.endswith("_s")},
            **{k: round(v, 1) for k, v in phases.items()}}
     emit(a.out, res)

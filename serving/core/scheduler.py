@@ -10,7 +10,9 @@ Policy (FCFS by arrival):
      preempting newer unscheduled sequences only if not even one token fits;
   3. admission of waiting sequences (FCFS, stopping at the first that does not
      fit; none at all in a step that preempted): a free slot, fewer than
-     max_num_seqs running, token budget left, and pages for its chunk.
+     max_num_seqs running, token budget left, and pages for its chunk; while
+     sequences run, only in a step `admit_every` or more steps after the last admission
+     or when `admit_batch` or more wait.
 A chunk is min(tokens left, max_prefill_chunk, budget left, what the free pages
 hold). The oldest running sequence is never preempted for a newer one, and a
 sequence alone always fits (SchedulerConfig checks it), so every step makes
@@ -130,6 +132,16 @@ class Scheduler:
         self._windowed = tuple((i, g, g.window - 1) for i, g in enumerate(self.groups)
                                if g.window is not None)
         self.slots = SlotPool(config.num_slots)
+        # Limits in force (`set_limits`): the config's, or lower ones while the engine's
+        # larger executables are still compiling (serving/engine/llm_engine.py).
+        self.max_num_seqs, self.max_num_batched_tokens = config.max_num_seqs, config.max_num_batched_tokens
+        # Admission interval: while sequences run, waiting ones are admitted only in a step
+        # at least `admit_every` steps after the last admission (1: every step), so that
+        # prompts arriving close together share one mixed step (each mixed step costs the
+        # running decodes a fixed ~3 ms on a GPU). Admission timing never changes outputs.
+        self.admit_every = 1
+        self.admit_batch = 2  # ... or when this many wait: coalescing has enough to share a step
+        self._since_admit = 0
         self.prefix = (PrefixCache(self.groups, config.page_size, config.prefix_state_stride,
                                    config.num_checkpoints) if config.prefix_caching else None)
         self.waiting: deque[Sequence] = deque()
@@ -192,6 +204,19 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self._live)
 
+    def set_limits(self, max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None) -> None:
+        """Lower (or restore, with None) the running-sequence and per-step token limits, within
+        the config's. Only admission and the step's budget see them: a lower sequence limit
+        admits nobody until the running count falls under it (nothing is preempted), and a
+        chunk is cut by the budget as under load, so outputs do not depend on them."""
+        c = self.config
+        seqs = c.max_num_seqs if max_num_seqs is None else max_num_seqs
+        tokens = c.max_num_batched_tokens if max_num_batched_tokens is None else max_num_batched_tokens
+        if not (1 <= seqs <= c.max_num_seqs and seqs <= tokens <= c.max_num_batched_tokens):
+            raise ValueError(f"limits max_num_seqs={seqs}, max_num_batched_tokens={tokens} outside "
+                             f"1 <= seqs <= {c.max_num_seqs}, seqs <= tokens <= {c.max_num_batched_tokens}")
+        self.max_num_seqs, self.max_num_batched_tokens = seqs, tokens
+
     # -- one step -------------------------------------------------------------
 
     def schedule(self, spec: SpecPlan | None = None) -> Schedule:
@@ -201,7 +226,8 @@ class Scheduler:
         """
         if len(self._inflight) >= 2:
             raise RuntimeError("schedule() called with two Schedules still awaiting update()")
-        step = _Step(budget=self.config.max_num_batched_tokens)
+        step = _Step(budget=self.max_num_batched_tokens)
+        self._since_admit += 1
         # Pages that left every window since the last update: a sequence admitted in the
         # step still in flight has had no update yet, and its next chunk must fit its ring.
         for seq in self.running:
@@ -497,6 +523,7 @@ class Scheduler:
                     self.prefix.detach(seq)
                 return
             del self.waiting[i]
+            self._since_admit = 0
             self._admit(seq)
             if self.prefix is not None:
                 self.prefix.count(seq, hit)
@@ -514,7 +541,9 @@ class Scheduler:
         return self._fit(seq, want)
 
     def _can_admit(self) -> bool:
-        return bool(self.waiting) and len(self.running) < self.config.max_num_seqs and self.slots.num_free > 0
+        return (bool(self.waiting) and len(self.running) < self.max_num_seqs and self.slots.num_free > 0
+                and (self.admit_every <= 1 or self._since_admit >= self.admit_every or not self.running
+                     or len(self.waiting) >= self.admit_batch))
 
     def _fit(self, seq: Sequence, want: int) -> int:
         """Largest chunk <= want whose new pages are free in every group (may be 0)."""

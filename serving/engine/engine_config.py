@@ -123,10 +123,20 @@ class EngineConfig:
     # runs of that many; outputs are identical. 1: off.
     num_scheduler_steps: int = 1
     multi_step_max_seqs: int = 8
+    # Start serving before the largest executables are compiled (None: on GPUs): steps of
+    # more than 64 sequences or 1024 tokens compile on a background thread while the
+    # engine serves within those limits (a chunk is cut by the step's token budget as
+    # under load: outputs unchanged), then the limits lift. Not with speculation or
+    # multi-step decoding. Executables the store holds load before serving either way.
+    compile_in_background: bool | None = None
+    # While sequences run, admit waiting prompts only every N-th step (1: every step), so
+    # that prompts arriving within N steps share one mixed step (serving/core/scheduler.py;
+    # docs/benchmarks.md, "Serving under load", has the measured trade). Outputs unchanged.
+    admission_interval_steps: int = 1
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_prefill_chunk", "page_size",
-                     "tensor_parallel_size"):
+                     "tensor_parallel_size", "admission_interval_steps"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         if self.tensor_parallel_size > 1 and self.speculative_method is not None:
@@ -221,7 +231,8 @@ class EngineConfig:
     def store_key(self) -> str:
         """This configuration as a part of an executable store key (serving/runner/exec_store.py),
         less where the store lives."""
-        return repr(replace(self, compilation_cache_dir=None))
+        return repr(replace(self, compilation_cache_dir=None, compile_in_background=None,
+                            admission_interval_steps=1))
 
     @property
     def multi_q(self) -> int:

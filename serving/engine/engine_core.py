@@ -266,6 +266,8 @@ class EngineCore:
                             stream._put(d)
                             if d.finished:
                                 del self._streams[d.request_id]
+                elif self.engine.background_ready():  # idle: take the background compile in
+                    self.engine.install_background()
                 elif (self.degraded and self._accepting
                       and time.monotonic() - self._last_probe >= self.probe_interval_s):
                     self._probe()

@@ -153,6 +153,9 @@ class LLMEngine:
             min_slots=decode_row_floor() + 1)
         sc = self.plan.scheduler
         self.scheduler = Scheduler(sc, eos_token_ids=lm.config.eos_token_ids)
+        self.scheduler.admit_every = self.config.admission_interval_steps
+        # as many prompts as one step's budget takes in full chunks: no reason to wait for more
+        self.scheduler.admit_batch = max(2, sc.max_num_batched_tokens // sc.max_prefill_chunk)
         multi_seqs = min(self.config.multi_step_max_seqs, sc.max_num_seqs)  # the plan may lower max_num_seqs
         # FP8 KV: static per-layer scales from one calibration prefill (hybrid_jax/kv_quant.py)
         kv_scales = (calibrate_kv_scales(lm.model, self.config.kv_scale)
@@ -176,7 +179,17 @@ class LLMEngine:
         self._multi = None if not self.config.multi_q else SpecPlan(
             self.config.multi_q, multi_seqs, self._multi_eligible, lambda work: [[0] * n for _, n in work])
         self.multi_calls = 0  # multi-step executable calls (stats: multi_step_calls)
-        self.runner.compile_all(_progress if show_progress else None, config_key=self.config.store_key())
+        self._deferred: dict | Exception | None = None  # set by the background compile's thread
+        self.deferred_ready_s: float | None = None  # when the deferred executables went in
+        limits = self._startup_limits()
+        self.runner.compile_all(_progress if show_progress else None, config_key=self.config.store_key(),
+                                defer=limits)
+        if self.runner.deferred:
+            self._t_deferred = time.perf_counter()
+            self.scheduler.set_limits(*limits)
+            log.info("serving with at most %d sequences and %d tokens per step while %d larger "
+                     "executables compile in the background", *limits, len(self.runner.deferred))
+            self.runner.compile_deferred(self._deferred_arrived)
         if jax.default_backend() == "gpu":  # first runs' one-time costs before any request
             self.runner.warmup()
         if self.drafter is not None and hasattr(self.drafter, "compile_all"):
@@ -196,6 +209,59 @@ class LLMEngine:
                  sc.num_slots - 1, [g.num_pages - 1 for g in sc.groups],
                  self.plan.kv_bytes / 2**20, self.kv_cache_dtype, self.plan.state_bytes / 2**20,
                  sum(self.weight_bytes_by_dtype.values()) / 2**20, describe_bytes(self.weight_bytes_by_dtype))
+
+    # Steps of at most this many sequences and tokens serve from start-up on GPUs; the
+    # larger executables compile in the background (`compile_in_background`).
+    STARTUP_SEQS, STARTUP_TOKENS = 64, 1024
+
+    def _startup_limits(self) -> tuple[int, int] | None:
+        """(sequences, tokens) the engine serves within until its larger executables are
+        compiled, or None when everything compiles before serving. The limits are rungs of
+        the bucket ladders (the sequence count one of both the decode and the mixed ones),
+        so every step within them has its bucket among the executables compiled first."""
+        cfg = self.config
+        on = cfg.compile_in_background
+        if on is None:
+            on = jax.default_backend() == "gpu"
+        if not on or cfg.speculative_method or cfg.multi_q:
+            return None
+        buckets = self.runner.buckets
+        mixed_tokens = {b.tokens for b in buckets if not b.decode}
+        tokens = max((t for t in mixed_tokens if t <= self.STARTUP_TOKENS), default=None)
+        if tokens is None:
+            return None
+        decode_seqs = {b.seqs for b in buckets if b.decode}
+        mixed_seqs = {b.seqs for b in buckets if not b.decode and b.tokens == tokens}
+        seqs = max((b for b in decode_seqs & mixed_seqs if b <= min(self.STARTUP_SEQS, tokens)), default=None)
+        if seqs is None or all(b.seqs <= seqs and b.tokens <= tokens for b in buckets):
+            return None
+        return seqs, tokens
+
+    def _deferred_arrived(self, built: dict | Exception) -> None:
+        """The background compile's end (called on its thread): the engine loop installs it."""
+        self._deferred = built
+
+    def background_ready(self) -> bool:
+        """The background compile has ended and `install_background` has its result."""
+        return self._deferred is not None
+
+    def install_background(self) -> None:
+        """On the engine's thread: make the background compile's executables callable and
+        lift the start-up limits (warming them up first when no step is in flight); if it
+        failed, log it and keep serving within the limits."""
+        built, self._deferred = self._deferred, None
+        if isinstance(built, Exception):
+            log.error("background compilation failed (%s: %s); serving on within %d sequences and "
+                      "%d tokens per step", type(built).__name__, built,
+                      self.scheduler.max_num_seqs, self.scheduler.max_num_batched_tokens)
+            self.deferred_ready_s = float("nan")
+            return
+        self.runner.install_deferred(built, warm=not self._inflight)
+        self.scheduler.set_limits()
+        self.deferred_ready_s = time.perf_counter() - self._t_deferred
+        log.info("%d background executables in after %.1f s: full limits (%d sequences, %d tokens "
+                 "per step)", len(built), self.deferred_ready_s, self.scheduler.max_num_seqs,
+                 self.scheduler.max_num_batched_tokens)
 
     def _spec_plan(self, lm: LoadedModel) -> SpecPlan | None:
         """The drafter and the scheduler's speculation offer (None: speculation off)."""
@@ -359,6 +425,8 @@ class LLMEngine:
         scheduler can give them the step; both first resolve what is in flight, since
         they need every last token on the host.
         """
+        if self._deferred is not None:
+            self.install_background()
         if self._spec is not None:
             if self._spec_takes_step():
                 return self._drain() + self._spec_step()

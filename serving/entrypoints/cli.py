@@ -168,6 +168,12 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--token-buckets", default=None, metavar="N,N,...",
                    help="token counts to compile prefill step shapes for (default: x4 from 64, from "
                         "256 on a GPU, up to --max-num-batched-tokens)")
+    g.add_argument("--admission-interval-steps", type=int, default=1, metavar="N",
+                   help="while sequences run, admit waiting prompts every N-th step only, so that "
+                        "prompts arriving close together share one prefill step (default 1: every step)")
+    g.add_argument("--no-background-compile", action="store_true",
+                   help="compile every step executable before serving (default on a GPU: steps over "
+                        "64 sequences or 1024 tokens compile in the background while smaller ones serve)")
     g.add_argument("--ssm-state-dtype", default="float32", choices=["float32", "bfloat16"],
                    help="recurrent state dtype (bfloat16 halves state traffic; default float32)")
     g.add_argument("--no-async-scheduling", action="store_true",
@@ -466,6 +472,8 @@ def _serve_model(args: argparse.Namespace, model: str, tls, limits, http) -> int
                        prefix_state_checkpoints=args.prefix_state_checkpoints,
                        tensor_parallel_size=args.tensor_parallel_size, seq_buckets=_ints(args.seq_buckets,
                        "--seq-buckets"), token_buckets=_ints(args.token_buckets, "--token-buckets"),
+                       admission_interval_steps=args.admission_interval_steps,
+                       compile_in_background=False if args.no_background_compile else None,
                        **_spec_kwargs(args))
     host = _sharded_loading(args.tensor_parallel_size)
     engine = LLMEngine(load_model(model, dtype=args.dtype, seed=args.weights_seed, device=host,

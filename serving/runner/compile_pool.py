@@ -3,13 +3,16 @@ it holds them, else lowered (serial: Python) and compiled on a thread pool.
 
 Each compilation starts as soon as its lowering is done: XLA compiles without the GIL,
 beside the lowering of the next ones. Deserialising from the store runs on a thread pool
-too (XLA loads without the GIL). This module knows nothing of what the executables
-compute: `ModelRunner.compile_all` (serving/runner/runner.py) says which to build.
+too (XLA loads without the GIL). Jobs that `defer` names and the store does not hold are
+left out and handed back, for the caller to build later (`compile_later`). This module
+knows nothing of what the executables compute: `ModelRunner.compile_all`
+(serving/runner/runner.py) says which to build.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, as_completed
@@ -20,10 +23,14 @@ Job = tuple[object, Callable[[], object], str | None, tuple]
 
 
 def compile_jobs(todo: list[Job], *, opts: dict | None, store, done: Callable[[object, object], None],
-                 workers: int | None = None) -> dict[str, float]:
+                 workers: int | None = None, defer: Callable[[object], bool] | None = None,
+                 deferred: list[Job] | None = None) -> dict[str, float]:
     """Build every job, calling `done(key, executable)` as each is ready. Returns the
     seconds spent loading (`load_s`), lowering (`lower_s`) and waiting for compilations
-    after the last lowering (`compile_s`), and the counts `executables` and `loaded`."""
+    after the last lowering (`compile_s`), and the counts `executables` and `loaded`.
+
+    A job whose key `defer` accepts and that the store does not hold is appended to
+    `deferred` instead of being built (counted in `deferred`, not in `executables`)."""
     timing = {"load_s": 0.0, "lower_s": 0.0, "compile_s": 0.0}
     t0 = time.perf_counter()
     jobs = []
@@ -32,9 +39,14 @@ def compile_jobs(todo: list[Job], *, opts: dict | None, store, done: Callable[[o
             loaded = list(pool.map(lambda job: store.load(job[2], job[3]), todo))
     else:
         loaded = [None] * len(todo)
-    for (key, lower, skey, _), exe in zip(todo, loaded, strict=True):
+    later = 0
+    for job, exe in zip(todo, loaded, strict=True):
+        key, lower, skey, _ = job
         if exe is not None:
             done(key, exe)
+        elif defer is not None and defer(key):
+            deferred.append(job)
+            later += 1
         else:
             jobs.append((key, lower, skey))
     timing["load_s"] = time.perf_counter() - t0
@@ -62,4 +74,27 @@ def compile_jobs(todo: list[Job], *, opts: dict | None, store, done: Callable[[o
             timing["compile_s"] = time.perf_counter() - t0
         if store is not None:
             store.prune()
-    return {**timing, "executables": len(todo), "loaded": len(todo) - len(jobs)}
+    return {**timing, "executables": len(todo) - later, "loaded": len(todo) - len(jobs) - later,
+            "deferred": later}
+
+
+def compile_later(jobs: list[Job], *, opts: dict | None, store,
+                  done: Callable[[dict | Exception], None]) -> threading.Thread:
+    """Build `jobs` on a daemon thread (its lowering takes the GIL in turns with the
+    caller's thread; XLA compiles without it) and store them, then call `done` from that
+    thread with {key: executable} for all of them, or with the exception if one failed."""
+    def run() -> None:
+        built: dict = {}
+        try:
+            compile_jobs(jobs, opts=opts, store=None, done=built.__setitem__, workers=2)
+            if store is not None:
+                for key, _, skey, _ in jobs:
+                    store.save(skey, built[key])
+        except Exception as e:  # noqa: BLE001 - handed to the engine, which logs it
+            done(e)
+            return
+        done(built)
+
+    t = threading.Thread(target=run, name="hybrid-jax-compile-later", daemon=True)
+    t.start()
+    return t

@@ -42,7 +42,7 @@ from hybrid_jax.layers.linear import Linear, reduction_gemv
 from hybrid_jax.model import CausalLM
 from hybrid_jax.mtp_ragged import mtp_group, mtp_init_caches
 from serving.core.schedule import PENDING, StepArrays
-from serving.runner.compile_pool import Job, compile_jobs
+from serving.runner.compile_pool import Job, compile_jobs, compile_later
 from serving.runner.host_pack import HostLayout, host_layout, host_put
 from serving.runner.packing import pack, pack_host, plan_layout
 from serving.runner.result_buffers import ResultBuffers
@@ -301,7 +301,8 @@ class ModelRunner:
         return out
 
     def compile_all(self, progress: Callable[[int, int, Bucket], None] | None = None,
-                    workers: int | None = None, config_key: str = "") -> None:
+                    workers: int | None = None, config_key: str = "",
+                    defer: tuple[int, int] | None = None) -> None:
         """Compile every bucket ahead of serving (the only compilations the runner does).
 
         Executables found in the executable store (serving/runner/exec_store.py, beside the
@@ -309,6 +310,12 @@ class ModelRunner:
         and compiled in parallel, then stored (serving/runner/compile_pool.py). `self.startup`
         records the seconds spent loading, lowering and compiling. `config_key` names the
         engine configuration the executables serve (a part of their store key).
+
+        `defer` (seqs, tokens): the step executables with more sequences or tokens than
+        these, and the samplers of more sequences, are left for `compile_deferred` unless
+        the store holds them (`self.deferred`; `startup["deferred"]` counts them). Until
+        they are in, steps must stay within those limits (the engine lowers the
+        scheduler's: see LLMEngine).
         """
         from serving.runner.exec_store import default_store, describe_args
 
@@ -371,27 +378,54 @@ class ModelRunner:
 
         def finish(key, exe) -> None:
             nonlocal built
-            if isinstance(key, Bucket):
-                self.compiled[key] = exe
-            elif isinstance(key, int):
-                self.samplers[key] = exe
-            elif key[0] == "multi":
-                self.multisteps[key[1:]] = exe
-            elif key[0] == "mtp":
-                self.mtp_steps[key[1]] = exe
-            else:
-                self.verifiers[key] = exe
+            self._install(key, exe)
             built += 1
             if progress is not None:
                 progress(built, n, key)
 
-        self.startup = compile_jobs(todo, opts=opts, store=store, done=finish, workers=workers)
+        def later(key) -> bool:
+            if isinstance(key, Bucket):
+                return key.seqs > defer[0] or key.tokens > defer[1]
+            return isinstance(key, int) and key > defer[0]
+
+        self.deferred: list[Job] = []
+        self._compile_opts, self._store = opts, store
+        self.startup = compile_jobs(todo, opts=opts, store=store, done=finish, workers=workers,
+                                    defer=later if defer is not None else None, deferred=self.deferred)
+
+    def _install(self, key, exe) -> None:
+        if isinstance(key, Bucket):
+            self.compiled[key] = exe
+        elif isinstance(key, int):
+            self.samplers[key] = exe
+        elif key[0] == "multi":
+            self.multisteps[key[1:]] = exe
+        elif key[0] == "mtp":
+            self.mtp_steps[key[1]] = exe
+        else:
+            self.verifiers[key] = exe
+
+    def compile_deferred(self, done: Callable[[dict | Exception], None]) -> None:
+        """Build `self.deferred` on a background thread (serving/runner/compile_pool.py);
+        `done` gets {key: executable} (for `install_deferred`, on the engine's thread) or
+        the exception."""
+        compile_later(self.deferred, opts=self._compile_opts, store=self._store, done=done)
+
+    def install_deferred(self, built: dict, warm: bool) -> None:
+        """Make the deferred executables callable; `warm`: run the new step executables
+        once first (`warmup`: only with no step in flight, since it resets `last_tokens`)."""
+        for key, exe in built.items():
+            self._install(key, exe)
+        self.deferred = []
+        if warm:
+            self.warmup([k for k in built if isinstance(k, Bucket)])
 
     def pick(self, arrays: StepArrays) -> Bucket:
         b, t = len(arrays.slot_ids), len(arrays.token_ids)
         decode = arrays.num_decodes == b
         for bucket in self.buckets:
-            if bucket.decode == decode and bucket.seqs >= b and bucket.tokens >= t:
+            if (bucket.decode == decode and bucket.seqs >= b and bucket.tokens >= t
+                    and bucket in self.compiled):  # a deferred one is not, until it arrives
                 return bucket
         raise ValueError(f"no bucket holds {t} tokens x {b} sequences (decode={decode})")
 
@@ -417,7 +451,7 @@ class ModelRunner:
         """`last_tokens` before any step has sampled (nothing is fed from it yet)."""
         return jax.device_put(np.zeros(self.max_seqs, np.int32), self.replicated)
 
-    def warmup(self) -> None:
+    def warmup(self, buckets: list[Bucket] | None = None) -> None:
         """Run every step executable and full sampler once, on an all-padding batch, and wait.
 
         A GPU executable's first run pays one-time costs (its CUDA graph captured, kernels
@@ -428,7 +462,9 @@ class ModelRunner:
         slot 0, so no sequence's state changes.
         """
         pending = []
-        for bucket in self.buckets:
+        for bucket in self.buckets if buckets is None else buckets:
+            if bucket not in self.compiled:  # deferred: warmed when it arrives, if idle
+                continue
             batch, sampling = self._dummy(bucket)
             feed = np.full(bucket.tokens, -1, np.int32)
             tree = self._host_tree(bucket, batch, sampling, feed, self._ops(None))

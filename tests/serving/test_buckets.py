@@ -118,3 +118,66 @@ def test_warmup_runs_every_bucket_and_changes_no_output():
     stats = engine.stats()
     assert set(stats["pages_in_use"].values()) == {0} and stats["slots_in_use"] == 0
     assert generate() == before
+
+
+def test_larger_executables_compile_in_the_background_while_smaller_ones_serve(monkeypatch):
+    """compile_in_background: the engine serves within the start-up limits (4 sequences
+    here) until the larger executables arrive, then lifts them; every
+    request's greedy tokens equal its solo run's."""
+    import threading
+
+    lm = load_model("native-tiny")
+    monkeypatch.setattr(LLMEngine, "STARTUP_SEQS", 4)
+    monkeypatch.setattr(LLMEngine, "STARTUP_TOKENS", 16)
+    gate = threading.Event()
+    later = runner_mod.compile_later
+
+    def held(jobs, **kw):  # the background compile waits for the test's go
+        return later([(k, lambda lo=lo: gate.wait() and lo(), sk, a) for k, lo, sk, a in jobs], **kw)
+
+    monkeypatch.setattr(runner_mod, "compile_later", held)
+    cfg = EngineConfig(max_num_seqs=8, max_num_batched_tokens=16, max_prefill_chunk=16, max_model_len=96,
+                       seq_buckets=(4, 8), token_buckets=(16,), compile_in_background=True)
+    engine = LLMEngine(lm, cfg, show_progress=False)
+    first = {Bucket(4, 4, True), Bucket(16, 4, False)}
+    assert set(engine.runner.compiled) == first and set(engine.runner.samplers) == {4}
+    assert engine.runner.startup["deferred"] == 3  # the 8-row decode, (16 tokens, 8 rows), sampler 8
+    assert (engine.scheduler.max_num_seqs, engine.scheduler.max_num_batched_tokens) == (4, 16)
+    used: list[Bucket] = []
+    pick = engine.runner.pick
+    engine.runner.pick = lambda arrays: used.append(pick(arrays)) or used[-1]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompts = [[3 + i, 9, 27 + i, 5] * (3 + i % 3) for i in range(8)]
+    out: dict[str, list[int]] = {}
+
+    def run() -> None:
+        while engine.has_unfinished():
+            for d in engine.step():
+                out.setdefault(d.request_id, []).extend(d.token_ids)
+
+    for i, p in enumerate(prompts):
+        engine.add_request(prompt_token_ids=p, request_id=str(i), params=params)
+    for _ in range(6):  # within the limits: at most 4 running
+        for d in engine.step():
+            out.setdefault(d.request_id, []).extend(d.token_ids)
+        assert len(engine.scheduler.running) <= 4
+    assert set(used) <= first and not engine.background_ready()
+    gate.set()
+    while not engine.background_ready():
+        gate.wait(0.05)
+    run()
+    assert engine.deferred_ready_s is not None and not engine.runner.deferred
+    assert (engine.scheduler.max_num_seqs, engine.scheduler.max_num_batched_tokens) == (8, 16)
+    assert set(engine.runner.compiled) == set(engine.runner.buckets)
+    batched = dict(out)
+    for i, p in enumerate(prompts):  # all 8 at once now: the 8-sequence executables serve
+        engine.add_request(prompt_token_ids=p, request_id=f"b{i}", params=params)
+    used.clear()
+    run()
+    assert any(b.seqs == 8 for b in used)
+    for i, p in enumerate(prompts):
+        engine.add_request(prompt_token_ids=p, request_id=f"s{i}", params=params)
+        run()
+    assert all(len(batched[str(i)]) == 8 for i in range(8))
+    assert [batched[str(i)] for i in range(8)] == [out[f"b{i}"] for i in range(8)] == [
+        out[f"s{i}"] for i in range(8)]

@@ -251,3 +251,37 @@ def test_pure_ssm_model_without_attention_groups() -> None:
     for (prompt, max_tokens), seq in zip(requests, seqs, strict=True):
         assert seq.output_token_ids == reference_tokens(prompt, max_tokens, ())
     _assert_all_free(scheduler)
+
+
+def test_admission_interval_and_lowered_limits_keep_outputs() -> None:
+    """admit_every: while sequences run, a waiting one is admitted only 4+ steps after the
+    last admission or when 3 wait; set_limits: at most 2 running and 8 tokens a step until
+    lifted. Prompts arrive one every other step; every output equals the reference."""
+    config = _config()
+    scheduler, runner = Scheduler(config), FakeRunner(config)
+    scheduler.admit_every, scheduler.admit_batch = 4, 3
+    scheduler.set_limits(2, 8)
+    with pytest.raises(ValueError, match="max_num_batched_tokens=17"):
+        scheduler.set_limits(2, 17)
+    requests = _requests(24, seed=5)
+    seqs = [Sequence(f"r{i}", p, SamplingParams(max_tokens=m)) for i, (p, m) in enumerate(requests)]
+    last_admit, n, admitted_early = None, 0, 0
+    while n < 400 and (scheduler.has_unfinished() or n // 2 < len(seqs)):
+        if n % 2 == 0 and n // 2 < len(seqs):
+            scheduler.add(seqs[n // 2])
+        if n == 60:
+            scheduler.set_limits()
+        waiting, running = len(scheduler.waiting), len(scheduler.running)
+        schedule = step(scheduler, runner)
+        if n < 60:
+            assert schedule.num_tokens <= 8 and len(scheduler.running) <= 2
+        if any(e.is_first_chunk for e in schedule.entries):
+            assert running == 0 or waiting >= 3 or last_admit is None or n - last_admit >= 4, n
+            admitted_early += running > 0 and waiting >= 3 and last_admit is not None and n - last_admit < 4
+            last_admit = n
+        n += 1
+    assert not scheduler.has_unfinished() and admitted_early > 0
+    assert (scheduler.max_num_seqs, scheduler.max_num_batched_tokens) == (8, 16)
+    for (prompt, max_tokens), seq in zip(requests, seqs, strict=True):
+        assert seq.output_token_ids == reference_tokens(prompt, max_tokens, _windows(config))
+    _assert_all_free(scheduler)

@@ -38,7 +38,8 @@ def serve_command(args: argparse.Namespace, max_model_len: int) -> list[str]:
            "--max-num-seqs", str(args.max_num_seqs),
            "--max-num-batched-tokens", str(args.max_num_batched_tokens),
            "--max-prefill-chunk", str(args.max_prefill_chunk), "--max-model-len", str(max_model_len),
-           "--page-size", str(args.page_size), "--memory-fraction", str(args.memory_fraction)]
+           "--page-size", str(args.page_size), "--memory-fraction", str(args.memory_fraction),
+           "--no-background-compile"]  # measured from the first request with every executable
     if args.smoke:  # one bucket of each kind, as the in-process smoke engine
         cmd += ["--seq-buckets", str(args.max_num_seqs), "--token-buckets", str(args.max_num_batched_tokens)]
     else:
