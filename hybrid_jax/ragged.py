@@ -12,16 +12,9 @@ merges each stack's layer rows into one pool and gives layer j its view: the poo
 with the batch's page table, slot mapping and slot ids offset to its rows
 (`cache.layer_batches`); what a layer returns is the pool for the next layer of its kind.
 
-Mamba2 verification runs the layer's whole recurrent core (conv, split, dt, SSM update)
-for the q tokens as one fused kernel, `mamba2_step`, when its shapes allow (power-of-2
-head and state dims). Decode (one token) keeps the separate conv and SSM kernels: on
-the H100 the fused kernel plus its conv-state scatter measured ~0.1 ms per step slower
-than conv1d_decode + ssm_decode (native-1b-parallel, batch 1 and 64; docs/history/benchmarks-2026.md);
-`FUSED_MAMBA_DECODE` switches decode to it. Prefill uses the separate kernels.
-
-Mamba1 layers run the conv1d kernels and the selective-scan kernels
-(`selective_scan_ragged` for prefill chunks, `selective_scan_step` for decode and, with
-candidates, verification).
+The recurrent mixers' serving paths (Mamba2, Mamba1, RG-LRU, short conv, Gated DeltaNet)
+live in `hybrid_jax/ragged_recurrent.py`; this module drives the layers, runs attention
+over the paged K/V and merges the parallel hybrid's branches.
 
 `forward_verify` is the speculative-decoding variant: every sequence has the same q
 tokens (the last sampled token and q - 1 drafts). Attention takes the q-token queries
@@ -37,22 +30,17 @@ token's effect never reaches a slot.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import jax
 import jax.numpy as jnp
 
 from configs import switches
+from hybrid_jax import ragged_recurrent as rec
 from hybrid_jax.cache import (
     CacheStacks,
-    GDNState,
     KVCache,
     LayerCache,
-    Mamba1State,
     Mamba2State,
     RaggedBatch,
-    RGLRUState,
-    ShortConvState,
     flatten_stacks,
     layer_batches,
     layer_cache,
@@ -62,36 +50,20 @@ from hybrid_jax.cache import (
 )
 from hybrid_jax.config import ModelConfig
 from hybrid_jax.layers.attention import Attention, gated_heads
-from hybrid_jax.layers.gated_deltanet import GatedDeltaNet
-from hybrid_jax.layers.mamba1 import Mamba1Mixer
-from hybrid_jax.layers.mamba2 import Mamba2Mixer
-from hybrid_jax.layers.rglru import RecurrentBlock
 from hybrid_jax.layers.rotary import rope_cos_sin
 from hybrid_jax.layers.shared_block import DepthAttention, SharedBlock
-from hybrid_jax.layers.short_conv import ShortConv
 from hybrid_jax.model import Block, CausalLM, _scale
 from pallas_kernels import (
     add_rms_norm,
     attention_ssm_decode,
-    conv1d_decode,
-    conv1d_ragged,
     decode_fused_fits,
-    linear_scan_decode,
-    linear_scan_ragged,
-    mamba2_step,
     mamba2_step_fits,
     mixer_merge,
     paged_attention_decode,
     paged_attention_decode_fused,
     paged_attention_prefill,
-    selective_scan_ragged,
-    selective_scan_step,
-    ssd_ragged,
-    ssm_decode,
-    ssm_decode_packed,
     write_kv,
 )
-from pallas_kernels.gated_delta import gated_delta_ragged, gated_delta_step
 
 
 def _attention(layer: Attention | DepthAttention, x: jax.Array | None, batch: RaggedBatch, kv: KVCache,
@@ -174,288 +146,6 @@ def _attention_out(layer: Attention | DepthAttention, o: jax.Array, project_out:
     return layer.output(o) if project_out else o.reshape(*o.shape[:-2], -1)
 
 
-def _positions(q: int, step: Callable, xs: tuple[jax.Array, ...], states: tuple[jax.Array, ...],
-               slot_ids: jax.Array):
-    """Run a one-token decode `step` over q positions per sequence (verification).
-
-    xs: per-token inputs [t = b * q, ...] (sequence-major); states: full slot arrays.
-    `step(x_j..., local_states, rows)` is a decode kernel call on the b gathered states.
-    Returns (outputs [t, ...] per output of step, candidates: tuple of [q, b, ...], the
-    state after each position). The slot arrays are not written.
-    """
-    b = slot_ids.shape[0]
-    local = tuple(s[slot_ids] for s in states)
-    rows = jnp.arange(b, dtype=jnp.int32)
-    outs, cands = [], []
-    for j in range(q):
-        y, local = step(*(x.reshape(b, q, *x.shape[1:])[:, j] for x in xs), local, rows)
-        outs.append(y)
-        cands.append(local)
-    out = jax.tree.map(lambda *ys: jnp.stack(ys, 1).reshape(b * q, *ys[0].shape[1:]), *outs)
-    return out, tuple(jnp.stack(c) for c in zip(*cands, strict=True))
-
-
-def _conv_positions(x: jax.Array, w: jax.Array, bias: jax.Array | None, conv: jax.Array,
-                    slot_ids: jax.Array, q: int) -> tuple[jax.Array, jax.Array]:
-    """Causal depthwise conv (no activation) over q positions per sequence, in XLA.
-
-    x [t = b * q, c] (sequence-major); w [c, k]; conv [num_slots, k-1, c] (not written).
-    Returns (y [t, c] in x.dtype, candidates [q, b, k-1, c]: the conv state after each
-    position). Rounds as q `conv1d_decode` calls would: past inputs as the state stores
-    them (conv.dtype), the current input as given; `recurrence.causal_conv1d` (the
-    full-sequence reference) rounds the state to the input dtype instead, hence not reused.
-    """
-    b, c = slot_ids.shape[0], x.shape[-1]
-    k = w.shape[1]
-    f32 = jnp.float32
-    xs = x.reshape(b, q, c)
-    seq = jnp.concatenate([conv[slot_ids], xs.astype(conv.dtype)], axis=1)  # [b, k-1+q, c]
-    past, wf = seq.astype(f32), w.astype(f32)
-    y = jnp.zeros((b, q, c), f32) if bias is None else jnp.broadcast_to(bias.astype(f32), (b, q, c))
-    for i in range(k - 1):  # tap i of position j reads input j + i of `seq`
-        y = y + wf[:, i] * past[:, i:i + q]
-    y = y + wf[:, k - 1] * xs.astype(f32)
-    cands = jnp.stack([seq[:, j + 1:j + k] for j in range(q)])
-    return y.reshape(b * q, c).astype(x.dtype), cands
-
-
-def _scan_positions(a: jax.Array, x: jax.Array, states: jax.Array, slot_ids: jax.Array,
-                    q: int) -> tuple[jax.Array, jax.Array]:
-    """h_j = a_j h_{j-1} + x_j over q positions per sequence, in XLA (elementwise, unrolled).
-
-    a, x [t = b * q, c]; states [num_slots, c] (not written). Returns (h [t, c] in x.dtype,
-    candidates [q, b, c] in states.dtype); h is stored between positions as
-    `linear_scan_decode` stores it.
-    """
-    b, c = slot_ids.shape[0], x.shape[-1]
-    a, x = a.reshape(b, q, c).astype(jnp.float32), x.reshape(b, q, c)
-    h, outs, cands = states[slot_ids], [], []
-    for j in range(q):
-        v = a[:, j] * h.astype(jnp.float32) + x[:, j].astype(jnp.float32)
-        h = v.astype(states.dtype)
-        outs.append(v.astype(x.dtype))
-        cands.append(h)
-    return jnp.stack(outs, 1).reshape(b * q, c), jnp.stack(cands)
-
-
-# Decode through the fused kernel too (see the module doc: measured slower on the H100).
-FUSED_MAMBA_DECODE = False
-
-
-def _mamba_in(layer: Mamba2Mixer, x: jax.Array | None, proj: jax.Array | None,
-              col: int) -> tuple[jax.Array, int]:
-    """(zxbcdt, c0): the layer's in_proj output (muP multipliers applied) in columns
-    [c0, c0 + width) of zxbcdt. From x, or read in place from a fused layer's projection
-    `proj` at column `col` (a copy when multipliers apply)."""
-    cfg = layer.cfg
-    if proj is None:
-        return layer.projection(x), 0
-    if cfg.in_proj_multipliers is None:
-        return proj, col
-    return layer.projection(None, raw=proj[..., col:col + cfg.in_proj_width]), 0
-
-
-def _split_in(layer: Mamba2Mixer, zxbcdt: jax.Array, c0: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """z, xBC, raw dt from `_mamba_in`'s columns."""
-    cfg = layer.cfg
-    at = (c0, c0 + cfg.d_inner, c0 + cfg.d_inner + cfg.conv_dim, c0 + cfg.in_proj_width)
-    return tuple(zxbcdt[..., lo:hi] for lo, hi in zip(at, at[1:], strict=False))
-
-
-def _mamba_step(layer: Mamba2Mixer, zxbcdt: jax.Array, c0: int, dtype, batch: RaggedBatch,
-                st: Mamba2State, q: int, finish: Callable) -> tuple[jax.Array, Mamba2State]:
-    """Decode (q == 0: one token per sequence, slots advanced) or verification (q > 0:
-    candidates) through the fused kernel; tokens are sequence-major, t = b * max(q, 1)."""
-    cfg = layer.cfg
-    z, xbc, dt = _split_in(layer, zxbcdt, c0)
-    b, n = batch.slot_ids.shape[0], max(q, 1)
-    y, conv, ssm = mamba2_step(
-        xbc.reshape(b, n, -1), dt.reshape(b, n, -1), layer.param("conv_weight"),
-        layer.conv_bias_value(), layer.A(), layer.param("D"), layer.param("dt_bias"), st.conv, st.ssm,
-        batch.slot_ids, n_groups=cfg.n_groups, head_dim=cfg.head_dim, dt_limit=cfg.dt_limit,
-        candidates=q > 0)
-    return finish(y.reshape(b * n, cfg.num_heads, cfg.head_dim), z, dtype), Mamba2State(conv, ssm)
-
-
-def _mamba_decode_args(layer: Mamba2Mixer, zxbcdt: jax.Array, c0: int, batch: RaggedBatch,
-                       st: Mamba2State, fold: bool = False) -> tuple[dict, jax.Array | None]:
-    """A decode step's conv (run here) -> (`ssm_decode_packed`'s arguments, the new conv
-    states). The kernels read the in_proj output in place (no slices, no dt/A glue) and, in
-    a fused model, their parameters at this layer's row of the stacks (no copies).
-    fold: the SSM kernel runs the conv itself (no conv launch; conv states None here: the
-    kernel returns them with B's and C's channels left for `mixer_merge` to roll)."""
-    cfg = layer.cfg
-    (w, row), (bias, _) = layer.stacked("conv_weight"), layer.stacked("conv_bias")
-    args = dict(zxbcdt=zxbcdt, A_log=layer.stacked("A_log")[0], D=layer.stacked("D")[0],
-                dt_bias=layer.stacked("dt_bias")[0], states=st.ssm, slot_ids=batch.slot_ids,
-                num_heads=cfg.num_heads, head_dim=cfg.head_dim, n_groups=cfg.n_groups,
-                dt_col0=c0 + cfg.d_inner + cfg.conv_dim, dt_limit=cfg.dt_limit, row=row)
-    if fold:
-        return dict(xbc=None, conv_weight=w, conv_bias=bias, conv_states=st.conv,
-                    xbc_col0=c0 + cfg.d_inner, **args), None
-    xbc, conv = conv1d_decode(zxbcdt, w, bias, st.conv, batch.slot_ids, activation="silu",
-                              col0=c0 + cfg.d_inner, row=row)
-    return dict(xbc=xbc, **args), conv
-
-
-def _mamba(layer: Mamba2Mixer, x: jax.Array | None, batch: RaggedBatch, st: Mamba2State,
-           decode: bool, q: int = 0, proj: jax.Array | None = None, col: int = 0,
-           project_out: bool = True, raw: bool = False, fold: bool = False) -> tuple[jax.Array, Mamba2State]:
-    """proj: a fused layer's projection, this layer's in_proj output in its columns
-    [col, col + in_proj_width) (x unused). project_out False returns out_proj's input;
-    raw True (a decode step, `_merged_decode`) the SSM output y [b, h, p] before the gated
-    norm (z stays in proj); fold (with raw) the conv inside the state update, B's and C's
-    conv states left for mixer_merge to roll (`_temporal`)."""
-    cfg = layer.cfg
-    dtype = (x if proj is None else proj).dtype
-    zxbcdt, c0 = _mamba_in(layer, x, proj, col)
-    finish = layer.output if project_out else layer.gated
-    if raw:
-        finish = lambda y, z, dtype: y  # noqa: E731
-    if (q or (decode and FUSED_MAMBA_DECODE)) and mamba2_step_fits(cfg.head_dim, cfg.state_size):
-        return _mamba_step(layer, zxbcdt, c0, dtype, batch, st, q, finish)
-    if decode and not q:
-        args, conv = _mamba_decode_args(layer, zxbcdt, c0, batch, st, fold=fold)
-        y, ssm, *folded = ssm_decode_packed(**args)
-        conv = folded[0] if folded else conv
-        return finish(y, zxbcdt[..., c0:c0 + cfg.d_inner], dtype), Mamba2State(conv, ssm)
-    w, bias = layer.param("conv_weight"), layer.conv_bias_value()
-    z, xbc, dt = _split_in(layer, zxbcdt, c0)
-    if q:  # shapes the fused kernel does not take: q one-token steps
-        A, D, dt_bias = layer.A(), layer.param("D"), layer.param("dt_bias")
-
-        def step(xbc_j, dt_j, local, rows):
-            conv, ssm = local
-            u, conv = conv1d_decode(xbc_j, w, bias, conv, rows, activation="silu")
-            xs, B, C = layer.split_xbc(u)
-            y, ssm = ssm_decode(xs, dt_j, A, B, C, D, dt_bias, ssm, rows, dt_limit=cfg.dt_limit)
-            return y, (conv, ssm)
-
-        y, cands = _positions(q, step, (xbc, dt), (st.conv, st.ssm), batch.slot_ids)
-        return finish(y, z, dtype), Mamba2State(*cands)
-    xbc, conv = conv1d_ragged(xbc, w, bias, batch.cu_seqlens, st.conv, batch.slot_ids,
-                              batch.has_initial, activation="silu")
-    xs, B, C = layer.split_xbc(xbc)
-    A, D, dt_bias = layer.A(), layer.param("D"), layer.param("dt_bias")
-    single = None
-    if MIXED_DECODE_UPDATE:
-        # A mixed step's one-token sequences with a state (its decodes) take the decode
-        # update, the chunked scan only the others: through the scan each would cost a
-        # chunk's state traffic (chunk state, entering state, state pass), ~2.9 of a 6.95 ms
-        # step with 32 decodes and a 16-token prompt on the H100 (benchmarks/mixed_step.py).
-        cu = batch.cu_seqlens
-        single = (cu[1:] - cu[:-1] == 1) & batch.has_initial
-    y, ssm = ssd_ragged(xs, dt, A, B, C, D, dt_bias, batch.cu_seqlens, st.ssm, batch.slot_ids,
-                        batch.has_initial, dt_limit=cfg.dt_limit, chunk_size=cfg.chunk_size,
-                        active=None if single is None else ~single)
-    if single is not None:
-        t = xs.shape[0]
-        row = jnp.minimum(batch.cu_seqlens[:-1], t - 1)  # each sequence's first token
-        y1, ssm = ssm_decode(xs[row], dt[row], A, B[row], C[row], D, dt_bias, ssm,
-                             jnp.where(single, batch.slot_ids, -1), dt_limit=cfg.dt_limit)
-        y = y.at[jnp.where(single, row, t)].set(y1, mode="drop")
-    return finish(y, z, dtype), Mamba2State(conv, ssm)
-
-
-def _recurrent(layer: RecurrentBlock, x: jax.Array, batch: RaggedBatch, st: RGLRUState,
-               decode: bool, q: int = 0) -> tuple[jax.Array, RGLRUState]:
-    y, u = layer.branches(x)
-    w, bias = layer.conv_weight[...], layer.conv_bias[...]
-    if q:
-        v, conv = _conv_positions(u, w, bias, st.conv, batch.slot_ids, q)
-        a, xt = layer.gates(v, batch.positions)
-        h, hs = _scan_positions(a, xt, st.h, batch.slot_ids, q)
-        return layer.output(h, y), RGLRUState(conv, hs)
-    if decode:
-        u, conv = conv1d_decode(u, w, bias, st.conv, batch.slot_ids, activation=None)
-    else:
-        u, conv = conv1d_ragged(u, w, bias, batch.cu_seqlens, st.conv, batch.slot_ids,
-                                       batch.has_initial, activation=None)
-    a, xt = layer.gates(u, batch.positions)
-    if decode:
-        h, hs = linear_scan_decode(a, xt, st.h, batch.slot_ids)
-    else:
-        h, hs = linear_scan_ragged(a, xt, batch.cu_seqlens, st.h, batch.slot_ids,
-                                               batch.has_initial)
-    return layer.output(h, y), RGLRUState(conv, hs)
-
-
-def _short_conv(layer: ShortConv, x: jax.Array, batch: RaggedBatch, st: ShortConvState,
-                decode: bool, q: int = 0) -> tuple[jax.Array, ShortConvState]:
-    bx, C = layer.gates(x)
-    w, bias = layer.conv_weight[...], layer.conv_bias_value()
-    if q:
-        y, conv = _conv_positions(bx, w, bias, st.conv, batch.slot_ids, q)
-        return layer.output(y, C), ShortConvState(conv)
-    if decode:
-        y, conv = conv1d_decode(bx, w, bias, st.conv, batch.slot_ids, activation=None)
-    else:
-        y, conv = conv1d_ragged(bx, w, bias, batch.cu_seqlens, st.conv, batch.slot_ids,
-                                batch.has_initial, activation=None)
-    return layer.output(y, C), ShortConvState(conv)
-
-
-def _mamba1(layer: Mamba1Mixer, x: jax.Array, batch: RaggedBatch, st: Mamba1State,
-            decode: bool, q: int = 0) -> tuple[jax.Array, Mamba1State]:
-    """A Mamba1 layer over the ragged tokens: conv and selective scan from the slots' states.
-    q > 0 (verification): the conv in XLA over the q positions and the q-token scan kernel,
-    both returning the state after each position (candidates [q, b, ...])."""
-    xs, z = layer.branches(x)
-    w, bias = layer.conv_weight[...], layer.conv_bias_value()
-    A, D, dt_bias = layer.A(), layer.D[...], layer.dt_bias[...]
-    if q or decode:
-        n = max(q, 1)
-        if q:  # the conv in f32, activated, then rounded once (as conv1d_decode does)
-            v, conv = _conv_positions(xs.astype(jnp.float32), w, bias, st.conv, batch.slot_ids, q)
-            u = jax.nn.silu(v).astype(xs.dtype)
-        else:
-            u, conv = conv1d_decode(xs, w, bias, st.conv, batch.slot_ids, activation="silu")
-        dt, B, C = layer.ssm_inputs(u)
-        b = batch.slot_ids.shape[0]
-        seq = lambda a: a.reshape(b, n, a.shape[-1])  # noqa: E731
-        y, ssm = selective_scan_step(seq(u), seq(dt), A, seq(B), seq(C), D, dt_bias, st.ssm,
-                                     batch.slot_ids, z=seq(z), candidates=q > 0)
-        return layer.output(y.reshape(b * n, -1), x.dtype), Mamba1State(conv, ssm)
-    u, conv = conv1d_ragged(xs, w, bias, batch.cu_seqlens, st.conv, batch.slot_ids,
-                            batch.has_initial, activation="silu")
-    dt, B, C = layer.ssm_inputs(u)
-    y, ssm = selective_scan_ragged(u, dt, A, B, C, D, dt_bias, batch.cu_seqlens, st.ssm,
-                                   batch.slot_ids, batch.has_initial, z=z)
-    return layer.output(y, x.dtype), Mamba1State(conv, ssm)
-def _gated_deltanet(layer: GatedDeltaNet, x: jax.Array, batch: RaggedBatch, st: GDNState,
-                    decode: bool, q: int = 0) -> tuple[jax.Array, GDNState]:
-    """Gated DeltaNet over the ragged tokens. Prefill: the ragged conv and rule kernels, each
-    sequence from its slot's states (zero without `has_initial`) to its final ones. Decode:
-    one-token conv and rule steps, slots advanced. Verification (q > 0): the conv as q
-    one-token steps on the gathered states and the rule's q-token step, both keeping the
-    state after each position (candidates [q, b, ...]) and leaving the slots alone."""
-    cfg = layer.cfg
-    qkv, z, b, a = layer.project(x)
-    w = layer.conv_weight[...]
-    g, beta = layer.gates(b, a)
-    if q:
-        def step(x_j, local, rows):
-            y, conv = conv1d_decode(x_j, w, None, local[0], rows, activation="silu")
-            return y, (conv,)
-
-        qkv, (conv,) = _positions(q, step, (qkv,), (st.conv,), batch.slot_ids)
-    elif decode:
-        qkv, conv = conv1d_decode(qkv, w, None, st.conv, batch.slot_ids, activation="silu")
-    else:
-        qkv, conv = conv1d_ragged(qkv, w, None, batch.cu_seqlens, st.conv, batch.slot_ids,
-                                  batch.has_initial, activation="silu")
-    qh, kh, vh = layer.split_qkv(qkv)
-    if not (q or decode):
-        o, ssm = gated_delta_ragged(qh, kh, vh, g, beta, batch.cu_seqlens, st.ssm, batch.slot_ids,
-                                    batch.has_initial, scale=layer.scale, chunk_size=cfg.chunk_size)
-        return layer.output(o, z), GDNState(conv, ssm)
-    n, nb = max(q, 1), batch.slot_ids.shape[0]  # tokens are sequence-major: t = b * n
-    seq = lambda y: y.reshape(nb, n, *y.shape[1:])  # noqa: E731
-    o, ssm = gated_delta_step(seq(qh), seq(kh), seq(vh), seq(g), seq(beta), st.ssm, batch.slot_ids,
-                              scale=layer.scale, candidates=q > 0)
-    return layer.output(o.reshape(nb * n, *o.shape[2:]), z), GDNState(conv, ssm)
-
-
 def _shared_block(shared: SharedBlock, block: Block, h: jax.Array, e: jax.Array,
                   batch: RaggedBatch, kv: KVCache, group: int,
                   decode: bool, q: int = 0) -> tuple[jax.Array, KVCache]:
@@ -508,7 +198,7 @@ def _temporal(block: Block, u: jax.Array, batch: RaggedBatch, cache: LayerCache,
             fused, col = (proj, (0, qw, qw + kw)), qw + 2 * kw
     if merged and u.shape[0] <= PARALLEL_DECODE_ROWS:
         # Paged decode and the Mamba2 state update in one launch (pallas_kernels/parallel_decode.py).
-        ssm_args, conv = _mamba_decode_args(block.mamba, proj, col, batch, mamba, fold=fold)
+        ssm_args, conv = rec.mamba2_decode_args(block.mamba, proj, col, batch, mamba, fold=fold)
         (a, k_pages, v_pages), (m, ssm, *folded) = attention_ssm_decode(
             _fused_decode_args(block.attention, fused, batch, kv, group), ssm_args)
         kv, mamba = KVCache(k_pages, v_pages), Mamba2State(folded[0] if folded else conv, ssm)
@@ -521,7 +211,7 @@ def _temporal(block: Block, u: jax.Array, batch: RaggedBatch, cache: LayerCache,
             branches.append((a, cfg.attention_out_multiplier))
         if block.mamba is not None:
             x = None if proj is not None else _scale(u, cfg.ssm_in_multiplier)
-            m, mamba = _mamba(block.mamba, x, batch, mamba, decode, q, proj, col, project_out, raw=merged,
+            m, mamba = rec.mamba2(block.mamba, x, batch, mamba, decode, q, proj, col, project_out, raw=merged,
                               fold=fold)
             branches.append((m, cfg.ssm_out_multiplier))
     if merged:  # one launch from the kernels' outputs to fused_out's input (decode_glue.py)
@@ -554,16 +244,16 @@ def _temporal(block: Block, u: jax.Array, batch: RaggedBatch, cache: LayerCache,
             out = out + block.fused_out.product_rows(y, row)
             row += y.shape[-1]
     if block.recurrent is not None:
-        r, rglru = _recurrent(block.recurrent, u, batch, rglru, decode, q)
+        r, rglru = rec.rglru(block.recurrent, u, batch, rglru, decode, q)
         out = out + r
     if block.conv is not None:
-        c, short_conv = _short_conv(block.conv, u, batch, short_conv, decode, q)
+        c, short_conv = rec.short_conv(block.conv, u, batch, short_conv, decode, q)
         out = out + c
     if block.mamba1 is not None:
-        m1, mamba1 = _mamba1(block.mamba1, u, batch, mamba1, decode, q)
+        m1, mamba1 = rec.mamba1(block.mamba1, u, batch, mamba1, decode, q)
         out = out + m1
     if block.gdn is not None:
-        y, gdn = _gated_deltanet(block.gdn, u, batch, gdn, decode, q)
+        y, gdn = rec.gated_deltanet(block.gdn, u, batch, gdn, decode, q)
         out = out + y
     return out, LayerCache(kv, mamba, rglru, short_conv, mamba1, gdn)
 
@@ -586,9 +276,6 @@ PARALLEL_DECODE_ROWS = switches.parallel_decode_rows()
 # costs more than the launch saved; docs/history/benchmarks-2026.md, twelfth pass).
 # HYBRID_JAX_FOLD_CONV_ROWS=0: conv1d_decode apart.
 FOLD_CONV_ROWS = switches.fold_conv_rows()
-# Mixed steps run their decodes' Mamba2 state updates with `ssm_decode` beside the chunked
-# scan of the prompts (`_mamba`). HYBRID_JAX_MIXED_DECODE_UPDATE=0: every sequence scans.
-MIXED_DECODE_UPDATE = switches.mixed_decode_update()
 
 
 def _merged_decode(block: Block, kv: KVCache | None, decode: bool, q: int) -> bool:
@@ -601,7 +288,7 @@ def _merged_decode(block: Block, kv: KVCache | None, decode: bool, q: int) -> bo
     mixer, norm = block.mamba, block.mamba.norm
     return (_fused_decode(block.attention, kv) and norm is not None and norm.stack_row is not None
             and norm.group_devices == 1 and mixer.cfg.in_proj_multipliers is None
-            and not (FUSED_MAMBA_DECODE and mamba2_step_fits(mixer.cfg.head_dim, mixer.cfg.state_size)))
+            and not (rec.FUSED_MAMBA_DECODE and mamba2_step_fits(mixer.cfg.head_dim, mixer.cfg.state_size)))
 
 
 def _glued_residual(model: CausalLM, decode: bool) -> bool:

@@ -18,7 +18,7 @@ import pytest
 from flax import nnx
 
 import pallas_kernels.paged_attention as pa
-from hybrid_jax import ragged
+from hybrid_jax import ragged, ragged_recurrent
 from hybrid_jax.config import AttentionConfig, LayerSpec, Mamba2Config, MLPConfig, ModelConfig
 from hybrid_jax.fusion import fuse_projections
 from hybrid_jax.layers import linear
@@ -97,8 +97,8 @@ def test_glued_decode_equals_xla_glue(monkeypatch, cfg, split_k, one_launch, fol
             m.setattr(ragged, "DECODE_GLUE", glue)
             m.setattr(ragged, "add_rms_norm", counted(add_rms_norm, "add_rms_norm"))
             m.setattr(ragged, "mixer_merge", counted(mixer_merge, "mixer_merge"))
-            m.setattr(ragged, "conv1d_decode", counted(conv1d_decode, "conv1d_decode"))
-            m.setattr(ragged, "ssm_decode_packed",
+            m.setattr(ragged_recurrent, "conv1d_decode", counted(conv1d_decode, "conv1d_decode"))
+            m.setattr(ragged_recurrent, "ssm_decode_packed",
                       lambda *a, **kw: ssm_decode_packed(*a, **kw | {"impl": "interpret"}))
             m.setattr(ragged, "paged_attention_decode_fused",
                       lambda *a, **kw: paged_attention_decode_fused(*a, **kw, impl="interpret"))

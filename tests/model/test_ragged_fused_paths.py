@@ -1,6 +1,6 @@
 """The serving path's fused decode/verification pieces equal the per-token kernels they replace.
 
-`ragged._mamba` in decode (one token per sequence, slots advanced) and verification
+`ragged_recurrent.mamba2` in decode (one token per sequence, slots advanced) and verification
 (q candidates) runs `mamba2_step` (the Pallas kernel, interpret mode) and is compared
 with the same layer through the unfused path (conv1d_decode -> split -> ssm_decode,
 their references), forced by declaring the shapes unfit. The layer has two groups,
@@ -11,7 +11,7 @@ A decode step's attention from a fused projection (`paged_attention_decode_fused
 kernel in interpret mode) equals the same layer through project -> write_kv -> decode.
 
 The RG-LRU / short-conv verification conv and scan (XLA over the q positions) equal
-q one-token `conv1d_decode` / `linear_scan_decode` calls (`ragged._positions`), bf16
+q one-token `conv1d_decode` / `linear_scan_decode` calls (`ragged_recurrent.positions`), bf16
 conv states included (stored between positions as the decode calls store them).
 """
 
@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from hybrid_jax import ragged
+from hybrid_jax import ragged, ragged_recurrent
 from hybrid_jax.cache import Mamba2State, RaggedBatch
 from hybrid_jax.config import AttentionConfig, LayerSpec, Mamba2Config, MLPConfig, ModelConfig
 from hybrid_jax.fusion import fuse_projections
@@ -66,11 +66,11 @@ def _batch(slots: np.ndarray, t: int) -> RaggedBatch:
 def _run(monkeypatch, fused: bool, x, slots, st, decode, q):
     with monkeypatch.context() as m:
         if fused:
-            m.setattr(ragged, "mamba2_step", functools.partial(mamba2_step, impl="interpret"))
-            m.setattr(ragged, "FUSED_MAMBA_DECODE", True)  # off by default: slower on the H100
+            m.setattr(ragged_recurrent, "mamba2_step", functools.partial(mamba2_step, impl="interpret"))
+            m.setattr(ragged_recurrent, "FUSED_MAMBA_DECODE", True)  # off by default: slower on the H100
         else:
-            m.setattr(ragged, "mamba2_step_fits", lambda *_: False)
-        return ragged._mamba(_layer(), x, _batch(slots, x.shape[0]), st, decode, q)
+            m.setattr(ragged_recurrent, "mamba2_step_fits", lambda *_: False)
+        return ragged_recurrent.mamba2(_layer(), x, _batch(slots, x.shape[0]), st, decode, q)
 
 
 @pytest.mark.parametrize("state_dtype", [jnp.float32, jnp.bfloat16])
@@ -119,10 +119,10 @@ def test_conv_and_scan_positions_equal_decode_steps(state_dtype, with_bias):
         h, h_l = linear_scan_decode(a_j, v.astype(jnp.float32), h_l, rows)
         return (v, h), (conv_l, h_l)
 
-    (want_v, want_h), (want_conv, want_hs) = ragged._positions(
+    (want_v, want_h), (want_conv, want_hs) = ragged_recurrent.positions(
         q, step, (x, a), (conv, hs), jnp.asarray(slots))
-    v, got_conv = ragged._conv_positions(x, w, bias, conv, jnp.asarray(slots), q)
-    h, got_hs = ragged._scan_positions(a, v.astype(jnp.float32), hs, jnp.asarray(slots), q)
+    v, got_conv = ragged_recurrent.conv_positions(x, w, bias, conv, jnp.asarray(slots), q)
+    h, got_hs = ragged_recurrent.scan_positions(a, v.astype(jnp.float32), hs, jnp.asarray(slots), q)
     for g, want in ((v, want_v), (got_conv, want_conv), (h, want_h), (got_hs, want_hs)):
         assert g.shape == want.shape and g.dtype == want.dtype
         np.testing.assert_allclose(np.asarray(g.astype(jnp.float32)),
