@@ -25,13 +25,8 @@ from hybrid_jax.loading import load_model
 from serving.engine.engine_config import EngineConfig
 from serving.engine.llm_engine import LLMEngine
 from serving.entrypoints.bench.probe import decoding_batch
-from serving.entrypoints.bench.trace_report import gpu_kernel_events, trace_calls
+from serving.entrypoints.bench.trace_report import gpu_kernel_events, kernel_family, trace_calls
 from serving.sample.sampling_params import SamplingParams
-
-
-def family(name: str) -> str:
-    """A kernel's family: its name without XLA's numeric suffixes."""
-    return name.rstrip("0123456789").rstrip("_.") or name
 
 
 def kernels(fn, n: int) -> tuple[float, dict[str, tuple[float, float]]]:
@@ -39,7 +34,7 @@ def kernels(fn, n: int) -> tuple[float, dict[str, tuple[float, float]]]:
     d = trace_calls(fn, n)
     by: dict[str, list[float]] = collections.defaultdict(list)
     for _, ev in gpu_kernel_events(d):
-        by[family(ev.name[:90])].append(ev.duration_ns / 1e6)
+        by[kernel_family(ev.name[:90])].append(ev.duration_ns / 1e6)
     fams = {k: (sum(v) / n, len(v) / n) for k, v in by.items()}
     return sum(ms for ms, _ in fams.values()), fams
 

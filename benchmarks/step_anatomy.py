@@ -40,7 +40,12 @@ from serving.engine.engine_config import EngineConfig
 from serving.engine.llm_engine import LLMEngine, freeze_heap
 from serving.entrypoints.bench.floor import copy_bandwidth, engine_floor_bytes
 from serving.entrypoints.bench.probe import step_until_whole_batch, whole_batch_steps
-from serving.entrypoints.bench.trace_report import gpu_kernel_events, host_event_totals, trace_calls
+from serving.entrypoints.bench.trace_report import (
+    gpu_kernel_events,
+    host_event_totals,
+    kernel_family,
+    trace_calls,
+)
 from serving.runner.runner import fuse_projections_enabled
 from serving.sample.sampling_params import SamplingParams
 
@@ -76,11 +81,6 @@ def trace_kernels(fn, n: int, keep: int = 150) -> tuple[float, float, list[tuple
     return total / 1e6 / n, count / n, (top[:keep] if keep else top), idle_gaps(spans, n)
 
 
-def _kind(name: str) -> str:
-    """A kernel's family: its name without XLA's numeric suffix."""
-    return name.rstrip("0123456789").rstrip("_.") or name
-
-
 def idle_gaps(spans: list[tuple[float, float, str]], n: int) -> dict[str, object]:
     """Idle GPU time between consecutive kernels (one stream), per step, charged to the
     kernel (or memcpy) that starts after the gap; gaps over 50 us are counted apart
@@ -93,10 +93,10 @@ def idle_gaps(spans: list[tuple[float, float, str]], n: int) -> dict[str, object
         gap = max(0.0, start - end)
         if gap > 50e3:
             big += gap
-            long_before[_kind(name)].append(gap)
+            long_before[kernel_family(name)].append(gap)
             continue
         small += gap
-        by_next[_kind(name)].append(gap)
+        by_next[kernel_family(name)].append(gap)
     rows = sorted(((k, sum(v) / 1e6 / n, len(v) / n, sum(v) / len(v) / 1e3) for k, v in by_next.items()),
                   key=lambda r: -r[1])
     # The union of the kernels' spans: below the sum of their durations when kernels of

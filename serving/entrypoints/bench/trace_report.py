@@ -21,6 +21,11 @@ from collections import defaultdict
 from pathlib import Path
 
 
+def kernel_family(name: str) -> str:
+    """A kernel's family: its name without XLA's numeric suffixes (fusion.12 -> fusion)."""
+    return name.rstrip("0123456789").rstrip("_.") or name
+
+
 def summarize(directory: str | Path, scopes: list[str]) -> dict:
     """Per-scope count and mean ms; per device lane busy ms per engine step. {} if no trace."""
     files = sorted(Path(directory).rglob("*.trace.json.gz"))
