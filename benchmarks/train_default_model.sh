@@ -19,7 +19,7 @@
 # list of installed packages (those present); corpus.json records every file name and the
 # sha256 of the file list and of the text; packages.json (also in the model directory)
 # the version and licence of each package. The held-out files are fixed: those of
-# $HELD_OUT (default: the shipped model's corpus.json), so successive default models are
+# $HELD_OUT, so successive default models are
 # compared on the same text (benchmarks/default_model_held_out.json: the 111 files the first
 # shipped model held out). After training, benchmarks/code_eval.py scores the new and
 # the shipped model on those files (bits per byte).
