@@ -94,7 +94,7 @@ def generate(model: str, sigs: list[str], args) -> dict:
                                                 repetition_penalty=rp)] * len(sigs)
         modes["sampled" + tag] = [SamplingParams(temperature=args.temperature, top_p=args.top_p,
                                                  repetition_penalty=rp, max_tokens=args.max_tokens,
-                                                 seed=i) for i in range(len(sigs))]
+                                                 seed=args.seed_base + i) for i in range(len(sigs))]
     for mode, params in modes.items():
         t0 = time.perf_counter()
         res = llm.generate(sigs, params)
@@ -182,6 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repetition-penalty", type=float, nargs="+", default=[1.0],
                    help="for both greedy and sampled runs; several values: each is run, their "
                         "results named greedy_rpX / sampled_rpX (default 1: off)")
+    p.add_argument("--seed-base", type=int, default=0,
+                   help="prompt i is sampled with seed seed_base + i (default 0)")
     p.add_argument("--no-generate", action="store_true")
     p.add_argument("--held-out", type=Path, help="a corpus.json whose held_out_files are scored")
     p.add_argument("--root", action="append", default=[], metavar="NAME=DIR",

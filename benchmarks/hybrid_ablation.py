@@ -1,6 +1,7 @@
 """What the hybrid buys: hybrid vs sliding-window-only vs SSM-only at equal parameters.
 
-Three models of the native-py-5m shape (d=256, 5 layers, window 128):
+Three models of one shape (default: native-py-5m, d=256, 5 layers, window 128; or
+`--model-config`, e.g. benchmarks/default_model_config.json, the default model's shape):
   hybrid  SWA + Mamba2 in every layer (the preset)
   swa     attention only; the MLP widened to make up Mamba2's parameters
   ssm     Mamba2 only; the MLP widened to make up attention's parameters
@@ -75,6 +76,7 @@ def main() -> None:
     p.add_argument("--tokenizer", help="the LM part's tokenizer (the shipped model's); not for --recall-only")
     p.add_argument("--data", action="append", default=None)
     p.add_argument("--out", required=True)
+    p.add_argument("--model-config", help="the hybrid's ModelConfig JSON (default: the native-py-5m preset)")
     p.add_argument("--work", default="/tmp/hybrid-ablation")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--batch-size", type=int, default=64)
@@ -101,7 +103,9 @@ def language_modelling(a: argparse.Namespace) -> None:
                      warmup_steps=min(50, a.steps // 4), eval_every=a.steps, eval_rows=256,
                      ckpt_every=a.steps, log_every=max(1, a.steps // 10))
     data = prepare(resolve_data(a.data or ["stdlib"]), tc, Path(a.work) / "data", tokenizer=a.tokenizer)
-    base = _with_tokenizer(load_preset("native-py-5m"), data.tokenizer.vocab_size)
+    shape = (ModelConfig.from_dict(json.loads(Path(a.model_config).read_text())) if a.model_config
+             else load_preset("native-py-5m"))
+    base = _with_tokenizer(shape, data.tokenizer.vocab_size)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     window = base.layers[0].window
@@ -114,7 +118,7 @@ def language_modelling(a: argparse.Namespace) -> None:
         print(json.dumps({name: {"params": n, "held_out_loss": r["lm"]["held_out_loss"],
                                  "bands": r["lm"]["loss_by_band"]}}), flush=True)
         (out / "ablation.json").write_text(json.dumps({
-            "train": tc.to_dict(), "window": window,
+            "train": tc.to_dict(), "window": window, "model_config": a.model_config or "native-py-5m",
             "stack_receptive_field": base.num_layers * (window - 1), "results": results}, indent=1))
     plot(results, window, out / "ablation_loss_by_position.png")
 

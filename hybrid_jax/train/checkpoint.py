@@ -15,10 +15,10 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from hybrid_jax.checkpoints.native import save_native
+from hybrid_jax.checkpoints.native import is_native_dir, load_native, save_native
 from hybrid_jax.config import ModelConfig
 from hybrid_jax.model import CausalLM
-from hybrid_jax.train.step import Params
+from hybrid_jax.train.step import Params, init_params
 
 
 class TrainCheckpoints:
@@ -55,3 +55,26 @@ def export_model(cfg: ModelConfig, params: Params, path: str | Path, *, tokenize
     dtypes = jax.tree.map(lambda x: x.dtype, nnx.to_pure_dict(state))
     cast = jax.tree.map(lambda x, d: jnp.asarray(x, d), params, dtypes)
     save_native(nnx.merge(graphdef, cast), path, tokenizer_file=tokenizer_file)
+
+
+def load_init_params(path: str | Path, cfg: ModelConfig) -> Params:
+    """f32 parameters of an exported native model, to start a new run from (`--init-from`).
+
+    The model's config must equal the run's `cfg` (same shapes, same tokenizer size);
+    a bf16 export is widened to f32 master weights. Raises ValueError naming init_from.
+    """
+    if not is_native_dir(path):
+        raise ValueError(f"init_from={str(path)!r} is not a native model directory "
+                         "(no hybrid_jax_config.json)")
+    model, saved = load_native(path, dtype=jnp.float32)
+    if saved.to_dict() != cfg.to_dict():
+        diff = sorted(k for k, v in cfg.to_dict().items() if saved.to_dict().get(k) != v)
+        raise ValueError(f"init_from={str(path)!r} has another model config than this run "
+                         f"(differs in: {', '.join(diff)})")
+    _, state = nnx.split(model)
+    params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), nnx.to_pure_dict(state))
+    want = jax.eval_shape(lambda: init_params(cfg, 0))
+    shapes = lambda t: jax.tree.map(lambda x: tuple(x.shape), t)
+    if shapes(params) != shapes(want):
+        raise ValueError(f"init_from={str(path)!r}: its parameter tree does not match the model config")
+    return params

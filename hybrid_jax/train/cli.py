@@ -44,9 +44,14 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data", action="append", required=True,
                    help="a .py file, a directory (searched recursively) or 'stdlib'; repeatable")
     m = p.add_mutually_exclusive_group()
-    m.add_argument("--preset", default="native-py-5m", help="model preset (default native-py-5m)")
+    m.add_argument("--preset", help="model preset (default native-py-5m, or --init-from's config)")
     m.add_argument("--model-config", help="a ModelConfig JSON file instead of a preset")
-    p.add_argument("--tokenizer", help="an existing tokenizer.json (default: train a BPE tokenizer)")
+    p.add_argument("--init-from", metavar="MODEL_DIR",
+                   help="start a new run from the parameters of this exported native model "
+                        "(its config and tokenizer.json unless given; fresh optimizer state, the "
+                        "schedule from step 0); ignored when --out holds checkpoints to resume")
+    p.add_argument("--tokenizer", help="an existing tokenizer.json (default: train a BPE tokenizer, "
+                   "or --init-from's)")
     p.add_argument("--held-out", help="hold out exactly these files: a run's corpus.json (its "
                    "held_out_files) or a list of names, one a line (default: --eval-fraction by hash)")
     p.add_argument("--max-file-bytes", type=int,
@@ -76,6 +81,14 @@ def _model_config(args: argparse.Namespace):
         if not path.is_file():
             raise ValueError(f"model_config={args.model_config!r} is not a file")
         return ModelConfig.from_dict(json.loads(path.read_text()))
+    if args.preset is None and args.init_from is not None:
+        from hybrid_jax.checkpoints.native import CONFIG_FILE, is_native_dir
+
+        if not is_native_dir(args.init_from):
+            raise ValueError(f"init_from={args.init_from!r} is not a native model directory "
+                             f"(no {CONFIG_FILE})")
+        return ModelConfig.from_dict(json.loads((Path(args.init_from) / CONFIG_FILE).read_text()))
+    args.preset = args.preset or "native-py-5m"
     if args.preset not in preset_names():
         raise ValueError(f"preset={args.preset!r} is not a preset ({', '.join(preset_names())})")
     from hybrid_jax.presets import load_preset
@@ -116,11 +129,22 @@ def run_train(args: argparse.Namespace) -> int:
     from hybrid_jax.train.dataset import prepare
     from hybrid_jax.train.loop import train
 
-    ds = prepare(data, tc, args.out, tokenizer=args.tokenizer, held_out=args.held_out,
+    tokenizer = args.tokenizer
+    if tokenizer is None and args.init_from is not None:
+        tokenizer = str(Path(args.init_from) / "tokenizer.json")
+        if not Path(tokenizer).is_file():
+            raise ValueError(f"init_from={args.init_from!r} has no tokenizer.json: give --tokenizer")
+    ds = prepare(data, tc, args.out, tokenizer=tokenizer, held_out=args.held_out,
                  max_file_bytes=args.max_file_bytes)
     cfg = _with_tokenizer(cfg, ds.tokenizer.vocab_size)
+    init = None
+    if args.init_from is not None:
+        from hybrid_jax.train.checkpoint import load_init_params
+
+        init = load_init_params(args.init_from, cfg)
     res = train(cfg, tc, ds, args.out, quiet=args.quiet, export_dtype=args.export_dtype,
-                max_seconds=args.max_seconds, devices=devices)
+                max_seconds=args.max_seconds, devices=devices, init=init,
+                init_from=None if args.init_from is None else str(Path(args.init_from).absolute()))
     ev = res.eval or {}
     print(json.dumps({"step": res.step, "num_devices": len(devices), "stopped_early": res.stopped_early,
                       "held_out_loss": ev.get("loss"),

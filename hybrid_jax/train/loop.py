@@ -92,18 +92,22 @@ def _batch(steps: Steps, data: Dataset, tc: TrainConfig, step: int) -> jax.Array
 
 def train(cfg: ModelConfig, tc: TrainConfig, data: Dataset, run_dir: str | Path, *,
           stop_at: int | None = None, max_seconds: float | None = None, quiet: bool = False,
-          export: bool = True, export_dtype: str = "float32", devices: list | None = None) -> TrainResult:
+          export: bool = True, export_dtype: str = "float32", devices: list | None = None,
+          init: Params | None = None, init_from: str | None = None) -> TrainResult:
     """Train (resuming from run_dir/checkpoints if present) up to tc.steps.
 
     `stop_at` ends the run after that step and `max_seconds` after the step that
     crosses that much training time (both checkpoint where they stop); the model is
     exported when the run reaches tc.steps, or stops on `max_seconds`. `devices`
     (default: all) is the data-parallel mesh; the result does not depend on it
-    beyond f32 reduction order.
+    beyond f32 reduction order. `init` (f32 parameters, e.g. of an exported model:
+    `checkpoint.load_init_params`) replaces the random initialisation of a fresh run;
+    the optimizer state starts fresh. A run that resumes from its checkpoints ignores it.
+    `init_from` names where `init` came from, for the log.
     """
     run_dir = Path(run_dir)
     steps = make_steps(cfg, tc, devices)
-    params = steps.replicate(init_params(cfg, tc.seed))
+    params = steps.replicate(init if init is not None else init_params(cfg, tc.seed))
     opt_state = steps.replicate(steps.tx.init(params))
     ckpts = TrainCheckpoints(run_dir / "checkpoints")
     start = ckpts.latest_step() or 0
@@ -113,12 +117,14 @@ def train(cfg: ModelConfig, tc: TrainConfig, data: Dataset, run_dir: str | Path,
     flops = model_flops_per_token(cfg, params, tc.seq_len)
     log = RunLog(run_dir / "train_log.jsonl", total_steps=tc.steps, quiet=quiet)
     log.record("start", step=start, train=tc.to_dict(), model=cfg.to_dict(), params=param_count(params),
-               flops_per_token=flops, num_devices=len(steps.devices),
+               flops_per_token=flops, num_devices=len(steps.devices), init_from=init_from,
                devices=[str(d) for d in steps.devices],
                corpus={k: v for k, v in data.manifest.items() if k != "files"})
     log.message(_devices_line(steps.devices, tc))
     if start:
         log.message(f"resuming from step {start} ({run_dir / 'checkpoints'})")
+    elif init is not None:
+        log.message(f"starting from the parameters of {init_from or 'the given model'}")
     end = min(tc.steps, stop_at or tc.steps)
     result = _loop(steps, params, opt_state, data, tc, ckpts, log, start, end, flops, max_seconds)
     if export and (result.step == tc.steps or result.stopped_early):

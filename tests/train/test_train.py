@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import jax
@@ -10,6 +11,7 @@ import numpy as np
 import pytest
 
 from hybrid_jax.checkpoints.native import load_native
+from hybrid_jax.train.checkpoint import load_init_params
 from hybrid_jax.train.dataset import prepare
 from hybrid_jax.train.loop import train
 from hybrid_jax.train.step import init_params, make_apply, make_steps, token_nats
@@ -40,6 +42,18 @@ def test_loss_decreases_and_the_run_exports_a_loadable_model(corpus_dir, tmp_pat
     tokens = jnp.asarray(data.train_rows[:2, :-1])
     ref = make_apply(cfg, "float32")(res.params, tokens)
     np.testing.assert_allclose(model(tokens), ref, rtol=1e-5, atol=1e-5)
+    # --init-from: a new run starts from the exported parameters (f32 export: exactly);
+    # its first step has lr 0 (warmup from 0), so after it the parameters are still those
+    init = load_init_params(tmp_path / "model", cfg)
+    _params_equal(init, res.params)
+    first = train(cfg, tc, data, tmp_path / "next", quiet=True, export=False, stop_at=1, init=init)
+    _params_equal(first.params, res.params)
+    log = [json.loads(line) for line in (tmp_path / "next" / "train_log.jsonl").read_text().splitlines()]
+    assert log[0]["init_from"] is None and first.step == 1
+    with pytest.raises(ValueError, match="init_from=.*vocab_size"):
+        load_init_params(tmp_path / "model", dataclasses.replace(cfg, vocab_size=cfg.vocab_size + 1))
+    with pytest.raises(ValueError, match="init_from=.*not a native model"):
+        load_init_params(tmp_path, cfg)
 
 
 def _params_equal(a, b) -> None:

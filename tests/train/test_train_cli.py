@@ -42,6 +42,7 @@ def test_unknown_preset_and_bad_settings(capsys, src, tmp_path):
     assert "num_devices=64" in _run(capsys, "--data", src, "--out", str(tmp_path), "--num-devices", "64")
     assert "model_config=" in _run(capsys, "--data", src, "--model-config", str(tmp_path / "x.json"),
                                    "--out", str(tmp_path))
+    assert "init_from=" in _run(capsys, "--data", src, "--init-from", str(tmp_path), "--out", str(tmp_path))
 
 
 def test_batch_larger_than_the_corpus(capsys, src, tmp_path):
