@@ -17,8 +17,11 @@ batches of B sequences at a context of C tokens; on steps where the whole batch 
   greedy           with --greedy-check: greedy tokens of a few prompts (bf16, random
                    weights) against TP=1's, compared while TP=1's top-2 margin is clear
 
-`--tp` takes sizes, or `N:unfused` for the step with HYBRID_JAX_FUSE_PROJECTIONS=0 (the
-tensor-parallel step before it fused each device's local model: the A/B). One model is
+`--tp` takes sizes N with optional flags: `N:unfused` (HYBRID_JAX_FUSE_PROJECTIONS=0: the
+tensor-parallel step as it was before it fused each device's local model, the A/B),
+`1:sharded` (HYBRID_JAX_SHARDED_RUNNER=1: the tensor-parallel step on a one-device mesh),
+`N:local` (one device running the local model of TP = N alone: a device's share of the
+TP = N step without its collectives, measurable on one GPU). One model is
 loaded per preset and serves every variant. Prints one JSON line per (preset, tp,
 batch); `--out FILE` appends them. The issue's target: TP=2 decode step <= 0.6x TP=1
 for native-7b-parallel at batch 64.
@@ -38,10 +41,12 @@ import time
 
 import jax
 import numpy as np
+from flax import nnx
 
 from benchmarks.arch_figures import measure_decode
 from hybrid_jax import tensor_parallel as tp
-from hybrid_jax.loading import load_model
+from hybrid_jax.loading import DTYPES, LoadedModel, load_model
+from hybrid_jax.model import CausalLM
 from serving.engine.engine_config import EngineConfig
 from serving.engine.llm_engine import LLMEngine
 from serving.entrypoints.bench.common import emit
@@ -121,26 +126,37 @@ def compare_greedy(ref: list, out: list, margin: float = 0.05) -> dict:
     return {"compared": compared, "equal": equal, "first_mismatch": first}
 
 
-def variant(spec: str) -> tuple[int, bool]:
-    """'2' -> (2, fused); '2:unfused' -> (2, HYBRID_JAX_FUSE_PROJECTIONS=0)."""
-    n, _, mode = spec.partition(":")
-    if mode not in ("", "unfused"):
-        raise ValueError(f"--tp {spec!r}: expected N or N:unfused")
-    return int(n), mode != "unfused"
+FLAGS = {"unfused": ("HYBRID_JAX_FUSE_PROJECTIONS", "0"), "sharded": ("HYBRID_JAX_SHARDED_RUNNER", "1")}
+
+
+def variant(spec: str) -> tuple[int, set[str]]:
+    """'2' -> (2, {}); '2:unfused' -> (2, {'unfused'}); flags (module doc): unfused,
+    sharded, local."""
+    n, *flags = spec.split(":")
+    bad = set(flags) - {*FLAGS, "local"}
+    if bad:
+        raise ValueError(f"--tp {spec!r}: unknown {sorted(bad)}, expected N[:unfused][:sharded][:local]")
+    return int(n), set(flags)
 
 
 def run_variant(name: str, lm, spec: str, a: argparse.Namespace, bw: float, base: dict) -> None:
-    n, fused = variant(spec)
-    saved = os.environ.get("HYBRID_JAX_FUSE_PROJECTIONS")
-    if not fused:
-        os.environ["HYBRID_JAX_FUSE_PROJECTIONS"] = "0"
+    n, flags = variant(spec)
+    saved = {k: os.environ.get(k) for k, _ in FLAGS.values()}
+    for f in flags & set(FLAGS):
+        os.environ[FLAGS[f][0]] = FLAGS[f][1]
     try:
-        _run(name, lm, spec, n, a, bw, base)
-    finally:
-        if saved is None:
-            os.environ.pop("HYBRID_JAX_FUSE_PROJECTIONS", None)
+        if "local" in flags:  # device d's work at TP = n, alone on one device (no collectives)
+            cfg = tp.local_config(lm.config, n)
+            model = CausalLM(cfg, dtype=DTYPES[a.dtype], rngs=nnx.Rngs(1))
+            _run(name, LoadedModel(model, cfg, None, name), spec, 1, a, bw, base)
         else:
-            os.environ["HYBRID_JAX_FUSE_PROJECTIONS"] = saved
+            _run(name, lm, spec, n, a, bw, base)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
         gc.collect()
 
 
@@ -156,7 +172,7 @@ def _run(name: str, lm, spec: str, n: int, a: argparse.Namespace, bw: float, bas
     per_device = engine.runner.param_bytes_per_device
     local = tp.local_config(lm.config, n)
     check = {}
-    if a.greedy_check:
+    if a.greedy_check and "local" not in spec:  # a local model has other weights
         got = greedy(engine, lm.config.vocab_size)
         if (name, "greedy") in base:
             check = compare_greedy(base[(name, "greedy")], got)
