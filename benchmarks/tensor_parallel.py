@@ -226,8 +226,8 @@ def main() -> None:
         # runner copies each device's shard (a model larger than one device: load on the host).
         lm = load_model(name, dtype=a.dtype)
         for spec in a.tp:
-            n, _ = variant(spec)
-            if n > len(jax.local_devices()):
+            n, flags = variant(spec)
+            if "local" not in flags and n > len(jax.local_devices()):
                 have = len(jax.local_devices())
                 print(json.dumps({"model": name, "tp": spec, "skipped": f"{have} devices"}))
                 continue
