@@ -40,8 +40,14 @@ the same dot products). The argument model is not changed; the returned one shar
 unfused parameter arrays. FP8 Linears (hybrid_jax/layers/fp8.py) fuse only with FP8
 Linears of the same block size whose concatenated dimension is a multiple of it (their
 scales then concatenate block for block); otherwise they stay apart, transposed with
-their scales. Not for tensor-parallel models: a column split of a fused
-matrix would mix the projections' shards (the runner fuses on one device only).
+their scales.
+
+Tensor parallelism fuses each device's local model (hybrid_jax/tensor_parallel.py), never
+the global one: a column split of a fused global matrix would mix the projections' shards,
+while the concatenation of a device's own shards is exactly the local model's fused matrix.
+Column-parallel projections fuse as above; row-parallel o_proj and out_proj (marked with
+`reduce_axis`) fuse into one row-parallel `fused_out`, whose single psum replaces theirs;
+the down-projections are transposed and keep their psum.
 """
 
 from __future__ import annotations
@@ -71,6 +77,12 @@ def linear_from(kernel_t: jnp.ndarray, bias: jnp.ndarray | None, *, dtype: jnp.d
 
 def _plain(lin: Linear) -> bool:
     return lin.reduce_axis is None and lin.gather_axis is None
+
+
+def _local(lin: Linear) -> bool:
+    """A Linear whose product is per device: plain, or row-parallel (its partial product is
+    summed over `reduce_axis` after it, whatever the kernel's layout)."""
+    return lin.gather_axis is None
 
 
 def _kernel_t(lin: Linear) -> jnp.ndarray:
@@ -107,11 +119,14 @@ def _concat(linears: list[Linear], axis: int) -> Linear:
     summed outputs; biases must then be absent), held transposed."""
     assert _concatenable(linears, axis)
     first = linears[0]
+    assert len({lin.reduce_axis for lin in linears}) == 1 and (axis == 0 or first.reduce_axis is None)
     kernel_t = jnp.concatenate([_kernel_t(lin) for lin in linears], axis=1 - axis)
     quant = {} if first.scale is None else dict(
         scale_t=jnp.concatenate([_scale_t(lin) for lin in linears], axis=1 - axis), block=first.block)
     if all(lin.bias is None for lin in linears):
-        return linear_from(kernel_t, None, dtype=first.dtype, **quant)
+        fused = linear_from(kernel_t, None, dtype=first.dtype, **quant)
+        fused.reduce_axis = first.reduce_axis  # row-parallel parts: one psum of the summed products
+        return fused
     assert axis == 1
     bias = jnp.concatenate([lin.bias[...] if lin.bias is not None
                             else jnp.zeros(_out_features(lin), first.dtype) for lin in linears])
@@ -119,9 +134,10 @@ def _concat(linears: list[Linear], axis: int) -> Linear:
 
 
 def _transpose_rest(block: Block) -> None:
-    """Every plain Linear of the block not yet transposed (the fused ones are) held [out, in]."""
+    """Every per-device Linear of the block not yet transposed (the fused ones are) held
+    [out, in]; row-parallel ones too (the psum follows the product)."""
     for _, node in nnx.iter_graph(block):
-        if isinstance(node, Linear) and _plain(node) and not node.transposed:
+        if isinstance(node, Linear) and _local(node) and not node.transposed:
             node.kernel = nnx.Param(node.kernel[...].T)
             if node.scale is not None:
                 node.scale = nnx.Param(node.scale[...].T)
@@ -155,7 +171,11 @@ def output_projections(block: Block) -> list[Linear] | None:
     if cfg.attention_out_multiplier != 1.0 or cfg.ssm_out_multiplier != 1.0:
         return None
     parts = [block.attention.o_proj, block.mamba.out_proj]
-    if any(p.bias is not None or not _plain(p) for p in parts):
+    # Row-parallel parts (tensor parallelism) fuse when both sum over the same axis: one
+    # all-reduce of the summed product instead of one per branch.
+    if any(p.bias is not None or not _local(p) for p in parts):
+        return None
+    if parts[0].reduce_axis != parts[1].reduce_axis:
         return None
     return parts if _concatenable(parts, 0) else None
 

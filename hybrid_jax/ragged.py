@@ -239,10 +239,14 @@ def _temporal(block: Block, u: jax.Array, batch: RaggedBatch, cache: LayerCache,
         # of the stacked weight. Concatenating [t, sum of widths] first cost more than the
         # GEMM saved (XLA built the concatenation transposed: ~2.8 ms of a 64 ms 8k-token
         # step on the H100).
-        row = 0
+        row, summed = 0, None
         for y, _ in branches:
-            out = out + block.fused_out.product_rows(y, row)
+            part = block.fused_out.product_rows(y, row)
+            summed = part if summed is None else summed + part
             row += y.shape[-1]
+        if block.fused_out.reduce_axis is not None:  # row-parallel (tensor parallel): one psum
+            summed = jax.lax.psum(summed, block.fused_out.reduce_axis)
+        out = out + summed
     if block.recurrent is not None:
         r, rglru = rec.rglru(block.recurrent, u, batch, rglru, decode, q)
         out = out + r

@@ -297,6 +297,8 @@ def _rule(names: tuple, cfg: ModelConfig, n: int):
         return (0, None) if vocab_split(cfg, n) else None
     if top == "lm_head":
         return (col, None) if vocab_split(cfg, n) else None
+    if top == "mtp" and owner == "fc":  # the MTP head's [embedding | hidden] -> d: both whole
+        return None
     if "moe" in names:
         return _moe_rule(names, cfg)
     if leaf == "weight" and "norm" in owner:  # RMSNorm / q-k norms (Mamba2's gated norm below)

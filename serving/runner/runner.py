@@ -67,9 +67,10 @@ log = logging.getLogger(__name__)
 
 
 def fuse_projections_enabled() -> bool:
-    """Fused projections on the single-device path (hybrid_jax/fusion.py): on unless
-    HYBRID_JAX_FUSE_PROJECTIONS=0 (for A/B measurements; the executable store keys on it).
-    Tensor-parallel runners never fuse (a fused matrix's column shards would mix heads)."""
+    """Fused projections (hybrid_jax/fusion.py): on unless HYBRID_JAX_FUSE_PROJECTIONS=0
+    (for A/B measurements; the executable store keys on it). Tensor-parallel runners fuse
+    each device's local model (`Runner._fuse_local`), never the global one (a fused
+    matrix's column shards would mix heads)."""
     return switches.fuse_projections()
 
 
@@ -262,13 +263,18 @@ class ModelRunner:
         tp.check_weights_shardable(model, n)
         fp8 = tp.fp8_layout(model)  # FP8 kernels and their block scales split together
         local = tp.local_abstract_model(self.cfg, n, model.dtype, fp8)
-        self.graphdef, local_state = nnx.split(local)
-        self.layout = plan_layout(local_state)
+        local_graph, local_state = nnx.split(local)
         state = nnx.state(model)
         per_device = []
         for d, dev in enumerate(mesh.devices.flat):
-            bufs = pack_host(self.layout, tp.shard_params(self.cfg, state, n, d, local_state, fp8))
+            leaves = tp.shard_params(self.cfg, state, n, d, local_state, fp8)
+            if fuse_projections_enabled():
+                leaves = self._fuse_local(local_graph, local_state, leaves)
+            else:
+                self.graphdef, self.layout = local_graph, plan_layout(local_state)
+            bufs = pack_host(self.layout, leaves)
             per_device.append([jax.device_put(b, dev) for b in bufs])
+            del leaves, bufs
         split = NamedSharding(mesh, PartitionSpec(tp.AXIS))
         self.params = tuple(
             jax.make_array_from_single_device_arrays((n * size,), split, [bufs[i] for bufs in per_device])
@@ -286,6 +292,20 @@ class ModelRunner:
         self.ckpts = sharded_zeros(ckpt_shapes) if ckpt_shapes is not None else None
         sharding = lambda tree: None if tree is None else jax.tree.map(lambda x: x.sharding, tree)
         self.shardings = Shardings(mesh, split, sharding(self.caches), sharding(self.ckpts))
+
+    def _fuse_local(self, local_graph, local_state, leaves: list[np.ndarray]) -> list[np.ndarray]:
+        """One device's local model fused as the single-device path fuses the whole model
+        (hybrid_jax/fusion.py: fused input / output projections, transposed kernels, the
+        stacks the decode kernels read in place), built on the host; sets the fused
+        graphdef and layout (the same for every device) -> the fused leaves."""
+        with jax.default_device(tp.host_device()):
+            shard = nnx.merge(local_graph, jax.tree.unflatten(jax.tree.structure(local_state), leaves))
+            fused = fuse_projections(shard)
+            self.graphdef, fused_state = nnx.split(fused)
+            self.transposed = True
+            stacks = kernel_stacks(fused)
+            self.layout = plan_layout(fused_state, own=lambda x: tuple(x.shape) in stacks)
+            return [np.asarray(x) for x in jax.tree.leaves(fused_state)]
 
     @property
     def param_bytes_per_device(self) -> int:

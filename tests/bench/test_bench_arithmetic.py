@@ -79,3 +79,54 @@ def test_parse_ints_and_summaries():
     assert s == {"count": 4, "mean": 2500.0, "p50": 2500.0, "p90": pytest.approx(3700.0),
                  "p99": pytest.approx(3970.0)}
     assert summarize([]) == {"count": 0}
+
+
+def test_peak_output_rate_counts_tokens_per_second_window_by_hand():
+    from serving.entrypoints.bench.load import Record, peak_output_tok_s
+
+    # Sent at 10.0. A: 4 one-token messages at 10.1, 10.2, 11.5, 11.6; B: 2 messages of 3
+    # tokens each (an OpenAI chunk may carry several) at 10.9 and 12.0. Windows from 10.0:
+    # [10, 11) holds 1 + 1 + 3 = 5 tokens, [11, 12) 2, [12, 13) 3.
+    a = Record(5, 4, sent=10.0, token_times=[10.1, 10.2, 11.5, 11.6], output_tokens=4, end=11.6)
+    b = Record(5, 6, sent=10.0, token_times=[10.9, 12.0], output_tokens=6, end=12.0)
+    assert peak_output_tok_s([a, b]) == pytest.approx(5.0)
+    assert peak_output_tok_s([a, b], window_s=2.0) == pytest.approx(7 / 2)  # [10, 12): 7 tokens
+    assert peak_output_tok_s([]) == 0.0
+
+
+def test_reference_workload_table_and_flags():
+    import argparse
+
+    from benchmarks.reference_workload import VLLM, bench_command, format_table, serve_command, table
+    from serving.entrypoints.bench.args import add_args
+
+    p = argparse.ArgumentParser()
+    add_args(p)
+    assert p.parse_args(["serving", "--max-concurrency", "16"]).concurrency == 16  # vLLM's flag name
+    res = {"completed": 510, "failed": 2, "duration_s": 100.0, "request_throughput": 5.1,
+           "output_tok_s": 2000.0, "peak_output_tok_s": 2500.0, "total_tok_s": 20000.0,
+           "ttft_ms": {"mean": 90.0, "p50": 80.0, "p99": 900.0},
+           "tpot_ms": {"mean": 7.0, "p50": 6.5, "p99": 8.0},
+           "itl_ms": {"count": 0}, "e2e_ms": {"mean": 4000.0, "p50": 3900.0, "p99": 5000.0}}
+    rows = {name: (ours, theirs) for name, ours, theirs in table(res)}
+    assert rows["Output token throughput (tok/s)"] == (2000.0, VLLM["output_tok_s"])
+    assert rows["TTFT median (ms)"] == (80.0, 84.0) and rows["TPOT p99 (ms)"] == (8.0, 7.95)
+    assert rows["ITL mean (ms)"] == (None, None)  # no ITL samples: left empty, not zero
+    assert "Spec. acceptance rate" not in rows  # only with speculation's gauges
+    gauges = {"spec_acceptance_rate": 0.01, "spec_mean_accepted_length": 1.02}
+    spec = {name: v for name, v, _ in table(res | gauges)}
+    assert spec["Spec. mean accepted length (tokens/step)"] == 1.02
+    text = format_table(table(res))
+    assert "2,300.00" in text and "Failed requests" in text
+    a = argparse.Namespace(model="qwen3.5-35b-a3b", tp=2, max_num_seqs=64, max_model_len=8192,
+                           max_num_batched_tokens=8192, num_requests=512, memory_fraction=0.9,
+                           quantization="fp8", speculative_tokens=2, serve_args=[], max_concurrency=16,
+                           input_len=4400, output_len=512, range_ratio=0.1)
+    serve = " ".join(serve_command(a))
+    for flag in ("--tensor-parallel-size 2", "--enable-prefix-caching", "--max-num-seqs 64", "--http-port 0",
+                 "--quantization fp8", "--speculative-method mtp --num-speculative-tokens 2"):
+        assert flag in serve, flag
+    bench = " ".join(bench_command(a, 8000, "out"))
+    for flag in ("--backend openai", "--server http://127.0.0.1:8000", "--max-concurrency 16",
+                 "--num-requests 512", "--input-len 4400", "--output-len 512"):
+        assert flag in bench, flag

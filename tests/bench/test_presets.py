@@ -50,6 +50,7 @@ def test_qwen_gated_deltanet_presets():
     assert (moe.moe.num_experts, moe.moe.top_k, nxt.moe.num_experts, nxt.moe.top_k) == (256, 8, 512, 10)
     assert nxt.gated_deltanet.grouped_projections and not moe.gated_deltanet.grouped_projections
     assert dense.moe is None and dense.gated_deltanet.num_v_heads == 48
+    assert moe.mtp_num_hidden_layers == 1  # the published checkpoint ships its MTP module
 
 
 def test_full_attention_baseline_matches_the_hybrid_but_for_its_mixers():

@@ -198,6 +198,45 @@ def test_mamba1_presets_split_by_channel(name):
         assert 48e9 < per_device < 56e9, per_device  # half of ~104 GB (the untied head split too)
 
 
+def test_fused_local_models_sum_like_the_unfused_ones():
+    """The runner fuses each device's local model (serving/runner/runner.py, hybrid_jax/fusion.py):
+    a parallel layer's row-parallel o_proj and out_proj become one row-parallel fused_out,
+    whose one psum over the devices gives the sum of the unfused products; the down-
+    projection is held transposed and keeps its psum. (The engines at N = 2 serve fused
+    local models in the child; native-tiny's layers, checked here, are the ones whose
+    fused_out is row-parallel.)"""
+    from hybrid_jax.fusion import fuse_projections
+
+    cfg = load_preset("native-tiny")
+    state = nnx.state(CausalLM(cfg, dtype=np.float32, rngs=nnx.Rngs(0)))
+    graph, local = nnx.split(tp.local_abstract_model(cfg, 2, np.float32))
+    shard = lambda d: nnx.merge(graph, jax.tree.unflatten(  # noqa: E731
+        jax.tree.structure(local), tp.shard_params(cfg, state, 2, d, local)))
+    unfused = [shard(d) for d in range(2)]
+    fused = [fuse_projections(shard(d)) for d in range(2)]
+    rng = np.random.default_rng(0)
+
+    def psum_over_devices(linears, x):  # each device's Linear on its x, under the mesh axis
+        g, _ = nnx.split(linears[0])
+        states = jax.tree.map(lambda *v: jax.numpy.stack(v), *[nnx.state(lin) for lin in linears])
+        return np.asarray(jax.vmap(lambda st, xd: nnx.merge(g, st)(xd), axis_name=tp.AXIS)(states, x))
+
+    for i, block in enumerate(fused[0].layers):
+        assert block.fused_in is not None and block.fused_out.reduce_axis == tp.AXIS, i
+        assert block.fused_out.transposed and block.mlp.down_proj.transposed, i
+        assert block.mlp.down_proj.reduce_axis == tp.AXIS, i
+        pairs = (([m.layers[i].fused_out for m in fused],
+                  [np.concatenate([m.layers[i].attention.o_proj.kernel[...],
+                                   m.layers[i].mamba.out_proj.kernel[...]]) for m in unfused]),
+                 ([m.layers[i].mlp.down_proj for m in fused],
+                  [np.asarray(m.layers[i].mlp.down_proj.kernel[...]) for m in unfused]))
+        for linears, w in pairs:
+            x = rng.standard_normal((2, 3, w[0].shape[0])).astype(np.float32)
+            got = psum_over_devices(linears, x)
+            want = x[0] @ w[0] + x[1] @ w[1]  # the unfused products, summed over the devices
+            np.testing.assert_allclose(got, np.stack([want, want]), rtol=1e-5, atol=1e-5, err_msg=str(i))
+
+
 def test_shards_reassemble_the_parameter():
     """Mamba2's fused in_proj, cut per device, holds each device's z, x, B, C, dt columns
     (Mamba1's its xs and z columns)."""

@@ -55,7 +55,8 @@ def main(args: argparse.Namespace) -> int:
 def _print_summary(res: dict) -> None:
     if res.get("note"):
         print(f"note: {res['note']}")
-    keys = ("requests_per_s", "output_tok_s", "total_tok_s", "sent", "completed", "failures_by_code",
+    keys = ("requests_per_s", "output_tok_s", "peak_output_tok_s", "total_tok_s", "sent", "completed",
+            "failures_by_code",
             "ttft_ms", "tpot_ms", "itl_ms", "e2e_ms", "all_pages_match")
     for k in keys:
         if k in res:

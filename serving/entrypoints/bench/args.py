@@ -64,8 +64,8 @@ def _serving_mode(p: argparse.ArgumentParser) -> None:
                    help="seconds the child server may take to load and compile (default 1800)")
     g.add_argument("--request-rate", type=float, default=math.inf,
                    help="requests/s, Poisson arrivals (default inf: all at once)")
-    g.add_argument("--concurrency", type=int, default=None,
-                   help="most requests in flight (default: no limit)")
+    g.add_argument("--concurrency", "--max-concurrency", type=int, default=None,
+                   help="most requests in flight (default: no limit; --max-concurrency: vLLM's name)")
     g.add_argument("--duration", type=float, default=600.0, help="send nothing after this many seconds")
     g.add_argument("--request-timeout", type=float, default=600.0, help="deadline of each request (s)")
 

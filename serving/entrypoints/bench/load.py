@@ -144,6 +144,7 @@ def report(records: list[Record], wall_s: float) -> dict:
     span = (max(r.end for r in records) - min(r.sent for r in records)) if records else wall_s
     return {
         "sent": len(records), "completed": len(ok), "failed": len(records) - len(ok),
+        "peak_output_tok_s": peak_output_tok_s(ok),
         "failures_by_code": dict(Counter(r.code for r in records if not r.ok)),
         "duration_s": span, "output_tokens": out_tokens,
         "prompt_tokens": sum(r.prompt_len for r in ok),
@@ -153,3 +154,20 @@ def report(records: list[Record], wall_s: float) -> dict:
         "ttft_ms": summarize(ttft, 1e3), "tpot_ms": summarize(tpot, 1e3),
         "itl_ms": summarize(itl, 1e3), "e2e_ms": summarize(e2e, 1e3),
     }
+
+
+def peak_output_tok_s(records: list[Record], window_s: float = 1.0) -> float:
+    """The most output tokens that arrived in one window of `window_s` seconds (windows
+    from the first send, as vLLM's peak output throughput), divided by it. A message that
+    carries several tokens (an OpenAI stream chunk) counts them all at its arrival."""
+    if not records:
+        return 0.0
+    t0 = min(r.sent for r in records)
+    bins: Counter = Counter()
+    for r in records:
+        if not r.token_times:
+            continue
+        each = r.output_tokens / len(r.token_times)  # tokens per message (1 on gRPC)
+        for t in r.token_times:
+            bins[int((t - t0) // window_s)] += each
+    return max(bins.values(), default=0.0) / window_s
