@@ -220,6 +220,21 @@ def _jax_one(name, fn, routed, batched, layout, want, reps, opts, floor_us, flop
     _record(row, name, us, kernels, gemm or us, floor_us, flops, err)
 
 
+def run_head(shapes: dict, bw: float) -> dict:
+    """The first JSON line of a run: device, copy bandwidth, shapes, date, jax version."""
+    return {"device": str(jax.devices()[0]), "copy_TBps": bw / 1e12, "shapes": shapes,
+            "date": time.strftime("%Y-%m-%d"), "jax": jax.__version__}
+
+
+def random_experts(shapes: dict) -> tuple[jax.Array, jax.Array]:
+    """bf16 expert stacks (gate/up [e, d, 2f], down [e, f, d]), scaled to unit-size outputs."""
+    d, e, f = shapes["d"], shapes["e"], shapes["f"]
+    key = jax.random.key(0)
+    gu = jax.random.normal(key, (e, d, 2 * f), jnp.bfloat16) * d**-0.5
+    dn = jax.random.normal(jax.random.fold_in(key, 1), (e, f, d), jnp.bfloat16) * f**-0.5
+    return gu, dn
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", type=int, nargs="+", default=[4096, 1, 8, 64])
@@ -231,13 +246,9 @@ def main() -> None:
     a = p.parse_args()
     shapes = SMOKE if a.smoke else GRANITE_SMALL
     bw = copy_bandwidth(1 << 24 if a.smoke else 1 << 30)
-    head = {"device": str(jax.devices()[0]), "copy_TBps": bw / 1e12, "shapes": shapes,
-            "date": time.strftime("%Y-%m-%d"), "jax": jax.__version__}
+    head = run_head(shapes, bw)
     print(json.dumps(head), flush=True)
-    d, e, f = shapes["d"], shapes["e"], shapes["f"]
-    key = jax.random.key(0)
-    gu = jax.random.normal(key, (e, d, 2 * f), jnp.bfloat16) * d**-0.5
-    dn = jax.random.normal(jax.random.fold_in(key, 1), (e, f, d), jnp.bfloat16) * f**-0.5
+    gu, dn = random_experts(shapes)
     opts = compile_options()
     for t in a.tokens:
         row = run_case(t, shapes, gu, dn, bw, a.reps, opts, a.smoke, a.vllm, a.variants)

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.moe import _time_us, routing
+from benchmarks.moe import _time_us, random_experts, routing, run_head
 from hybrid_jax.layers.fp8 import quantize_stack
 from hybrid_jax.layers.moe import routed_experts, routed_reference
 from hybrid_jax.presets import load_preset
@@ -147,13 +147,9 @@ def main() -> None:
     a = p.parse_args()
     s = SMOKE if a.smoke else shapes_of(PRESET)
     bw = copy_bandwidth(1 << 24 if a.smoke else 1 << 30)
-    head = {"device": str(jax.devices()[0]), "copy_TBps": bw / 1e12, "shapes": s,
-            "date": time.strftime("%Y-%m-%d"), "jax": jax.__version__}
+    head = run_head(s, bw)
     print(json.dumps(head), flush=True)
-    d, e, f = s["d"], s["e"], s["f"]
-    key = jax.random.key(0)
-    gu = jax.random.normal(key, (e, d, 2 * f), jnp.bfloat16) * d**-0.5
-    dn = jax.random.normal(jax.random.fold_in(key, 1), (e, f, d), jnp.bfloat16) * f**-0.5
+    gu, dn = random_experts(s)
     qgu, sgu = quantize_stack(gu, BLOCK, glu=True)
     qdn, sdn = quantize_stack(dn, BLOCK)
     stacks = dict(gu=gu, dn=dn, qgu=qgu, sgu=sgu, qdn=qdn, sdn=sdn)
