@@ -139,10 +139,10 @@ class EngineConfig:
                      "tensor_parallel_size", "admission_interval_steps"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
-        if self.tensor_parallel_size > 1 and self.speculative_method is not None:
+        if self.tensor_parallel_size > 1 and self.speculative_method == "draft":
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} with speculative_method="
-                             f"{self.speculative_method!r}: speculative decoding does not run "
-                             "tensor-parallel yet; use tensor_parallel_size=1 or no speculative_method")
+                             "'draft': the draft model's runner does not run tensor-parallel yet; "
+                             "use speculative_method 'ngram' or 'mtp', or tensor_parallel_size=1")
         if self.memory_fraction is not None and not 0.0 < self.memory_fraction <= 1.0:
             raise ValueError(f"memory_fraction={self.memory_fraction} must be in (0, 1]")
         if self.max_model_len is not None and self.max_model_len < 2:

@@ -130,11 +130,10 @@ class ModelRunner:
         # speculative_method="mtp": the MTP head's K/V (pages of the group it shares,
         # hybrid_jax/mtp_ragged.py) and the target steps' hidden states for the MTP step.
         self.mtp_k, self.dtype = mtp_k, model.dtype
-        if mtp_k and (n > 1 or switches.sharded_runner()):
-            raise ValueError("speculative_method='mtp' does not run tensor-parallel yet")
-        mtp_shapes = jax.eval_shape(lambda: mtp_init_caches(
-            self.cfg, num_pages=num_pages[mtp_group(self.cfg)], page_size=page_size,
+        mtp_shapes = jax.eval_shape(lambda: mtp_init_caches(  # one device's (split like the caches)
+            local, num_pages=num_pages[mtp_group(self.cfg)], page_size=page_size,
             dtype=model.dtype)) if mtp_k else None
+        self.mtp_shardings = None
         self.hidden: tuple[Bucket, jax.Array] | None = None  # the last target step's (bucket, [t, d])
         self.mtp_caches = None
         # HYBRID_JAX_SHARDED_RUNNER=1 runs the tensor-parallel path (packed shards, shard_map,
@@ -166,7 +165,7 @@ class ModelRunner:
             if kv_scales is not None:
                 raise ValueError("FP8 KV pages do not run on the tensor-parallel path yet "
                                  "(tensor_parallel_size > 1 or HYBRID_JAX_SHARDED_RUNNER=1)")
-            self._place_sharded(model, cache_shapes, ckpt_shapes)
+            self._place_sharded(model, cache_shapes, ckpt_shapes, mtp_shapes)
         self.stats = jax.device_put(init_token_stats(num_slots, self.cfg.vocab_size), self.replicated)
         self.ring_widths = ring_widths
         self.page_size = page_size
@@ -187,9 +186,6 @@ class ModelRunner:
         # Speculative decoding: verification buckets of b sequences x spec_q tokens, for
         # the decode ladder's sizes up to spec_max_seqs (speculation is off above it),
         # each compiled with and without the sampling filters.
-        if spec_q and self.shardings is not None:
-            raise ValueError("speculative decoding does not run tensor-parallel yet "
-                             "(tensor_parallel_size > 1 or HYBRID_JAX_SHARDED_RUNNER=1)")
         self.spec_q = spec_q
         self.verify_buckets: list[Bucket] = []
         self.verify_layouts: dict[Bucket, HostLayout] = {}
@@ -256,9 +252,10 @@ class ModelRunner:
             sampling = SamplingArrays.from_rows([{}] * b)
             self.sampler_layouts[b] = host_layout((sampling, np.zeros(b, np.int32))).padded(size[b])
 
-    def _place_sharded(self, model: CausalLM, cache_shapes, ckpt_shapes) -> None:
+    def _place_sharded(self, model: CausalLM, cache_shapes, ckpt_shapes, mtp_shapes=None) -> None:
         """Tensor parallelism: each device's parameter shard, packed on the host and put on
-        that device only; caches and checkpoints created sharded (by head / channel)."""
+        that device only; caches, checkpoints and the MTP head's K/V created sharded (by
+        head / channel)."""
         n, mesh = self.mesh.size, self.mesh
         tp.check_weights_shardable(model, n)
         fp8 = tp.fp8_layout(model)  # FP8 kernels and their block scales split together
@@ -291,6 +288,9 @@ class ModelRunner:
         self.caches = sharded_zeros(cache_shapes)
         self.ckpts = sharded_zeros(ckpt_shapes) if ckpt_shapes is not None else None
         sharding = lambda tree: None if tree is None else jax.tree.map(lambda x: x.sharding, tree)
+        if mtp_shapes is not None:
+            self.mtp_caches = sharded_zeros(mtp_shapes)
+            self.mtp_shardings = sharding(self.mtp_caches)
         self.shardings = Shardings(mesh, split, sharding(self.caches), sharding(self.ckpts))
 
     def _fuse_local(self, local_graph, local_state, leaves: list[np.ndarray]) -> list[np.ndarray]:
@@ -369,13 +369,15 @@ class ModelRunner:
             buf = jax.ShapeDtypeStruct((host.size,), jnp.int32)
             outs = self.results.sync_shapes("verify", bucket)
             for filters in (False, True):
-                fn = _verify_fn(self.graphdef, self.layout, self.spec_q, host, filters, bool(self.mtp_k))
+                fn = _verify_fn(self.graphdef, self.layout, self.spec_q, host, filters, bool(self.mtp_k),
+                                self.shardings)
                 add((bucket, filters), fn, (self.params, self.caches, buf, outs),
                     ("verify", bucket, filters, self.spec_q, repr(host), bool(self.mtp_k)))
         for bucket, host in self.mtp_layouts.items():
             buf = jax.ShapeDtypeStruct((host.size,), jnp.int32)
             hid = jax.ShapeDtypeStruct((bucket.tokens, self.cfg.hidden_size), self.dtype)
-            add(("mtp", bucket), _mtp_fn(self.graphdef, self.layout, self.mtp_k, host, bucket.decode),
+            add(("mtp", bucket), _mtp_fn(self.graphdef, self.layout, self.mtp_k, host, bucket.decode,
+                                         self.shardings, self.mtp_shardings),
                 (self.params, self.mtp_caches, hid, buf, self.last_tokens),
                 ("mtp", bucket, self.mtp_k, repr(host)))
         for bucket in self.multi_buckets:

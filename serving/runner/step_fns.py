@@ -217,11 +217,11 @@ def _forward_fn(graphdef: nnx.GraphDef, layout: PackLayout, decode: bool, host: 
         return forward_ragged(model, batch, caches, decode=decode, hidden=hidden)
 
     if sh is not None:
-        assert not hidden, "the MTP step does not run tensor-parallel"
         cache_specs = sh.specs(sh.caches)
         inner = jax.shard_map(inner, mesh=sh.mesh,
                               in_specs=(PartitionSpec(tp.AXIS), cache_specs, PartitionSpec()),
-                              out_specs=(PartitionSpec(), cache_specs), check_vma=False)
+                              out_specs=(PartitionSpec(), cache_specs) + ((PartitionSpec(),) * hidden),
+                              check_vma=False)
 
     def model_forward(params, caches, batch):  # -> (logits, caches, hidden states or None)
         out = inner(params, caches, batch)
@@ -230,7 +230,7 @@ def _forward_fn(graphdef: nnx.GraphDef, layout: PackLayout, decode: bool, host: 
     if sh is not None:
         r = NamedSharding(sh.mesh, PartitionSpec())
         ins = (sh.params, sh.caches, r, r, r) + ((sh.ckpts,) if ckpt_ops else ()) + (r,)
-        outs = (sh.caches, r, r, r) + ((sh.ckpts,) if ckpt_ops else ())
+        outs = (sh.caches, r, r, r) + ((sh.ckpts,) if ckpt_ops else ()) + ((r,) if hidden else ())
         jit = functools.partial(jit, in_shardings=ins, out_shardings=outs)
 
     def model_step(params, caches, stats: TokenStats, batch: RaggedBatch, feed, last_tokens, prompt_len):
@@ -271,7 +271,7 @@ def _forward_fn(graphdef: nnx.GraphDef, layout: PackLayout, decode: bool, host: 
 
 
 def _verify_fn(graphdef: nnx.GraphDef, layout: PackLayout, q: int, host: HostLayout,
-               filters: bool, hidden: bool = False) -> Callable:
+               filters: bool, hidden: bool = False, sh: Shardings | None = None) -> Callable:
     """A verification step: forward over q tokens per sequence, acceptance, state choice.
 
     One executable: the forward keeps every recurrent state after each of the q
@@ -280,11 +280,12 @@ def _verify_fn(graphdef: nnx.GraphDef, layout: PackLayout, q: int, host: HostLay
     slots. Penalty statistics are not updated (rows with penalties are never verified).
     `filters`: top-k / top-p / min-p (a vocabulary sort per token; off when no row asks).
     `hidden`: also return the LM head's input at every token [t, d], last (`_mtp_fn`).
+    With `sh` (tensor parallelism) all of it runs per device under `shard_map`: the
+    logits come out of the forward whole on every device, so each device accepts the
+    same drafts and chooses its own shard of the states.
     """
 
-    def verify(params, caches, buf, outs):
-        del outs  # donated: the results are written into these buffers (see `_forward_fn`)
-        batch, num_drafts, sampling = host.unpack(buf, stage=True)
+    def core(params, caches, batch, num_drafts, sampling):
         model = nnx.merge(graphdef, unpack(layout, params))
         logits, caches, candidates, *hid = forward_verify(model, batch, caches, q, hidden=hidden)
         b = batch.slot_ids.shape[0]
@@ -292,11 +293,26 @@ def _verify_fn(graphdef: nnx.GraphDef, layout: PackLayout, q: int, host: HostLay
                                filters=filters)
         return choose(caches, candidates, batch.slot_ids, accepted, model.cfg), out, accepted, *hid
 
-    return jax.jit(verify, donate_argnums=(1, 3), keep_unused=True)
+    jit = functools.partial(jax.jit, keep_unused=True)
+    if sh is not None:
+        rep, cache_specs = PartitionSpec(), sh.specs(sh.caches)
+        core = jax.shard_map(core, mesh=sh.mesh,
+                             in_specs=(PartitionSpec(tp.AXIS), cache_specs, rep, rep, rep),
+                             out_specs=(cache_specs, rep, rep) + ((rep,) if hidden else ()), check_vma=False)
+        r = NamedSharding(sh.mesh, rep)
+        jit = functools.partial(jit, in_shardings=(sh.params, sh.caches, r, r),
+                                out_shardings=(sh.caches, r, r) + ((r,) if hidden else ()))
+
+    def verify(params, caches, buf, outs):
+        del outs  # donated: the results are written into these buffers (see `_forward_fn`)
+        batch, num_drafts, sampling = host.unpack(buf, stage=sh is None)
+        return core(params, caches, batch, num_drafts, sampling)
+
+    return jit(verify, donate_argnums=(1, 3))
 
 
 def _mtp_fn(graphdef: nnx.GraphDef, layout: PackLayout, k: int, host: HostLayout,
-            decode: bool) -> Callable:
+            decode: bool, sh: Shardings | None = None, mtp_shardings=None) -> Callable:
     """The MTP step after a target step (serving/spec_decode/mtp.py): the head over the
     step's tokens shifted by one, with the target's hidden states, then k greedy drafts
     per sequence (hybrid_jax/mtp_ragged.py `mtp_propose`).
@@ -304,18 +320,30 @@ def _mtp_fn(graphdef: nnx.GraphDef, layout: PackLayout, k: int, host: HostLayout
     Host inputs: the shifted batch (the shared group's page tables only; `last_token`
     the last valid token of each row) and `feed` [t] (>= 0: the token is row feed[i] of
     `src`, the target step's samples still on the device). Returns (the head's K/V,
-    drafts [b, k] int32); the head's K/V are donated.
+    drafts [b, k] int32); the head's K/V are donated. With `sh` (tensor parallelism) the
+    head runs per device on its shard under `shard_map` (`mtp_shardings`: its K/V's).
     """
 
-    def mtp_step(params, mtp_caches, hidden, buf, src):
-        batch, feed = host.unpack(buf, stage=True)
+    def core(params, mtp_caches, hidden, batch):
         model = nnx.merge(graphdef, unpack(layout, params))
-        tokens = jnp.where(feed >= 0, src[jnp.maximum(feed, 0)], batch.tokens)
-        drafts, mtp_caches = mtp_propose(model, batch._replace(tokens=tokens), mtp_caches,
-                                         hidden, k, decode=decode)
+        drafts, mtp_caches = mtp_propose(model, batch, mtp_caches, hidden, k, decode=decode)
         return mtp_caches, drafts
 
-    return jax.jit(mtp_step, donate_argnums=(1,))
+    jit = jax.jit
+    if sh is not None:
+        rep, specs = PartitionSpec(), sh.specs(mtp_shardings)
+        core = jax.shard_map(core, mesh=sh.mesh, in_specs=(PartitionSpec(tp.AXIS), specs, rep, rep),
+                             out_specs=(specs, rep), check_vma=False)
+        r = NamedSharding(sh.mesh, rep)
+        jit = functools.partial(jit, in_shardings=(sh.params, mtp_shardings, r, r, r),
+                                out_shardings=(mtp_shardings, r))
+
+    def mtp_step(params, mtp_caches, hidden, buf, src):
+        batch, feed = host.unpack(buf, stage=sh is None)
+        tokens = jnp.where(feed >= 0, src[jnp.maximum(feed, 0)], batch.tokens)
+        return core(params, mtp_caches, hidden, batch._replace(tokens=tokens))
+
+    return jit(mtp_step, donate_argnums=(1,))
 
 
 def decode_rows(batch: RaggedBatch, q: int) -> Callable[[jax.Array], RaggedBatch]:

@@ -273,6 +273,48 @@ def check_fp8(results: dict) -> None:
             ("tensor_parallel_size=2" in msg and "scale blocks" in msg) or msg)
 
 
+def check_mtp(results: dict) -> None:
+    """MTP speculation at tp=2 with prefix caching (verification, the state choice and the
+    head's step per device shard) against plain greedy decoding at tp=1: the same tokens while the reference's
+    margin is clear, with drafts verified and some accepted (a head built to agree)."""
+    from tests.serving.mtp_helpers import agreeing_head, native_with_mtp
+
+    lm = native_with_mtp()
+    agreeing_head(lm, 0.1)
+    ps = prompts(lm.config.vocab_size)
+    ps.append(ps[2][:24] + ps[0])  # resumes from the 30-token prompt's cached prefix
+
+    def eng(n: int, **kw) -> LLMEngine:
+        settings = dict(max_num_seqs=4, max_num_batched_tokens=32, max_prefill_chunk=7, max_model_len=64,
+                        page_size=8, seq_buckets=(4,), token_buckets=(32,), tensor_parallel_size=n,
+                        compilation_cache_dir=None) | kw
+        return LLMEngine(lm, EngineConfig(**settings), show_progress=False)
+
+    ref = run(eng(1), ps, GREEDY)  # plain decoding; logprobs give the margins
+    # the reference workload's settings: MTP k=2 with prefix caching (state checkpoints split too)
+    e2 = eng(2, speculative_method="mtp", num_speculative_tokens=2, enable_prefix_caching=True,
+             prefix_state_stride=16)
+    out = run(e2, ps, SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True))  # verified
+
+    def same() -> bool | str:
+        compared = 0
+        for r, o in zip(ref, out, strict=True):
+            for i, (rt, ot, rl) in enumerate(zip(r.token_ids, o.token_ids, r.logprobs, strict=True)):
+                top = sorted(rl.values(), reverse=True)
+                if top[0] - top[1] <= MARGIN:
+                    break
+                if rt != ot:
+                    return f"token {i} of request {r.request_id}: {ot} != reference {rt}"
+                compared += 1
+        return compared >= len(ref) * NEW // 2 or f"only {compared} tokens compared"
+
+    results["mtp: tp=2 greedy == tp=1 plain (margin-aware)"] = same()
+    st = e2.stats()
+    results["mtp: tp=2 verified drafts, some accepted, prefix cache hits"] = (
+        st["spec_verify_steps"] > 0 and st["spec_accepted_tokens"] > 0
+        and st["prefix_cache_hit_tokens"] >= 16) or f"{st}"
+
+
 def refusals(results: dict) -> None:
     cfg = models()["ssm"]
     for n, want in ((8, "devices"), (3, "attention heads")):
@@ -366,6 +408,8 @@ def main() -> None:
                 check_model(name, cfg, results)
         if not only or "fp8" in only:
             check_fp8(results)
+        if not only or "mtp" in only:
+            check_mtp(results)
     except Exception:  # report, then fail the test that reads it
         results["child crashed"] = traceback.format_exc()
     print("RESULTS " + json.dumps({k: (v if v is True else str(v)) for k, v in results.items()}))

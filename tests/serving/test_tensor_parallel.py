@@ -70,6 +70,14 @@ def test_moe_kernel_runs_on_device_shards(child_results):
 
 
 @pytest.mark.slow
+def test_mtp_speculation_at_tp2_equals_plain_greedy(child_results):
+    """MTP drafts verified per device shard (n-gram speculation shares the verification step)."""
+    assert "child crashed" not in child_results, child_results["child crashed"]
+    mine = {k: v for k, v in child_results.items() if k.startswith("mtp:")}
+    assert len(mine) == 2 and all(v is True for v in mine.values()), mine
+
+
+@pytest.mark.slow
 def test_sharded_fp8_weights_equal_single_device(child_results):
     assert "child crashed" not in child_results, child_results["child crashed"]
     mine = {k: v for k, v in child_results.items() if k.startswith("fp8:")}
@@ -263,8 +271,9 @@ def test_shards_reassemble_the_parameter():
 def test_refusals_name_the_setting():
     with pytest.raises(ValueError, match="tensor_parallel_size=0"):
         EngineConfig(tensor_parallel_size=0)
-    with pytest.raises(ValueError, match="tensor_parallel_size=2 with speculative_method='ngram'"):
-        EngineConfig(tensor_parallel_size=2, speculative_method="ngram")
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 with speculative_method='draft'"):
+        EngineConfig(tensor_parallel_size=2, speculative_method="draft", speculative_model="x")
+    EngineConfig(tensor_parallel_size=2, speculative_method="ngram")  # n-gram and MTP: sharded
     with pytest.raises(ValueError, match=r"tensor_parallel_size=2 needs 2 devices.*1 cpu"):
         tp.make_mesh(2)
     cfg = load_preset("recurrentgemma-2b")  # 10 heads, 1 KV head
