@@ -16,6 +16,7 @@ loop's clock.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 
@@ -35,7 +36,7 @@ def run(engine: LLMEngine, rate: float, prompts: list[list[int]], outs: list[int
     arrive = np.cumsum(gaps)
     times: dict[str, list[float]] = {}
     t0, i, done = time.perf_counter(), 0, 0
-    tag = f"{rate}-{engine.scheduler.admit_every}-"
+    tag = f"{rate}-{engine.scheduler.config.admission_interval_steps}-"
     while done < n:
         now = time.perf_counter() - t0
         while i < n and arrive[i] <= now:
@@ -57,7 +58,7 @@ def run(engine: LLMEngine, rate: float, prompts: list[list[int]], outs: list[int
         ttft.append(1e3 * (ts[0] - arrive[k]))
         tpot.append(1e3 * (ts[-1] - ts[0]) / (len(ts) - 1))
     pct = lambda x, q: round(float(np.percentile(x, q)), 2)  # noqa: E731
-    return {"rate": rate, "admit_every": engine.scheduler.admit_every, "requests": n,
+    return {"rate": rate, "admit_every": engine.scheduler.config.admission_interval_steps, "requests": n,
             "ttft_ms": {"p50": pct(ttft, 50), "p90": pct(ttft, 90), "p99": pct(ttft, 99)},
             "tpot_ms": {"p50": pct(tpot, 50), "p90": pct(tpot, 90), "p99": pct(tpot, 99)},
             "tpot_p99_over_p50": round(pct(tpot, 99) / pct(tpot, 50), 3),
@@ -95,7 +96,9 @@ def main() -> None:
     results = []
     for rate in [float(r) for r in a.rates.split(",")]:
         for every in [int(x) for x in a.intervals.split(",")]:
-            engine.scheduler.admit_every = every
+            # one engine, the interval switched between runs (it only times admissions)
+            engine.scheduler.config = dataclasses.replace(engine.scheduler.config,
+                                                          admission_interval_steps=every)
             results.append(run(engine, rate, prompts, outs, seed=2))
             print(json.dumps(results[-1]), flush=True)
     emit(a.out, {"model": a.model, "dtype": a.dtype, "results": results})

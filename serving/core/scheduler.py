@@ -11,8 +11,8 @@ Policy (FCFS by arrival):
   3. admission of waiting sequences (FCFS, stopping at the first that does not
      fit; none at all in a step that preempted): a free slot, fewer than
      max_num_seqs running, token budget left, and pages for its chunk; while
-     sequences run, only in a step `admit_every` or more steps after the last admission
-     or when `admit_batch` or more wait.
+     sequences run, only in a step `admission_interval_steps` or more steps after the
+     last admission or when `admission_batch` or more wait (SchedulerConfig).
 A chunk is min(tokens left, max_prefill_chunk, budget left, what the free pages
 hold). The oldest running sequence is never preempted for a newer one, and a
 sequence alone always fits (SchedulerConfig checks it), so every step makes
@@ -135,12 +135,8 @@ class Scheduler:
         # Limits in force (`set_limits`): the config's, or lower ones while the engine's
         # larger executables are still compiling (serving/engine/llm_engine.py).
         self.max_num_seqs, self.max_num_batched_tokens = config.max_num_seqs, config.max_num_batched_tokens
-        # Admission interval: while sequences run, waiting ones are admitted only in a step
-        # at least `admit_every` steps after the last admission (1: every step), so that
-        # prompts arriving close together share one mixed step (each mixed step costs the
-        # running decodes a fixed ~3 ms on a GPU). Admission timing never changes outputs.
-        self.admit_every = 1
-        self.admit_batch = 2  # ... or when this many wait: coalescing has enough to share a step
+        # Steps since the last admission (config.admission_interval_steps: each mixed step
+        # costs the running decodes a fixed ~3 ms on a GPU, so close arrivals may share one).
         self._since_admit = 0
         self.prefix = (PrefixCache(self.groups, config.page_size, config.prefix_state_stride,
                                    config.num_checkpoints) if config.prefix_caching else None)
@@ -542,8 +538,8 @@ class Scheduler:
 
     def _can_admit(self) -> bool:
         return (bool(self.waiting) and len(self.running) < self.max_num_seqs and self.slots.num_free > 0
-                and (self.admit_every <= 1 or self._since_admit >= self.admit_every or not self.running
-                     or len(self.waiting) >= self.admit_batch))
+                and (self._since_admit >= self.config.admission_interval_steps or not self.running
+                     or len(self.waiting) >= self.config.admission_batch))
 
     def _fit(self, seq: Sequence, want: int) -> int:
         """Largest chunk <= want whose new pages are free in every group (may be 0)."""

@@ -49,6 +49,11 @@ class SchedulerConfig:
     num_checkpoints: size of the state checkpoint pool including the dummy index 0;
       0 when the model has no recurrent state (attention groups alone resume a hit).
     max_checkpoint_ops: checkpoint restores (and, separately, saves) per step at most.
+    admission_interval_steps: while sequences run, waiting ones are admitted only in a step
+      at least this many steps after the last admission (1: every step), so that prompts
+      arriving close together share one mixed step; admission timing never changes outputs.
+    admission_batch: ... or when this many wait (coalescing has enough to share a step);
+      None: as many prompts as one step's budget takes in full chunks, at least 2.
     """
 
     max_num_seqs: int
@@ -62,8 +67,15 @@ class SchedulerConfig:
     prefix_state_stride: int = 256
     num_checkpoints: int = 0
     max_checkpoint_ops: int = 8
+    admission_interval_steps: int = 1
+    admission_batch: int | None = None
 
     def __post_init__(self) -> None:
+        _check_int("admission_interval_steps", self.admission_interval_steps, 1)
+        if self.admission_batch is None:
+            object.__setattr__(self, "admission_batch",
+                               max(2, self.max_num_batched_tokens // self.max_prefill_chunk))
+        _check_int("admission_batch", self.admission_batch, 1)
         _check_int("max_num_seqs", self.max_num_seqs, 1)
         _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
         _check_int("max_prefill_chunk", self.max_prefill_chunk, 1)

@@ -400,7 +400,8 @@ def plan_pools(model: ModelConfig, cfg: EngineConfig, *, free_bytes: int | None,
         max_prefill_chunk=min(cfg.max_prefill_chunk, cfg.max_num_batched_tokens),
         max_model_len=max_len, page_size=cfg.page_size, num_slots=slots, groups=groups,
         prefix_caching=cfg.enable_prefix_caching, prefix_state_stride=cfg.prefix_state_stride,
-        num_checkpoints=ckpts, max_checkpoint_ops=min(8, max_seqs))
+        num_checkpoints=ckpts, max_checkpoint_ops=min(8, max_seqs),
+        admission_interval_steps=cfg.admission_interval_steps)
     return PoolPlan(sched, page_bytes, slot_bytes, ckpts, ckpt_bytes if ckpts else 0)
 
 

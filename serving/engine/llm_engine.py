@@ -153,9 +153,6 @@ class LLMEngine:
             min_slots=decode_row_floor() + 1)
         sc = self.plan.scheduler
         self.scheduler = Scheduler(sc, eos_token_ids=lm.config.eos_token_ids)
-        self.scheduler.admit_every = self.config.admission_interval_steps
-        # as many prompts as one step's budget takes in full chunks: no reason to wait for more
-        self.scheduler.admit_batch = max(2, sc.max_num_batched_tokens // sc.max_prefill_chunk)
         multi_seqs = min(self.config.multi_step_max_seqs, sc.max_num_seqs)  # the plan may lower max_num_seqs
         # FP8 KV: static per-layer scales from one calibration prefill (hybrid_jax/kv_quant.py)
         kv_scales = (calibrate_kv_scales(lm.model, self.config.kv_scale)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -254,12 +255,11 @@ def test_pure_ssm_model_without_attention_groups() -> None:
 
 
 def test_admission_interval_and_lowered_limits_keep_outputs() -> None:
-    """admit_every: while sequences run, a waiting one is admitted only 4+ steps after the
+    """admission_interval_steps: while sequences run, a waiting one is admitted only 4+ steps after the
     last admission or when 3 wait; set_limits: at most 2 running and 8 tokens a step until
     lifted. Prompts arrive one every other step; every output equals the reference."""
-    config = _config()
+    config = dataclasses.replace(_config(), admission_interval_steps=4, admission_batch=3)
     scheduler, runner = Scheduler(config), FakeRunner(config)
-    scheduler.admit_every, scheduler.admit_batch = 4, 3
     scheduler.set_limits(2, 8)
     with pytest.raises(ValueError, match="max_num_batched_tokens=17"):
         scheduler.set_limits(2, 17)
