@@ -120,6 +120,14 @@ def jax_products(rows: int, k: int, n: int, chain: int, reps: int) -> dict[str, 
     return out
 
 
+def torch_operands(torch, rows: int, k: int, n: int, chain: int):
+    """On the GPU: x [rows, k] and `chain` weights [n, k] (scaled to unit-size outputs), in
+    bf16 and cast to e4m3 (the anchors' operands)."""
+    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+    ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k**-0.5 for _ in range(chain)]
+    return x, ws, x.to(torch.float8_e4m3fn), [w.to(torch.float8_e4m3fn) for w in ws]
+
+
 def torch_products(rows: int, k: int, n: int, chain: int, reps: int) -> dict[str, object]:
     """Seconds per product: torch bf16 matmul and torch._scaled_mm (block scales if taken)."""
     try:
@@ -129,11 +137,7 @@ def torch_products(rows: int, k: int, n: int, chain: int, reps: int) -> dict[str
     if not torch.cuda.is_available():
         return {}
     dev = "cuda"
-    x = torch.randn(rows, k, device=dev, dtype=torch.bfloat16)
-    ws = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * k**-0.5 for _ in range(chain)]
-    fp8 = torch.float8_e4m3fn
-    xq = x.to(fp8)
-    wq = [w.to(fp8) for w in ws]
+    x, ws, xq, wq = torch_operands(torch, rows, k, n, chain)
 
     def timed(fn) -> float:
         fn()

@@ -31,12 +31,15 @@ import os
 import time
 import traceback
 
+from benchmarks.fp8 import torch_operands
+
 SHAPES = {  # name: (N, K), the weight held [N, K]
     "in": (4384, 2048), "gate_up": (11264, 2048), "out": (2048, 4096), "down": (2048, 5632),
     "35b_qkv": (9216, 2048), "large": (8192, 8192),
 }
 BLOCK = 128
 L2_BYTES = 50 << 20
+
 
 
 def log(out, rec):
@@ -198,11 +201,7 @@ def prefill(args):
 
 def torch_prefill(torch, rows, n, k, chain):
     dev = "cuda"
-    x = torch.randn(rows, k, device=dev, dtype=torch.bfloat16)
-    ws = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * k**-0.5 for _ in range(chain)]
-    f8 = torch.float8_e4m3fn
-    xq = x.to(f8)
-    wq = [w.to(f8) for w in ws]
+    x, ws, xq, wq = torch_operands(torch, rows, k, n, chain)
 
     def t(fn, reps=5):
         fn()
