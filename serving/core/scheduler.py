@@ -502,8 +502,10 @@ class Scheduler:
 
         Sequences in `held` are passed over (they stay waiting, in order).
         """
+        if not self._admission_open():
+            return
         i = 0
-        while step.budget > 0 and self._can_admit() and i < len(self.waiting):
+        while step.budget > 0 and self._has_room() and i < len(self.waiting):
             seq = self.waiting[i]
             if seq.request_id in self.held or seq.num_pending:  # pending: its recompute needs the value
                 i += 1
@@ -537,9 +539,17 @@ class Scheduler:
         return self._fit(seq, want)
 
     def _can_admit(self) -> bool:
-        return (bool(self.waiting) and len(self.running) < self.max_num_seqs and self.slots.num_free > 0
-                and (self._since_admit >= self.config.admission_interval_steps or not self.running
-                     or len(self.waiting) >= self.config.admission_batch))
+        return self._has_room() and self._admission_open()
+
+    def _has_room(self) -> bool:
+        return bool(self.waiting) and len(self.running) < self.max_num_seqs and self.slots.num_free > 0
+
+    def _admission_open(self) -> bool:
+        """The admission interval allows admitting in this step (decided once per step:
+        a step that admits takes every waiting sequence that fits)."""
+        return (self.config.admission_interval_steps <= 1 or not self.running
+                or self._since_admit >= self.config.admission_interval_steps
+                or len(self.waiting) >= self.config.admission_batch)
 
     def _fit(self, seq: Sequence, want: int) -> int:
         """Largest chunk <= want whose new pages are free in every group (may be 0)."""

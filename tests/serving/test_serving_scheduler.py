@@ -285,3 +285,19 @@ def test_admission_interval_and_lowered_limits_keep_outputs() -> None:
     for (prompt, max_tokens), seq in zip(requests, seqs, strict=True):
         assert seq.output_token_ids == reference_tokens(prompt, max_tokens, _windows(config))
     _assert_all_free(scheduler)
+
+
+def test_a_step_that_admits_takes_every_waiting_sequence_that_fits() -> None:
+    """With admission_interval_steps=4, two prompts that arrived while `a` ran are admitted
+    together in the fourth step after a's admission (one mixed step, not one each); with
+    the default interval of 1 every step admits."""
+    config = dataclasses.replace(_config(), admission_interval_steps=4, admission_batch=8)
+    scheduler, runner = Scheduler(config), FakeRunner(config)
+    params = SamplingParams(max_tokens=12)
+    scheduler.add(Sequence("a", [1, 2, 3], params))
+    admitted = [[e.seq.request_id for e in step(scheduler, runner).entries if e.is_first_chunk]]
+    scheduler.add(Sequence("b", [4, 5], params))
+    scheduler.add(Sequence("c", [6, 7], params))
+    for _ in range(4):
+        admitted.append([e.seq.request_id for e in step(scheduler, runner).entries if e.is_first_chunk])
+    assert admitted == [["a"], [], [], [], ["b", "c"]]
