@@ -124,21 +124,12 @@ def _held_index(names: tuple, dim: int, axis: int, cfg: ModelConfig, n: int, d: 
     return shard_param(names, x, cfg, n, d).ravel()
 
 
-def check_weights_shardable(model: nnx.Module, n: int) -> None:
-    """ValueError naming `tensor_parallel_size` unless every FP8 Linear splits on its block
-    boundaries: each device's share of the split axis must be whole B x B blocks (then its
-    block scales split with it: `shard_params`)."""
+def unaligned_fp8_linears(model: nnx.Module, n: int) -> list[tuple[str, nnx.Module]]:
+    """(path, Linear) of the FP8 Linears whose split over n devices cuts a scale block."""
     from hybrid_jax.layers.linear import Linear
-    from hybrid_jax.layers.moe import MoE
 
-    cfg = model.cfg
+    cfg, out = model.cfg, []
     for path, m in nnx.iter_graph(model):
-        if isinstance(m, MoE) and m.quantized and n > 1 and (cfg.moe.intermediate_size // n) % m.block:
-            raise ValueError(f"tensor_parallel_size={n}: the FP8 experts of {'.'.join(map(str, path))} "
-                             f"(width {cfg.moe.intermediate_size}) do not split on their {m.block} x "
-                             f"{m.block} scale blocks (each device's {cfg.moe.intermediate_size // n} "
-                             "columns must be whole blocks); serve them on one device or with another "
-                             "tensor_parallel_size")
         if not (isinstance(m, Linear) and m.quantized) or n == 1:
             continue
         names = (*path, "kernel")
@@ -152,10 +143,42 @@ def check_weights_shardable(model: nnx.Module, n: int) -> None:
                                       + np.arange(block)).all() and (idx[::block] % block == 0).all()
             for idx in (_held_index(names, dim, axis, cfg, n, d) for d in range(n)))
         if not aligned:
-            raise ValueError(f"tensor_parallel_size={n}: the FP8 weight {'.'.join(map(str, path))} "
-                             f"{m.kernel[...].shape} does not split on its {block} x {block} scale blocks "
-                             "(each device's share must be whole blocks); serve it on one device or "
-                             "with another tensor_parallel_size")
+            out.append((".".join(map(str, path)), m))
+    return out
+
+
+def dequantize_unaligned(model: nnx.Module, n: int) -> list[str]:
+    """Hold in the compute dtype, in place, every FP8 Linear whose split over n devices would
+    cut a scale block (small projections such as Qwen3.5's in_proj_a / in_proj_b, 32 value
+    heads wide, or a one-KV-head k_proj of 64 rows): exactly the values the FP8 product
+    computes with (its kernel dequantized), so outputs are unchanged; -> their paths."""
+    paths = []
+    for path, m in unaligned_fp8_linears(model, n):
+        m.set_dense(m.weight())
+        paths.append(path)
+    return paths
+
+
+def check_weights_shardable(model: nnx.Module, n: int) -> None:
+    """ValueError naming `tensor_parallel_size` unless every FP8 Linear splits on its block
+    boundaries: each device's share of the split axis must be whole B x B blocks (then its
+    block scales split with it: `shard_params`). The engine first dequantizes the Linears
+    that do not (`dequantize_unaligned`); FP8 expert stacks must split whole."""
+    from hybrid_jax.layers.moe import MoE
+
+    cfg = model.cfg
+    for path, m in nnx.iter_graph(model):
+        if isinstance(m, MoE) and m.quantized and n > 1 and (cfg.moe.intermediate_size // n) % m.block:
+            raise ValueError(f"tensor_parallel_size={n}: the FP8 experts of {'.'.join(map(str, path))} "
+                             f"(width {cfg.moe.intermediate_size}) do not split on their {m.block} x "
+                             f"{m.block} scale blocks (each device's {cfg.moe.intermediate_size // n} "
+                             "columns must be whole blocks); serve them on one device or with another "
+                             "tensor_parallel_size")
+    for path, m in unaligned_fp8_linears(model, n):
+        raise ValueError(f"tensor_parallel_size={n}: the FP8 weight {path} "
+                         f"{m.kernel[...].shape} does not split on its {m.block} x {m.block} scale "
+                         "blocks (each device's share must be whole blocks); serve it on one device "
+                         "or with another tensor_parallel_size")
 
 
 def vocab_split(cfg: ModelConfig, n: int) -> bool:

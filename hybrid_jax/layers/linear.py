@@ -149,6 +149,13 @@ class Linear(nnx.Module):
                              f"and scales {scale.shape}")
         self.kernel, self.scale, self.block = nnx.Param(kernel), nnx.Param(scale), block
 
+    def set_dense(self, kernel: jax.Array) -> None:
+        """Hold `kernel` (this Linear's layout, the compute dtype) instead of an FP8 kernel."""
+        if tuple(kernel.shape) != tuple(self.kernel[...].shape):
+            raise ValueError(f"a dense kernel must keep the shape {tuple(self.kernel[...].shape)}, "
+                             f"got {tuple(kernel.shape)}")
+        self.kernel, self.scale, self.block = nnx.Param(kernel.astype(self.dtype)), None, None
+
     def glu(self, x: jax.Array, gate_multiplier: float) -> jax.Array | None:
         """silu(gate * gate_multiplier) * up of this fused gate/up Linear (gate's outputs
         first) in one stream GEMM launch, or None where it does not apply: the caller then

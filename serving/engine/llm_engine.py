@@ -96,6 +96,8 @@ def _progress(i: int, n: int, key) -> None:
         what = f"sampler b={key}"
     elif key[0] == "multi":  # a multi-step decoder (("multi", bucket, filters))
         what = f"multi-step b={key[1].seqs}"
+    elif key[0] == "mtp":  # the MTP head's step (("mtp", bucket))
+        what = f"mtp t={key[1].tokens}, b={key[1].seqs}"
     else:  # a verifier ((bucket, filters))
         what = f"verify b={key[0].seqs}"
     print(f"\rcompiling step executables [{bar:<20}] {i}/{n} ({what})".ljust(78),
@@ -116,6 +118,21 @@ def _quantized(lm: LoadedModel, quantization: str | None) -> LoadedModel:
     return dataclasses.replace(lm, model=quantize_model(copy, quantization))
 
 
+def _tp_aligned(lm: LoadedModel, n: int, copy: bool) -> LoadedModel:
+    """`lm` with the FP8 Linears that n devices cannot split on whole scale blocks held in
+    the compute dtype (tensor_parallel.dequantize_unaligned: same outputs); on a copy when
+    `copy` (the caller's model), `lm` itself when every FP8 Linear splits."""
+    if not tp.unaligned_fp8_linears(lm.model, n):
+        return lm
+    if copy:  # new modules over the same arrays: the caller's model keeps its FP8 Linears
+        lm = dataclasses.replace(lm, model=nnx.merge(*nnx.split(lm.model)))
+    dense = tp.dequantize_unaligned(lm.model, n)
+    log.info("tensor_parallel_size=%d: %d FP8 Linear(s) whose split would cut a scale block are "
+             "held in %s (%s)", n, len(dense), np.dtype(lm.model.dtype).name,
+             ", ".join(dense[:4]) + (", ..." if len(dense) > 4 else ""))
+    return lm
+
+
 class LLMEngine:
     def __init__(self, model: str | LoadedModel, config: EngineConfig | None = None, *,
                  seed: int = 0, show_progress: bool = True):
@@ -132,6 +149,7 @@ class LLMEngine:
                             quantization=self.config.quantization)
         tp.check_shardable(lm.config, n)
         if n > 1:
+            lm = _tp_aligned(lm, n, copy=lm is model)
             tp.check_weights_shardable(lm.model, n)
         self.model_config, self.tokenizer = lm.config, lm.tokenizer
         if self.config.speculative_method == "mtp" and getattr(lm.model, "mtp", None) is None:

@@ -15,7 +15,7 @@ from hybrid_jax.layers.fp8 import FP8_MAX
 from hybrid_jax.layers.linear import Linear
 from hybrid_jax.loading import load_model
 from serving.engine.engine_config import EngineConfig
-from serving.engine.llm_engine import _quantized
+from serving.engine.llm_engine import _quantized, _tp_aligned
 
 
 def _linears(model) -> dict[str, Linear]:
@@ -63,6 +63,18 @@ def test_load_and_engine_quantize_and_refuse_unknown_quantization():
     with pytest.raises(ValueError, match="tensor_parallel_size=2: the FP8 weight .*k_proj .* scale blocks"):
         tp.check_weights_shardable(quant.model, 2)
     tp.check_weights_shardable(lm.model, 2)
+    # ... so the engine holds those in the compute dtype at tensor_parallel_size=2 (the values
+    # the FP8 product computes with: same logits), on a copy of a caller's model
+    at_tp = _tp_aligned(quant, 2, copy=True)
+    dense = {p for p, lin in _linears(at_tp.model).items() if not lin.quantized}
+    assert "layers.0.attention.k_proj" in dense
+    assert dense == {p for p, _ in tp.unaligned_fp8_linears(quant.model, 2)}
+    assert all(lin.quantized for lin in _linears(quant.model).values())
+    tp.check_weights_shardable(at_tp.model, 2)
+    assert _tp_aligned(at_tp, 2, copy=True) is at_tp
+    ids = jnp.asarray([[5, 9, 200, 17, 3, 99]], jnp.int32)
+    before, after = (np.asarray(jax.jit(lambda x, m=m: m(x))(ids)) for m in (quant.model, at_tp.model))
+    np.testing.assert_allclose(after, before, rtol=1e-6, atol=1e-6)
     with pytest.raises(ValueError, match="quantization='int4'"):
         EngineConfig(quantization="int4")
     with pytest.raises(ValueError, match="quantization='int4'"):

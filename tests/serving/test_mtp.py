@@ -49,7 +49,7 @@ def engine(lm):
     cfg = EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, max_prefill_chunk=7, max_model_len=64,
                        page_size=8, seq_buckets=(4,), token_buckets=(32,), speculative_method="mtp",
                        num_speculative_tokens=2, enable_prefix_caching=True, prefix_state_stride=16)
-    return LLMEngine(lm, cfg, show_progress=False)
+    return LLMEngine(lm, cfg)  # with the progress line, as `hybrid-jax serve` shows it (every key kind)
 
 
 def run(eng, prompts, params=GREEDY) -> list[list[int]]:
