@@ -61,6 +61,9 @@ def check_shardable(cfg: ModelConfig, n: int) -> None:
         raise ValueError(f"tensor_parallel_size={n} must be >= 1")
     if n == 1:
         return
+    if cfg.mla is not None or (cfg.gated_deltanet is not None and cfg.gated_deltanet.kimi_delta):
+        raise ValueError(f"tensor_parallel_size={n}: Kimi Linear's MLA attention and KDA layers "
+                         "have no tensor-parallel sharding rules yet (tensor_parallel_size=1 only)")
     dims: list[tuple[str, int, bool]] = []  # (what, count, may replicate when count < n)
     kinds = {s.kind for s in cfg.layers}
     if cfg.attention is not None and any(k.has_attention for k in kinds):
