@@ -73,7 +73,8 @@ def test_strict_loading_and_refusals(kimi, tmp_path):
     _, d = kimi
     tensors = load_file(d / "model.safetensors")
     del tensors["model.layers.0.self_attn.k_conv1d.weight"]
-    tensors["model.layers.2.self_attn.kv_b_proj.weight"] = tensors["model.layers.2.self_attn.kv_b_proj.weight"][:8]
+    kv_b = "model.layers.2.self_attn.kv_b_proj.weight"
+    tensors[kv_b] = tensors[kv_b][:8]
     tensors["model.layers.1.self_attn.A_log"] = tensors["model.layers.1.self_attn.A_log"].reshape(-1)[:3]
     tensors["model.layers.3.self_attn.extra.weight"] = np.zeros(3, np.float32)
     save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
