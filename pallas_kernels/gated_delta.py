@@ -22,9 +22,10 @@ where a token-by-token decode stores it, so a verified candidate equals a plain 
 Kimi Delta Attention (KDA) is the same rule with a per-channel decay: g [..., hv, dk]
 instead of [..., hv], S_t = diag(exp(g_t)) S_{t-1} then the same write. Both entry
 points take either form (the sequential references broadcast a scalar decay over dk);
-a per-channel decay runs the pure-JAX paths whatever the switch says: the chunked form of
-`kda_chunked.py` for prefill and the sequential step for decode / verification (no Pallas
-kernel for it yet: docs/kernels.md).
+a per-channel decay runs prefill through the pure-JAX chunked form of `kda_chunked.py`
+whatever the switch says (no Pallas prefill kernel for it yet: docs/kernels.md); its
+decode / verification step takes the switch like the per-head one (the step kernel
+takes either decay).
 
 Both dispatch on the kernel switch. The references here are sequential scans (the
 contract and the tests' oracle). `impl="reference"` runs the pure-JAX chunk (WY) form
@@ -150,7 +151,7 @@ def gated_delta_step(q, k, v, g, beta, states, slot_ids, *, scale: float, candid
     """q >= 1 consecutive tokens per sequence.
 
     q, k [b, n, hk, dk] (L2-normalised); v [b, n, hv, dv]; g, beta [b, n, hv] (g
-    [b, n, hv, dk]: per channel, KDA, always the pure-JAX step);
+    [b, n, hv, dk]: per channel, KDA);
     states [num_slots, hv, dk, dv]; slot_ids [b]. Returns o [b, n, hv, dv] in v.dtype and
       candidates=False: states with rows slot_ids advanced by the n tokens;
       candidates=True: the states after each position, [n, b, hv, dk, dv] in the pool's
@@ -162,7 +163,7 @@ def gated_delta_step(q, k, v, g, beta, states, slot_ids, *, scale: float, candid
         raise ValueError(f"q {q.shape} must be [b, n, hk, dk]")
     if slot_ids.shape != q.shape[:1]:
         raise ValueError(f"slot_ids {slot_ids.shape} must be [{q.shape[0]}]")
-    if impl == "reference" or g.ndim == 4:
+    if impl == "reference":
         return gated_delta_step_reference(q, k, v, g, beta, states, slot_ids,
                                           scale=float(scale), candidates=candidates)
     _check_kernel_dims(q, v)
