@@ -9,12 +9,15 @@ expert; MLA with K wider than V), saved and loaded from disk.
 2. The loader reports missing, unexpected and mis-shaped tensors together; unsupported
    config fields (Kimi K3's, rotary MLA, other routers) are refused by name, and so is
    tensor parallelism.
-3. ONE engine (prefill chunks of 7, prefix caching with state checkpoints every 16
-   tokens, too few pages for the batch, n-gram speculation slot with an oracle drafter):
-   greedy tokens are transformers' argmax wherever its top-1/top-2 gap is clear; each
-   request alone gives its batched tokens (a prefix-cache hit == the miss); whole
-   prompts in one chunk (another engine) give the same tokens; oracle drafts (some wrong)
-   verified through the KDA candidates give the same tokens again.
+3. One engine (prefill chunks of 7, prefix caching with state checkpoints every 16
+   tokens, too few pages for the batch: preemption by recompute): greedy tokens are
+   transformers' argmax wherever its top-1/top-2 gap is clear; each request alone gives
+   its batched tokens (a prefix-cache hit == the miss); whole prompts in one chunk
+   (a second engine, same compiled shapes) give the same tokens.
+Speculative verification of KDA layers runs Gated DeltaNet's serving path
+(`ragged_recurrent.gated_deltanet`, q > 0) with a per-channel g; its candidates are checked
+in tests/kernels/test_kda.py and tests/kernels/test_gated_delta.py (an engine with a
+speculation slot compiles its verification buckets: ~50 s more of CI, left out).
 """
 
 from __future__ import annotations
@@ -39,12 +42,10 @@ from serving.engine.engine_config import EngineConfig  # noqa: E402
 from serving.engine.llm_engine import LLMEngine  # noqa: E402
 from tests.model import hf_models  # noqa: E402
 from tests.serving.test_engine_parity_hybrids import (  # noqa: E402
-    GREEDY,
     NEW,
     check_against_transformers,
     engine_tokens,
 )
-from tests.serving.test_speculative import Oracle, staggered  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -107,9 +108,7 @@ def test_engine_equals_transformers_and_invariants(kimi):
     hf_model, d = kimi
     rng = np.random.default_rng(3)
     prompts = [rng.integers(0, 128, n).tolist() for n in (3, 16, 30)]
-    eng = _engine(d, 7, enable_prefix_caching=True, prefix_state_stride=16, num_pages=10,
-                  speculative_method="ngram", num_speculative_tokens=2)
-    # The n-gram drafter finds nothing in random prompts; an oracle drafts below.
+    eng = _engine(d, 7, enable_prefix_caching=True, prefix_state_stride=16, num_pages=10)
     outs = engine_tokens(eng, prompts)
     compared = sum(check_against_transformers(hf_model, p, t) for p, t in zip(prompts, outs, strict=True))
     assert compared >= 0.8 * NEW * len(prompts), f"only {compared} clear-gap tokens"
@@ -118,13 +117,5 @@ def test_engine_equals_transformers_and_invariants(kimi):
     s = eng.stats()
     assert s["prefix_cache_hit_tokens"] > hits and s["prefix_state_checkpoints_cached"] > 0
     assert s["num_preemptions"] > 0
-    # Oracle drafts, some wrong: verification keeps the KDA states per drafted position.
-    ngram, eng.drafter = eng.drafter, Oracle({tuple(p): o for p, o in zip(prompts, outs, strict=True)}, 128)
-    try:
-        assert staggered(eng, prompts, GREEDY) == outs
-        s = eng.stats()
-        assert s["spec_verify_steps"] > 0 and 0 < s["spec_accepted_tokens"] < s["spec_proposed_tokens"]
-    finally:
-        eng.drafter = ngram
-    # Whole prompts in one chunk, no prefix cache: the same tokens.
+    # Whole prompts in one chunk, no prefix cache, pages enough: the same tokens.
     assert engine_tokens(_engine(d, 32), prompts) == outs
