@@ -69,77 +69,86 @@ def kda_anchor(path):
 
 
 def bench_prefill(rows, cfg, anchor, ops, args):
+    for lens in cfg["prefill"]:
+        _prefill_one(rows, cfg, anchor, ops, args, lens)
+
+
+def _prefill_one(rows, cfg, anchor, ops, args, lens):
     h, d, l = cfg["h"], cfg["d"], cfg["l"]
     scale = d ** -0.5
-    for lens in cfg["prefill"]:
-        t, b = sum(lens), len(lens)
-        q, k, v, g, beta = make_inputs(1, (t,), cfg)
-        cu = jnp.asarray(np.concatenate([[0], np.cumsum(lens)]), jnp.int32)
-        slots = jnp.arange(1, b + 1, dtype=jnp.int32)[::-1]
-        init = jnp.ones((b,), bool)
-        pool = jax.random.normal(jax.random.PRNGKey(2), (b + 1, h, d, d), F32) * 0.1
-        common = (q, k, v, g, beta, cu, slots, init)
-        fn = jax.jit(lambda st, *a: gated_delta_ragged(*a[:6], st, *a[6:], scale=scale,
-                                                        chunk_size=l), donate_argnums=0)
-        sec, _, _ = timeit(lambda st, *a: (lambda r: (r, r[1]))(fn(st, *a)), pool.copy(), common,
-                           args.reps, args.inner)
-        o, s = fn(pool.copy(), *common)
-        shape = f"{b}x{lens[0]} h{h} d{d} l{l}"
-        rows.append(dict(kernel="kda_prefill", shape=shape, impl="pure-JAX chunked", us=sec * 1e6,
-                         Mtok_s=t / sec / 1e6))
+    t, b = sum(lens), len(lens)
+    q, k, v, g, beta = make_inputs(1, (t,), cfg)
+    cu = jnp.asarray(np.concatenate([[0], np.cumsum(lens)]), jnp.int32)
+    slots = jnp.arange(1, b + 1, dtype=jnp.int32)[::-1]
+    init = jnp.ones((b,), bool)
+    pool = jax.random.normal(jax.random.PRNGKey(2), (b + 1, h, d, d), F32) * 0.1
+    common = (q, k, v, g, beta, cu, slots, init)
+    fn = jax.jit(lambda st, *a: gated_delta_ragged(*a[:6], st, *a[6:], scale=scale,
+                                                    chunk_size=l), donate_argnums=0)
+    sec, _, _ = timeit(lambda st, *a: (lambda r: (r, r[1]))(fn(st, *a)), pool.copy(), common,
+                       args.reps, args.inner)
+    o, s = fn(pool.copy(), *common)
+    shape = f"{b}x{lens[0]} h{h} d{d} l{l}"
+    rows.append(dict(kernel="kda_prefill", shape=shape, impl="pure-JAX chunked", us=sec * 1e6,
+                     Mtok_s=t / sec / 1e6))
+    print(rows[-1], flush=True)
+    if ops is not None:
+        torch = anchor.torch
+        tq = lambda x, dt=torch.bfloat16: anchor.tensor(x, dt)[None]  # noqa: E731
+        args_t = (tq(q), tq(k), tq(v), tq(g, torch.float32), tq(beta))
+        h0 = anchor.tensor(pool[slots])
+        cu_t = torch.tensor(np.asarray(cu), dtype=torch.long, device="cuda")
+        call = lambda: ops[0](*args_t, scale=scale, initial_state=h0,  # noqa: E731
+                              output_final_state=True, cu_seqlens=cu_t)
+        sec, (ao, ah) = anchor.time(call, args.reps, args.inner)
+        rows.append(dict(kernel="kda_prefill", shape=shape, impl="fla chunk_kda", us=sec * 1e6,
+                         Mtok_s=t / sec / 1e6, err_o=err(ao[0].float().cpu().numpy(), o),
+                         err_state=err(ah.float().cpu().numpy(), s[slots])))
         print(rows[-1], flush=True)
-        if ops is not None:
-            torch = anchor.torch
-            tq = lambda x, dt=torch.bfloat16: anchor.tensor(x, dt)[None]  # noqa: E731
-            args_t = (tq(q), tq(k), tq(v), tq(g, torch.float32), tq(beta))
-            h0 = anchor.tensor(pool[slots])
-            cu_t = torch.tensor(np.asarray(cu), dtype=torch.long, device="cuda")
-            call = lambda: ops[0](*args_t, scale=scale, initial_state=h0,  # noqa: E731
-                                  output_final_state=True, cu_seqlens=cu_t)
-            sec, (ao, ah) = anchor.time(call, args.reps, args.inner)
-            rows.append(dict(kernel="kda_prefill", shape=shape, impl="fla chunk_kda", us=sec * 1e6,
-                             Mtok_s=t / sec / 1e6, err_o=err(ao[0].float().cpu().numpy(), o),
-                             err_state=err(ah.float().cpu().numpy(), s[slots])))
-            print(rows[-1], flush=True)
 
 
 def bench_decode(rows, cfg, anchor, ops, copy, args):
-    h, d = cfg["h"], cfg["d"]
-    scale = d ** -0.5
     for bsz in cfg["decode"]:
         for n, cand in ((1, False), (3, True)):
-            q, k, v, g, beta = make_inputs(3, (bsz, n), cfg)
-            slots = jnp.asarray(np.random.default_rng(0).permutation(np.arange(1, bsz + 1)), jnp.int32)
-            pool = jax.random.normal(jax.random.PRNGKey(4), (bsz + 1, h, d, d), F32) * 0.1
-            common = (q, k, v, g, beta, slots)
-            state_bytes = bsz * h * d * d * 4
-            nbytes = state_bytes * (1 + n if cand else 2) + 3 * q.nbytes + g.nbytes + v.nbytes
-            want = gated_delta_step(*common[:5], pool, slots, scale=scale, candidates=cand,
-                                    impl="reference")
-            step = functools.partial(gated_delta_step, scale=scale, candidates=cand, impl=cfg["impl"])
-            fn = jax.jit(lambda st, *a: (lambda r: (r, st if cand else r[1]))(step(*a[:5], st, a[5])),
-                         donate_argnums=0)
-            sec, _, _ = timeit(fn, pool.copy(), common, args.reps, args.inner)
-            (o, s), _ = fn(pool.copy(), *common)
-            got_s, want_s = (s, want[1]) if cand else (s[slots], want[1][slots])
-            shape = f"b{bsz} n{n} h{h} d{d} f32" + (" candidates" if cand else "")
-            rows.append(dict(kernel="kda_decode", shape=shape, impl="pallas", us=sec * 1e6,
-                             TBs=nbytes / sec / 1e12, pct_copy=100 * nbytes / sec / 1e12 / copy,
-                             err_o=err(o, want[0]), err_state=err(got_s, want_s)))
-            print(rows[-1], flush=True)
-            if ops is not None and not cand:
-                torch = anchor.torch
-                tt = lambda x, dt=torch.bfloat16: anchor.tensor(x, dt)  # noqa: E731
-                h0 = anchor.tensor(pool[slots])
-                call = lambda: ops[1](tt(q), tt(k), tt(v), tt(g, torch.float32), tt(beta),  # noqa: E731
-                                      scale=scale, initial_state=h0, output_final_state=True)
-                sec, (ao, ah) = anchor.time(call, args.reps, args.inner)
-                rows.append(dict(kernel="kda_decode", shape=shape, impl="fla fused_recurrent_kda",
-                                 us=sec * 1e6, TBs=nbytes / sec / 1e12,
-                                 pct_copy=100 * nbytes / sec / 1e12 / copy,
-                                 err_o=err(ao.float().cpu().numpy(), want[0]),
-                                 err_state=err(ah.float().cpu().numpy(), want[1][slots])))
-                print(rows[-1], flush=True)
+            _decode_one(rows, cfg, anchor, ops, copy, args, bsz, n, cand)
+
+
+def _decode_one(rows, cfg, anchor, ops, copy, args, bsz, n, cand):
+    h, d = cfg["h"], cfg["d"]
+    scale = d ** -0.5
+    q, k, v, g, beta = make_inputs(3, (bsz, n), cfg)
+    slots = jnp.asarray(np.random.default_rng(0).permutation(np.arange(1, bsz + 1)), jnp.int32)
+    pool = jax.random.normal(jax.random.PRNGKey(4), (bsz + 1, h, d, d), F32) * 0.1
+    common = (q, k, v, g, beta, slots)
+    state_bytes = bsz * h * d * d * 4
+    nbytes = state_bytes * (1 + n if cand else 2) + 3 * q.nbytes + g.nbytes + v.nbytes
+    want = gated_delta_step(*common[:5], pool, slots, scale=scale, candidates=cand,
+                            impl="reference")
+    step = functools.partial(gated_delta_step, scale=scale, candidates=cand, impl=cfg["impl"])
+    fn = jax.jit(lambda st, *a: (lambda r: (r, st if cand else r[1]))(step(*a[:5], st, a[5])),
+                 donate_argnums=0)
+    sec, _, _ = timeit(fn, pool.copy(), common, args.reps, args.inner)
+    (o, s), _ = fn(pool.copy(), *common)
+    got_s, want_s = (s, want[1]) if cand else (s[slots], want[1][slots])
+    shape = f"b{bsz} n{n} h{h} d{d} f32" + (" candidates" if cand else "")
+    rows.append(dict(kernel="kda_decode", shape=shape, impl="pallas", us=sec * 1e6,
+                     TBs=nbytes / sec / 1e12, pct_copy=100 * nbytes / sec / 1e12 / copy,
+                     err_o=err(o, want[0]), err_state=err(got_s, want_s)))
+    print(rows[-1], flush=True)
+    if ops is not None and not cand:
+        torch = anchor.torch
+        tt = lambda x, dt=torch.bfloat16: anchor.tensor(x, dt)  # noqa: E731
+        h0 = anchor.tensor(pool[slots])
+        args_t = (tt(q), tt(k), tt(v), tt(g, torch.float32), tt(beta))
+        call = lambda: ops[1](*args_t, scale=scale, initial_state=h0,  # noqa: E731
+                              output_final_state=True)
+        sec, (ao, ah) = anchor.time(call, args.reps, args.inner)
+        rows.append(dict(kernel="kda_decode", shape=shape, impl="fla fused_recurrent_kda",
+                         us=sec * 1e6, TBs=nbytes / sec / 1e12,
+                         pct_copy=100 * nbytes / sec / 1e12 / copy,
+                         err_o=err(ao.float().cpu().numpy(), want[0]),
+                         err_state=err(ah.float().cpu().numpy(), want[1][slots])))
+        print(rows[-1], flush=True)
 
 
 def main():
