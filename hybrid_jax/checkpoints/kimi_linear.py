@@ -26,6 +26,7 @@ and the published moonshotai/Kimi-Linear-48B-A3B-Instruct config:
   every layer) or `mlp.` (the published dense layer 0): both read as `mlp.`.
 Refused by name: other activations or router functions, rotary MLA, an MLA output gate,
 KDA's full-rank gate or gate lower bound (Kimi K3's), MTP layers (`num_nextn_predict_layers`).
+Tensor parallelism splits KDA and MLA by head (hybrid_jax/tensor_parallel.py).
 """
 
 from __future__ import annotations
