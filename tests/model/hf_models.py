@@ -214,7 +214,7 @@ def qwen3_5_moe_vlm_config() -> T.PretrainedConfig:
     return T.Qwen3_5MoeConfig(text_config=text, vision_config=vision)
 
 
-def kimi_linear_config() -> T.PretrainedConfig:
+def kimi_linear_config(**kw) -> T.PretrainedConfig:
     # The published config's layout (linear_attn_config, 1-indexed layers; first_k_dense_replace):
     # KDA, KDA, MLA, KDA; layer 0 dense, then MoE: sigmoid top-2 of 8 in the best 1 of 2
     # groups, renormalised, scaled 2.5, a shared expert. MLA qk 16 + 8, v 16 (K and V of
@@ -227,7 +227,8 @@ def kimi_linear_config() -> T.PretrainedConfig:
         routed_scaling_factor=2.5, pad_token_id=0, bos_token_id=1, eos_token_id=2,
         linear_attn_config={"head_dim": 16, "num_heads": 4, "short_conv_kernel_size": 4,
                             "kda_layers": [1, 2, 4], "full_attn_layers": [3]},
-        first_k_dense_replace=1)
+        first_k_dense_replace=1) if not kw else T.KimiLinearConfig(**(
+            kimi_linear_config().to_dict() | kw))
 
 
 BUILDERS = {
@@ -271,6 +272,9 @@ VARIANTS = {
     "qwen3_5_moe_vlm": (qwen3_5_moe_vlm_config, T.Qwen3_5MoeForConditionalGeneration),
     # Kimi Linear (KDA + MLA + MoE): logits and the engine in tests/model/test_kimi_linear.py.
     "kimi_linear": (kimi_linear_config, T.KimiLinearForCausalLM),
+    # MLA with a query LoRA (q_a_proj, q_a_layernorm, q_b_proj) and attention biases.
+    "kimi_linear_qlora": (lambda: kimi_linear_config(q_lora_rank=24, attention_bias=True),
+                          T.KimiLinearForCausalLM),
     "falcon_mamba": (falcon_mamba_config, T.FalconMambaForCausalLM),
     "jamba": (jamba_config, T.JambaForCausalLM),
 }

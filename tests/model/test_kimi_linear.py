@@ -5,7 +5,8 @@ The reference is transformers' tiny random KimiLinearForCausalLM (tests/model/hf
 first layer then sigmoid-routed grouped MoE with a score-correction bias and a shared
 expert; MLA with K wider than V), saved and loaded from disk.
 
-1. Teacher-forced logits in f32 on CPU within test_hf_parity's tolerance.
+1. Teacher-forced logits in f32 on CPU within test_hf_parity's tolerance (also with MLA's
+   query LoRA and attention biases).
 2. The loader reports missing, unexpected and mis-shaped tensors together; unsupported
    config fields (Kimi K3's, rotary MLA, other routers) are refused by name, and so is a
    tensor-parallel size that cannot split the heads.
@@ -68,6 +69,17 @@ def test_logits_match_transformers(kimi):
     ours = np.asarray(jax.jit(lambda x: model(x))(jnp.asarray(ids, jnp.int32)))
     assert np.abs(ours - ref).max() / np.abs(ref).max() < hf_models.TOL
     assert ModelConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+
+
+def test_query_lora_and_biases_match_transformers(tmp_path):
+    hf_model = hf_models.build("kimi_linear_qlora", tmp_path, seed=1)
+    model, cfg = load_hf(tmp_path)
+    assert cfg.mla.q_lora_rank == 24 and cfg.mla.bias
+    ids = np.random.default_rng(2).integers(0, cfg.vocab_size, (1, 40))
+    with torch.no_grad():
+        ref = hf_model(torch.tensor(ids)).logits.numpy()
+    ours = np.asarray(jax.jit(lambda x: model(x))(jnp.asarray(ids, jnp.int32)))
+    assert np.abs(ours - ref).max() / np.abs(ref).max() < hf_models.TOL
 
 
 def test_strict_loading_and_refusals(kimi, tmp_path):
