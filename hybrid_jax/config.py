@@ -19,6 +19,10 @@ or more mixers on the same normed input, summed into the residual) and, when
 - MLP: no temporal sub-block, only the channel one (Nemotron-H's MLP and MoE layers).
 - GATED_DELTANET: Gated DeltaNet (Qwen3-Next / Qwen3.5's linear attention): short conv over
   q, k, v, the gated delta rule with a [d_k, d_v] state per value head, gated RMS norm.
+  With `GatedDeltaNetConfig.kimi_delta` it is Kimi Delta Attention (KDA, Kimi Linear): the
+  same rule and state with a per-channel (per key dim) decay.
+- ATTENTION with `ModelConfig.mla` set: multi-head latent attention (Kimi Linear, NoPE);
+  `ModelConfig.attention` then describes the per-head K/V the pages hold.
 
 The channel sub-block of a layer is the dense gated MLP (`ModelConfig.mlp`) or, where
 its `LayerSpec.moe` is set, the mixture of experts (`ModelConfig.moe`: router, routed
@@ -241,11 +245,22 @@ class GatedDeltaNetConfig:
     norm_eps: float = 1e-6
     chunk_size: int = 64  # the prefill kernel's tile
     grouped_projections: bool = False
+    # Kimi Delta Attention (Kimi Linear's `linear_attention`, hybrid_jax/layers/kda.py):
+    # q_proj, k_proj, v_proj apart (hk = hv, conv over [q | k | v]); a per-channel log decay
+    # g [hv, dk] = -exp(A_log_h) * softplus(f_b(f_a(x)) + dt_bias) from a rank-`gate_rank`
+    # forget gate; output norm(o) * w * sigmoid(g_b(g_a(x))) (rank `gate_rank`).
+    kimi_delta: bool = False
+    gate_rank: int | None = None  # KDA's low-rank gates' inner width (None: head_k_dim)
 
     def __post_init__(self) -> None:
         _positive(num_k_heads=self.num_k_heads, num_v_heads=self.num_v_heads,
                   head_k_dim=self.head_k_dim, head_v_dim=self.head_v_dim,
                   chunk_size=self.chunk_size)
+        if self.kimi_delta and (self.num_k_heads != self.num_v_heads or self.grouped_projections):
+            raise ValueError(f"kimi_delta=True needs num_k_heads={self.num_k_heads} == "
+                             f"num_v_heads={self.num_v_heads} and grouped_projections=False")
+        if self.gate_rank is not None:
+            _positive(gate_rank=self.gate_rank)
         if self.num_v_heads % self.num_k_heads:
             raise ValueError(f"num_v_heads={self.num_v_heads} must be a multiple of "
                              f"num_k_heads={self.num_k_heads}")
@@ -264,6 +279,51 @@ class GatedDeltaNetConfig:
     def conv_dim(self) -> int:
         """Conv channels: q, k and v."""
         return 2 * self.key_dim + self.value_dim
+
+    @property
+    def low_rank(self) -> int:
+        """KDA's forget / output gates' inner width."""
+        return self.head_k_dim if self.gate_rank is None else self.gate_rank
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    """Multi-head latent attention as Kimi Linear uses it (DeepSeek-V2's MLA without RoPE).
+
+    q = q_proj(x) (or q_b_proj(norm(q_a_proj(x))) with `q_lora_rank`) [h, dn + dr];
+    [c | k_r] = kv_a_proj_with_mqa(x) [r + dr]; [k_n | v] = kv_b_proj(norm(c)) per head
+    [h, dn + dv]; k = [k_n | k_r] (k_r shared by every head); softmax scale (dn + dr)^-1/2;
+    o_proj over [h dv]. `rope` False: no positional encoding at all (Kimi Linear's
+    attention is NoPE; the "rope" part is only a shared key slice). The engine keeps the
+    expanded per-head K and V (V zero-padded to dn + dr) in ordinary pages.
+    """
+
+    num_heads: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    q_lora_rank: int | None = None
+    bias: bool = False  # attention_bias: kv_a_proj_with_mqa, q_a_proj and o_proj
+    rope: bool = False
+
+    def __post_init__(self) -> None:
+        _positive(num_heads=self.num_heads, kv_lora_rank=self.kv_lora_rank,
+                  qk_nope_head_dim=self.qk_nope_head_dim, v_head_dim=self.v_head_dim)
+        if self.qk_rope_head_dim < 0:
+            raise ValueError(f"qk_rope_head_dim={self.qk_rope_head_dim} must be >= 0")
+        if self.q_lora_rank is not None:
+            _positive(q_lora_rank=self.q_lora_rank)
+        if self.rope:
+            raise ValueError("rope=True: MLA with rotary embeddings is not implemented "
+                             "(Kimi Linear's MLA is NoPE)")
+        if self.v_head_dim > self.qk_head_dim:
+            raise ValueError(f"v_head_dim={self.v_head_dim} must be <= qk_head_dim="
+                             f"{self.qk_head_dim} (V is zero-padded to K's width in the pages)")
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
 
 
 @dataclass(frozen=True)
@@ -418,6 +478,7 @@ class ModelConfig:
     shared_block: SharedBlockConfig | None = None
     moe: MoEConfig | None = None
     gated_deltanet: GatedDeltaNetConfig | None = None
+    mla: MLAConfig | None = None  # attention layers are MLA (ATTENTION's doc in the module doc)
     norm_eps: float = 1e-6
     norm_offset: bool = False  # RMSNorm scales by (1 + w) (Gemma family)
     tie_embeddings: bool = False
@@ -470,6 +531,8 @@ class ModelConfig:
             raise ValueError("separate_mlp_layers=True but the layer pattern has no mlp layers")
         if self.logits_softcap is not None:
             _positive(logits_softcap=self.logits_softcap)
+        if self.mla is not None:
+            _check_mla(self.mla, self.attention, layers)
         if self.mtp_num_hidden_layers < 0:
             raise ValueError(f"mtp_num_hidden_layers={self.mtp_num_hidden_layers} must be >= 0")
         if self.mtp_num_hidden_layers and not any(k.has_attention for k in kinds):
@@ -518,7 +581,7 @@ class ModelConfig:
                 "rglru": RGLRUConfig,
                 "mlp": MLPConfig, "short_conv": ShortConvConfig,
                 "shared_block": SharedBlockConfig, "moe": MoEConfig,
-                "gated_deltanet": GatedDeltaNetConfig}
+                "gated_deltanet": GatedDeltaNetConfig, "mla": MLAConfig}
         for name, sub in subs.items():
             if d.get(name) is not None:
                 d[name] = _sub_from_dict(sub, d[name])
@@ -528,6 +591,18 @@ class ModelConfig:
                 d["moe"] = dataclasses.replace(d["moe"], shared_expert=_sub_from_dict(MLPConfig, shared))
         d["layers"] = tuple(LayerSpec(**s) for s in d["layers"])
         return cls(**d)
+
+
+def _check_mla(mla: MLAConfig, a: AttentionConfig | None, layers: tuple[LayerSpec, ...]) -> None:
+    """MLA layers are global ATTENTION layers whose pages hold per-head K/V of qk_head_dim."""
+    want = (mla.num_heads, mla.num_heads, mla.qk_head_dim, False, None)
+    got = None if a is None else (a.num_heads, a.num_kv_heads, a.head_dim, a.rope, a.scale)
+    if got != want:
+        raise ValueError(f"mla={mla} needs attention (num_heads, num_kv_heads, head_dim, rope, "
+                         f"scale) = {want}, got {got}")
+    if any(s.kind != LayerKind.ATTENTION for s in layers if s.kind.has_attention) or any(
+            s.window is not None for s in layers if s.kind.has_attention):
+        raise ValueError("mla is set: every attention layer must be a global ATTENTION layer")
 
 
 def _float_out(x: float) -> float | str:

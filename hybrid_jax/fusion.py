@@ -56,6 +56,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from hybrid_jax.layers import linear
+from hybrid_jax.layers.attention import Attention
 from hybrid_jax.layers.linear import Linear
 from hybrid_jax.model import Block, CausalLM
 from pallas_kernels.stream_gemm import load_runtime
@@ -153,6 +154,8 @@ def input_projections(block: Block) -> list[Linear] | None:
     parts: list[Linear] = []
     if block.attention is not None:
         a = block.attention
+        if not isinstance(a, Attention):  # MLA (Kimi Linear): its own projections, not fused
+            return None
         parts += [a.q_proj, a.k_proj, a.v_proj]
     if block.mamba is not None:
         if block.attention is not None and cfg.attention_in_multiplier != cfg.ssm_in_multiplier:

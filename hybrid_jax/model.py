@@ -1,7 +1,7 @@
 """The causal LM: embedding, a stack of residual layers built from the layer pattern, head.
 
 Each layer: u = norm(h); h = h + sum of its mixers on u (attention, Mamba2, Mamba1, RG-LRU,
-short conv, Gated DeltaNet; HYBRID layers run attention and Mamba2 in parallel, each with in/out
+short conv, Gated DeltaNet or KDA, MLA; HYBRID layers run attention and Mamba2 in parallel, each with in/out
 multipliers); then, if the layer has an MLP, h = h + mlp(norm(h)). MLP-kind layers
 (Nemotron-H) have only the MLP sub-block. A layer's channel sub-block is the dense MLP or
 the mixture of experts (layers/moe.py), per its `LayerSpec.moe`. With sandwich norms (Gemma) each sub-block's
@@ -21,9 +21,11 @@ from flax import nnx
 from hybrid_jax.config import LayerKind, LayerSpec, ModelConfig
 from hybrid_jax.layers.attention import Attention
 from hybrid_jax.layers.gated_deltanet import GatedDeltaNet
+from hybrid_jax.layers.kda import KimiDeltaAttention
 from hybrid_jax.layers.linear import Embed, Linear
 from hybrid_jax.layers.mamba1 import Mamba1Mixer
 from hybrid_jax.layers.mamba2 import Mamba2Mixer
+from hybrid_jax.layers.mla import MLAttention
 from hybrid_jax.layers.mlp import GatedMLP
 from hybrid_jax.layers.moe import MoE
 from hybrid_jax.layers.mtp import MTPHead
@@ -46,9 +48,13 @@ class Block(nnx.Module):
         kind = spec.kind
         self.temporal_norm = norm() if kind != LayerKind.MLP else None
         own_attention = kind.has_attention and kind != LayerKind.SHARED_BLOCK
-        self.attention = (Attention(d, cfg.attention, spec.window, dtype=dtype, rngs=rngs,
-                                    norm_eps=cfg.norm_eps, norm_offset=cfg.norm_offset)
-                          if own_attention else None)
+        attention = None
+        if own_attention and cfg.mla is not None:  # Kimi Linear: MLA, K/V expanded per head
+            attention = MLAttention(d, cfg.mla, cfg.attention, dtype=dtype, rngs=rngs)
+        elif own_attention:
+            attention = Attention(d, cfg.attention, spec.window, dtype=dtype, rngs=rngs,
+                                  norm_eps=cfg.norm_eps, norm_offset=cfg.norm_offset)
+        self.attention = attention
         self.mamba = Mamba2Mixer(d, cfg.mamba2, dtype=dtype, rngs=rngs) if kind.has_mamba2 else None
         self.mamba1 = (Mamba1Mixer(d, cfg.mamba1, dtype=dtype, rngs=rngs)
                        if kind == LayerKind.MAMBA1 else None)
@@ -56,7 +62,9 @@ class Block(nnx.Module):
                           if kind == LayerKind.RGLRU else None)
         self.conv = (ShortConv(d, cfg.short_conv, dtype=dtype, rngs=rngs)
                      if kind == LayerKind.SHORT_CONV else None)
-        self.gdn = (GatedDeltaNet(d, cfg.gated_deltanet, dtype=dtype, rngs=rngs)
+        gdn = cfg.gated_deltanet
+        gdn_cls = KimiDeltaAttention if gdn is not None and gdn.kimi_delta else GatedDeltaNet
+        self.gdn = (gdn_cls(d, gdn, dtype=dtype, rngs=rngs)
                     if kind == LayerKind.GATED_DELTANET else None)
         # SHARED_BLOCK: this layer's adapters of shared block j % num_blocks.
         sb = cfg.shared_block

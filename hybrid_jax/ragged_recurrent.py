@@ -312,7 +312,8 @@ def mamba1(layer: Mamba1Mixer, x: jax.Array, batch: RaggedBatch, st: Mamba1State
     return layer.output(y, x.dtype), Mamba1State(conv, ssm)
 def gated_deltanet(layer: GatedDeltaNet, x: jax.Array, batch: RaggedBatch, st: GDNState,
                     decode: bool, q: int = 0) -> tuple[jax.Array, GDNState]:
-    """Gated DeltaNet over the ragged tokens. Prefill: the ragged conv and rule kernels, each
+    """Gated DeltaNet (and KDA, layers/kda.py: the same path with a per-channel decay g
+    [t, h, dk] from its `gates`) over the ragged tokens. Prefill: the ragged conv and rule kernels, each
     sequence from its slot's states (zero without `has_initial`) to its final ones. Decode:
     one-token conv and rule steps, slots advanced. Verification (q > 0): the conv as q
     one-token steps on the gathered states and the rule's q-token step, both keeping the

@@ -29,6 +29,10 @@ axis, placed by marking layers of the local model (`mark_local_model`):
 | Gated DeltaNet v, z, b, a, A_log, dt_bias, delta-rule state | by value head (those of the key heads) | - |
 | Qwen3-Next's grouped in_proj_qkvz / in_proj_ba | by key-head group | - |
 | gated attention's q_proj (query and gate per head) | by head, with its gate | - |
+| KDA q/k/v_proj, conv, f_b_proj, dt_bias, g_b_proj, b_proj, A_log, states | by head | - |
+| KDA low-rank f_a_proj, g_a_proj; output norm | replicated | - |
+| MLA q_proj / q_b_proj, kv_b_proj (k_nope and v per head), K/V pages | by head | - |
+| MLA latent projections q_a_proj, kv_a_proj_with_mqa (+ their norms) | replicated | - |
 | embeddings, LM head | by vocabulary (replicated when V % N != 0) | psum / all_gather of logits |
 | norms, q/k norms, shared-block adapters' down LoRAs | replicated | - |
 
@@ -200,6 +204,8 @@ def local_config(cfg: ModelConfig, n: int) -> ModelConfig:
         a = cfg.attention
         subs["attention"] = dataclasses.replace(a, num_heads=a.num_heads // n,
                                                 num_kv_heads=_local(a.num_kv_heads, n))
+    if cfg.mla is not None:  # MLA: its query (and expanded K/V) heads, as attention's
+        subs["mla"] = dataclasses.replace(cfg.mla, num_heads=cfg.mla.num_heads // n)
     if cfg.mamba2 is not None:
         m = cfg.mamba2
         subs["mamba2"] = dataclasses.replace(m, num_heads=_local(m.num_heads, n),
@@ -328,6 +334,10 @@ def _rule(names: tuple, cfg: ModelConfig, n: int):
         if mod == "mamba" and owner == "norm":
             return 0, [(m.d_inner, m.num_heads)]
         return None
+    if mod == "gdn" or owner == "gdn":  # before attention's q/k/v: KDA has its own q/k/v_proj
+        return _gdn_rule(leaf, owner, cfg, col)
+    if cfg.mla is not None and mod == "attention" and owner in _MLA_OWNERS:
+        return _mla_rule(owner, cfg, col)
     heads = {"q_proj": a and a.num_heads, "k_proj": a and a.num_kv_heads, "v_proj": a and a.num_kv_heads}
     if owner in heads:  # attention or shared-block q/k/v (gated q_proj: [query | gate] per head)
         e = a.head_dim
@@ -335,8 +345,6 @@ def _rule(names: tuple, cfg: ModelConfig, n: int):
         return col, [(a.q_width if owner == "q_proj" and mod == "attention" else cnt * e, cnt)]
     if owner in ROW_PARALLEL and mod != "depth":
         return (0, None) if leaf == "kernel" else None
-    if mod == "gdn" or owner == "gdn":
-        return _gdn_rule(leaf, owner, cfg, col)
     if mod == "mamba1" or owner == "mamba1":
         return _mamba1_rule(leaf, owner, cfg, col)
     if mod == "mamba" or owner == "mamba":
@@ -394,14 +402,43 @@ def _mamba1_rule(leaf: str, owner: str, cfg: ModelConfig, col: int):
     raise ValueError(f"tensor parallelism: no sharding rule for Mamba1 parameter {owner}.{leaf}")
 
 
+_MLA_OWNERS = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
+
+
+def _mla_rule(owner: str, cfg: ModelConfig, col: int):
+    """MLA by head: q_b_proj and kv_b_proj (each head's [k_nope | v] block) column-parallel;
+    the latent projections (q_a_proj, kv_a_proj_with_mqa: the latent and the shared key
+    slice every head reads) replicated. q_proj and o_proj follow attention's rules."""
+    m = cfg.mla
+    if owner == "q_b_proj":
+        return col, [(m.num_heads * m.qk_head_dim, m.num_heads)]
+    if owner == "kv_b_proj":
+        return col, [(m.num_heads * (m.qk_nope_head_dim + m.v_head_dim), m.num_heads)]
+    return None
+
+
 def _gdn_rule(leaf: str, owner: str, cfg: ModelConfig, col: int):
     """Gated DeltaNet by key head: q, k by key head, v, z, b, a, A_log, dt_bias by value head
     (a device's value heads read its key heads); the output norm weight (per head_v_dim,
     shared by the heads) replicated. Qwen3-Next's grouped projections hold whole key-head
-    groups, so they split by group."""
+    groups, so they split by group. KDA (hk = hv): q/k/v_proj, the forget gate's f_b_proj
+    and dt_bias (h dk), the output gate's g_b_proj, b_proj, A_log by head; the low-rank
+    f_a_proj and g_a_proj replicated. out_proj / o_proj row-parallel."""
     g = cfg.gated_deltanet
     hk, hv = g.num_k_heads, g.num_v_heads
+    if owner in ROW_PARALLEL:
+        return (0, None) if leaf == "kernel" else None
     qkv = [(g.key_dim, hk), (g.key_dim, hk), (g.value_dim, hv)]
+    if g.kimi_delta:
+        kda = {"q_proj": (col, [(g.key_dim, hk)]), "k_proj": (col, [(g.key_dim, hk)]),
+               "v_proj": (col, [(g.value_dim, hv)]), "f_b_proj": (col, [(g.key_dim, hk)]),
+               "g_b_proj": (col, [(g.value_dim, hv)]), "b_proj": (col, [(hv, hv)]),
+               "f_a_proj": None, "g_a_proj": None, "conv_weight": (0, qkv),
+               "A_log": (0, [(hv, hv)]), "dt_bias": (0, [(g.key_dim, hk)]), "norm_weight": None}
+        key = leaf if owner == "gdn" else owner
+        if key not in kda:
+            raise ValueError(f"tensor parallelism: no sharding rule for KDA parameter {owner}.{leaf}")
+        return kda[key]
     rules = {"in_proj_qkv": (col, qkv), "in_proj_z": (col, [(g.value_dim, hv)]),
              "in_proj_b": (col, [(hv, hv)]), "in_proj_a": (col, [(hv, hv)]),
              "in_proj_qkvz": (col, [(g.conv_dim + g.value_dim, hk)]), "in_proj_ba": (col, [(2 * hv, hk)]),

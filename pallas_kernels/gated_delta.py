@@ -19,6 +19,14 @@ state after EACH position, [q, b, hv, dk, dv], for the caller to choose from (as
 `mamba2_step` does). The state is rounded to the pool's dtype after every token, exactly
 where a token-by-token decode stores it, so a verified candidate equals a plain decode.
 
+Kimi Delta Attention (KDA) is the same rule with a per-channel decay: g [..., hv, dk]
+instead of [..., hv], S_t = diag(exp(g_t)) S_{t-1} then the same write. Both entry
+points take either form (the sequential references broadcast a scalar decay over dk);
+a per-channel decay runs prefill through the pure-JAX chunked form of `kda_chunked.py`
+whatever the switch says (no Pallas prefill kernel for it yet: docs/kernels.md); its
+decode / verification step takes the switch like the per-head one (the step kernel
+takes either decay).
+
 Both dispatch on the kernel switch. The references here are sequential scans (the
 contract and the tests' oracle). `impl="reference"` runs the pure-JAX chunk (WY) form
 for prefill (`gated_delta_chunked.py`: t / 64 sequential steps instead of t) and the
@@ -38,6 +46,7 @@ from pallas_kernels.backend import Impl, resolve_impl
 from pallas_kernels.gated_delta_chunked import gated_delta_ragged_chunked
 from pallas_kernels.gated_delta_decode import gated_delta_step_pallas
 from pallas_kernels.gated_delta_prefill import gated_delta_prefill_pallas
+from pallas_kernels.kda_chunked import kda_ragged_chunked
 from pallas_kernels.launch import is_pow2
 from pallas_kernels.ragged import segments
 from pallas_kernels.ssm_common import check_ragged
@@ -55,8 +64,9 @@ def _check_heads(q, k, v, g, beta, states):
         raise ValueError(f"q {q.shape} and v {v.shape} must agree on the leading (token) axes")
     if hv % hk:
         raise ValueError(f"value heads {hv} must be a multiple of key heads {hk}")
-    if g.shape != v.shape[:-1] or beta.shape != v.shape[:-1]:
-        raise ValueError(f"g {g.shape} and beta {beta.shape} must be {v.shape[:-1]}")
+    if g.shape not in (v.shape[:-1], (*v.shape[:-1], dk)) or beta.shape != v.shape[:-1]:
+        raise ValueError(f"g {g.shape} must be {v.shape[:-1]} (per head) or "
+                         f"{(*v.shape[:-1], dk)} (per channel), beta {beta.shape} {v.shape[:-1]}")
     if states.ndim != 4 or states.shape[1:] != (hv, dk, dv):
         raise ValueError(f"states {states.shape} must be [num_slots, {hv}, {dk}, {dv}]")
     if jnp.dtype(states.dtype).name not in STATE_DTYPES:
@@ -71,8 +81,9 @@ def _check_kernel_dims(q, v):
 
 
 def _update(s, q, k, v, g, beta, scale):
-    """One token for all heads: s [h, dk, dv] f32; q, k [h, dk]; v [h, dv]; g, beta [h]."""
-    s = jnp.exp(g)[:, None, None] * s
+    """One token for all heads: s [h, dk, dv] f32; q, k [h, dk]; v [h, dv]; beta [h];
+    g [h] (per head) or [h, dk] (per channel, KDA)."""
+    s = (jnp.exp(g)[:, :, None] if g.ndim == 2 else jnp.exp(g)[:, None, None]) * s
     kv = jnp.einsum("hkv,hk->hv", s, k, precision=_HI)
     delta = (v - kv) * beta[:, None]
     s = s + k[:, :, None] * delta[:, None, :]
@@ -89,9 +100,9 @@ def gated_delta_ragged(q, k, v, g, beta, cu_seqlens, states, slot_ids, has_initi
                        scale: float, chunk_size: int = 64, impl: Impl | None = None):
     """Gated delta rule over a ragged packed batch; returns (o [t, hv, dv] in v.dtype, states).
 
-    q, k [t, hk, dk] (L2-normalised); v [t, hv, dv]; g [t, hv] float32 log decay;
-    beta [t, hv]; cu_seqlens [b+1]; states [num_slots, hv, dk, dv] f32 or bf16;
-    slot_ids [b]; has_initial [b] bool.
+    q, k [t, hk, dk] (L2-normalised); v [t, hv, dv]; g [t, hv] float32 log decay (or
+    [t, hv, dk]: per channel, KDA); beta [t, hv]; cu_seqlens [b+1];
+    states [num_slots, hv, dk, dv] f32 or bf16; slot_ids [b]; has_initial [b] bool.
     """
     impl = resolve_impl(impl)
     _check_heads(q, k, v, g, beta, states)
@@ -100,6 +111,9 @@ def gated_delta_ragged(q, k, v, g, beta, cu_seqlens, states, slot_ids, has_initi
         raise ValueError(f"q {q.shape} must be [t, hk, dk]")
     if not (is_pow2(chunk_size) and chunk_size >= 16):
         raise ValueError(f"{chunk_size=} must be a power of 2 >= 16")
+    if g.ndim == 3:  # per-channel decay (KDA): the pure-JAX chunk form on every backend
+        return kda_ragged_chunked(q, k, v, g, beta, cu_seqlens, states, slot_ids, has_initial,
+                                  scale=float(scale), chunk_size=chunk_size)
     if impl == "reference":
         return gated_delta_ragged_chunked(q, k, v, g, beta, cu_seqlens, states, slot_ids,
                                           has_initial, scale=float(scale), chunk_size=chunk_size)
@@ -136,7 +150,8 @@ def gated_delta_step(q, k, v, g, beta, states, slot_ids, *, scale: float, candid
                      impl: Impl | None = None):
     """q >= 1 consecutive tokens per sequence.
 
-    q, k [b, n, hk, dk] (L2-normalised); v [b, n, hv, dv]; g, beta [b, n, hv];
+    q, k [b, n, hk, dk] (L2-normalised); v [b, n, hv, dv]; g, beta [b, n, hv] (g
+    [b, n, hv, dk]: per channel, KDA);
     states [num_slots, hv, dk, dv]; slot_ids [b]. Returns o [b, n, hv, dv] in v.dtype and
       candidates=False: states with rows slot_ids advanced by the n tokens;
       candidates=True: the states after each position, [n, b, hv, dk, dv] in the pool's

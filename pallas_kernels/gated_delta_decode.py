@@ -7,7 +7,8 @@ the state once, runs it through the q tokens,
 
     S <- e^g S;   S <- S + k (beta (v - S^T k))^T;   o = scale S^T q
 
-(S^T k and S^T q are column sums: a column block needs no other block, and no dots: the
+(with a per-channel decay, KDA, g [b, n, hv, dk]: S <- diag(e^g) S, a [dk, 1] column of
+factors; S^T k and S^T q are column sums: a column block needs no other block, and no dots: the
 update is bandwidth-bound) and writes it once, in place (the state buffer is aliased to
 the output; donate it at the jit boundary), or, with candidates, after each token into a
 separate [q, b, hv, dk, dv] buffer. The state is rounded to the pool's dtype after every
@@ -53,7 +54,7 @@ def _step_jit(q, k, v, g, beta, states, slot_ids, *, scale, candidates, impl, bv
     hv, dv = v.shape[2:]
     dk = q.shape[3]
     kernel = functools.partial(_step_body, n=n, rep=hv // hk, bv=bv, scale=scale,
-                               candidates=candidates)
+                               candidates=candidates, per_channel=g.ndim == 4)
     out_shape = [
         jax.ShapeDtypeStruct((b, n, hv, dv), v.dtype),
         jax.ShapeDtypeStruct((n, b, hv, dk, dv) if candidates else states.shape, states.dtype),
@@ -65,7 +66,7 @@ def _step_jit(q, k, v, g, beta, states, slot_ids, *, scale, candidates, impl, bv
 
 
 def _step_body(slot_ref, g_ref, beta_ref, q_ref, k_ref, v_ref, st_ref, o_ref, st_out, *,
-               n: int, rep: int, bv: int, scale: float, candidates: bool):
+               n: int, rep: int, bv: int, scale: float, candidates: bool, per_channel: bool):
     """Columns [vb bv, (vb + 1) bv) of value head hd's state of sequence s, through n tokens."""
     vb, hd, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     f32 = jnp.float32
@@ -75,7 +76,10 @@ def _step_body(slot_ref, g_ref, beta_ref, q_ref, k_ref, v_ref, st_ref, o_ref, st
     for j in range(n):
         qj = q_ref[s, j, kh, :].astype(f32)[:, None]  # [dk, 1]
         kj = k_ref[s, j, kh, :].astype(f32)[:, None]
-        state = jnp.exp(g_ref[s, j, hd]) * state
+        if per_channel:  # KDA: one decay per key channel (row of the state)
+            state = jnp.exp(g_ref[s, j, hd, :].astype(f32))[:, None] * state
+        else:
+            state = jnp.exp(g_ref[s, j, hd]) * state
         delta = (v_ref[s, j, hd, cols].astype(f32) - jnp.sum(state * kj, axis=0)) * beta_ref[s, j, hd]
         state = state + kj * delta[None, :]
         o_ref[s, j, hd, cols] = (scale * jnp.sum(state * qj, axis=0)).astype(o_ref.dtype)

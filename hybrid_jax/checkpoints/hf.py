@@ -36,6 +36,7 @@ from hybrid_jax.checkpoints import (
     gemma3_vlm,
     granite_hybrid,
     jamba,
+    kimi_linear,
     lfm2,
     lfm2_moe,
     mamba1,
@@ -59,13 +60,12 @@ from pallas_kernels.grouped_gemm import scale_blocks
 
 _MODULES: tuple[ModuleType, ...] = (mamba2, mistral, recurrent_gemma, falcon_h1, zamba2, lfm2,
                                     gemma3, gemma2, bamba, granite_hybrid, nemotron_h,
-                                    gemma3_vlm, lfm2_moe, mamba1, falcon_mamba, jamba, qwen3_next)
+                                    gemma3_vlm, lfm2_moe, mamba1, falcon_mamba, jamba, qwen3_next,
+                                    kimi_linear)
 # A module serves its ARCHITECTURE, or every name in ARCHITECTURES (one family's classes).
 _BY_ARCH = {a: m for m in _MODULES for a in getattr(m, "ARCHITECTURES", (m.ARCHITECTURE,))}
 # Known architectures whose math is not implemented: refused naming what is missing.
-_UNSUPPORTED = {
-    "KimiLinearForCausalLM": "Kimi Delta Attention (per-channel decay) and MLA attention",
-}
+_UNSUPPORTED: dict[str, str] = {}
 
 
 class CheckpointError(ValueError):
@@ -131,6 +131,8 @@ def _shape_after(transform: str, shape: tuple[int, ...]) -> tuple[int, ...]:
         return (shape[0], shape[2], shape[1])
     if transform == "conv" and len(shape) == 3 and shape[1] == 1:
         return (shape[0], shape[2])
+    if transform == "heads" and len(shape) == 4 and shape[:2] + shape[3:] == (1, 1, 1):
+        return (shape[2],)
     return shape
 
 
@@ -146,6 +148,8 @@ def _apply(transform: str, x: jax.Array) -> jax.Array:
         return jnp.swapaxes(x, 1, 2)
     if transform == "conv":
         return x[:, 0, :]
+    if transform == "heads":
+        return x.reshape(-1)
     return x
 
 

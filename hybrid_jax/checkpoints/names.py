@@ -5,6 +5,7 @@ model's flat NNX state; `Target.transform` says how the HF tensor becomes ours:
   "linear"  torch Linear weight [out, in] -> kernel [in, out] (transpose)
   "conv"    torch depthwise Conv1d weight [c, 1, k] -> [c, k]
   "experts" a stack of torch Linear weights [e, out, in] -> [e, in, out]
+  "heads"   a per-head vector stored [1, 1, h, 1] (Kimi Linear's A_log) -> [h]
   "same"    copied as is
 `Target.index`, when set, places the tensor in a part of the parameter (numpy basic
 indexing of the parameter: an expert's row, a column range): checkpoints that store
@@ -18,7 +19,7 @@ from typing import Literal, NamedTuple
 
 from hybrid_jax.config import Mamba1Config, Mamba2Config, MoEConfig
 
-Transform = Literal["linear", "conv", "experts", "same"]
+Transform = Literal["linear", "conv", "experts", "heads", "same"]
 Path = tuple[str | int, ...]
 Index = tuple[int | slice, ...]
 

@@ -22,7 +22,8 @@ def _params(name: str) -> int:
 
 @pytest.mark.parametrize(("name", "billions"), [
     ("recurrentgemma-2b", 2.68), ("mamba2-2.7b", 2.70), ("falcon-h1-1.5b", 1.48), ("mistral-7b", 7.24),
-    ("native-1b-parallel", 1.46), ("native-1b-full-attention", 1.15)])
+    ("native-1b-parallel", 1.46), ("native-1b-full-attention", 1.15),
+    ("kimi-linear-48b-a3b", 49.12)])
 def test_parameter_counts(name, billions):
     assert _params(name) / 1e9 == pytest.approx(billions, abs=0.01)
 
@@ -51,6 +52,18 @@ def test_qwen_gated_deltanet_presets():
     assert nxt.gated_deltanet.grouped_projections and not moe.gated_deltanet.grouped_projections
     assert dense.moe is None and dense.gated_deltanet.num_v_heads == 48
     assert moe.mtp_num_hidden_layers == 1  # the published checkpoint ships its MTP module
+
+
+def test_kimi_linear_preset():
+    """The published Kimi-Linear-48B-A3B shapes: KDA 3 : 1 MLA (and the last layer MLA)."""
+    cfg = load_preset("kimi-linear-48b-a3b")
+    kinds = [s.kind for s in cfg.layers]
+    assert len(kinds) == 27 and kinds.count(LayerKind.ATTENTION) == 7
+    assert kinds[3] == kinds[26] == LayerKind.ATTENTION
+    assert cfg.gated_deltanet.kimi_delta and cfg.gated_deltanet.num_v_heads == 32
+    assert (cfg.mla.qk_head_dim, cfg.mla.v_head_dim, cfg.mla.kv_lora_rank) == (192, 128, 512)
+    assert [s.moe for s in cfg.layers] == [False] + [True] * 26 and cfg.moe.routed_scaling == 2.446
+    assert "source" in cfg.extra
 
 
 def test_full_attention_baseline_matches_the_hybrid_but_for_its_mixers():

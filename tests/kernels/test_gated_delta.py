@@ -144,11 +144,15 @@ def test_chunked_reference_and_prefill_kernel_match_the_sequential_scan(dtype, s
         assert np.isnan(np.asarray(s[untouched], np.float32)).all(), impl
 
 
-@pytest.mark.parametrize("n,state_dtype", [(1, jnp.float32), (3, jnp.bfloat16)])
-def test_step_kernel_matches_the_reference(n, state_dtype):
+@pytest.mark.parametrize("n,state_dtype,per_channel", [(1, jnp.float32, False), (3, jnp.bfloat16, False),
+                                                      (3, jnp.float32, True)])
+def test_step_kernel_matches_the_reference(n, state_dtype, per_channel):
+    """per_channel: KDA's decay, one per key channel (g [b, n, hv, dk])."""
     rng = np.random.default_rng(3)
     b, num_slots, d = 3, 6, 16
     q, k, v, g, beta = _inputs(rng, b * n, 2, 4, d, 2 * d)
+    if per_channel:
+        g = -rng.uniform(0.01, 3.0, (b * n, 4, d)).astype(np.float32)
     shape = lambda x: jnp.asarray(x.reshape(b, n, *x.shape[1:]))  # noqa: E731
     q, k, v, g, beta = map(shape, (q, k, v, g, beta))
     states = np.full((num_slots, 4, d, 2 * d), np.nan, np.float32)
@@ -197,8 +201,9 @@ def test_kernels_lower_to_triton():
     f = jax.jit(lambda *a: gated_delta_ragged(*a, scale=0.1, impl="pallas"))
     assert f.trace(*ragged).lower(lowering_platforms=("cuda",)).as_text().count(
         "__gpu$xla.gpu.triton") == 3
-    for n, candidates, state_dtype in ((1, False, f32), (3, True, jnp.bfloat16)):
-        step = (spec(b, n, 2, d), spec(b, n, 2, d), spec(b, n, 4, d), spec(b, n, 4, dt=f32),
+    for n, candidates, state_dtype, g_shape in ((1, False, f32, (4,)), (3, True, jnp.bfloat16, (4,)),
+                                                (1, False, f32, (4, d))):  # the last: KDA's g
+        step = (spec(b, n, 2, d), spec(b, n, 2, d), spec(b, n, 4, d), spec(b, n, *g_shape, dt=f32),
                 spec(b, n, 4, dt=f32), spec(5, 4, d, d, dt=state_dtype), spec(b, dt=jnp.int32))
         f = jax.jit(lambda *a, c=candidates: gated_delta_step(*a, scale=0.1, candidates=c,
                                                               impl="pallas"))

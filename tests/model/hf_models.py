@@ -214,6 +214,23 @@ def qwen3_5_moe_vlm_config() -> T.PretrainedConfig:
     return T.Qwen3_5MoeConfig(text_config=text, vision_config=vision)
 
 
+def kimi_linear_config(**kw) -> T.PretrainedConfig:
+    # The published config's layout (linear_attn_config, 1-indexed layers; first_k_dense_replace):
+    # KDA, KDA, MLA, KDA; layer 0 dense, then MoE: sigmoid top-2 of 8 in the best 1 of 2
+    # groups, renormalised, scaled 2.5, a shared expert. MLA qk 16 + 8, v 16 (K and V of
+    # different widths: V is zero-padded in the pages).
+    return T.KimiLinearConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16,
+        q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+        num_local_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1,
+        routed_scaling_factor=2.5, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        linear_attn_config={"head_dim": 16, "num_heads": 4, "short_conv_kernel_size": 4,
+                            "kda_layers": [1, 2, 4], "full_attn_layers": [3]},
+        first_k_dense_replace=1) if not kw else T.KimiLinearConfig(**(
+            kimi_linear_config().to_dict() | kw))
+
+
 BUILDERS = {
     "mamba2": (mamba2_config, T.Mamba2ForCausalLM),
     "mistral": (mistral_config, T.MistralForCausalLM),
@@ -253,6 +270,11 @@ VARIANTS = {
     "qwen3_next": (qwen3_next_config, T.Qwen3NextForCausalLM),
     "qwen3_5": (qwen3_5_config, T.Qwen3_5ForCausalLM),
     "qwen3_5_moe_vlm": (qwen3_5_moe_vlm_config, T.Qwen3_5MoeForConditionalGeneration),
+    # Kimi Linear (KDA + MLA + MoE): logits and the engine in tests/model/test_kimi_linear.py.
+    "kimi_linear": (kimi_linear_config, T.KimiLinearForCausalLM),
+    # MLA with a query LoRA (q_a_proj, q_a_layernorm, q_b_proj) and attention biases.
+    "kimi_linear_qlora": (lambda: kimi_linear_config(q_lora_rank=24, attention_bias=True),
+                          T.KimiLinearForCausalLM),
     "falcon_mamba": (falcon_mamba_config, T.FalconMambaForCausalLM),
     "jamba": (jamba_config, T.JambaForCausalLM),
 }
@@ -282,7 +304,7 @@ def randomize_(model: torch.nn.Module, *, seed: int, std: float = 0.2) -> None:
             normal(p, -1.0, 0.5)
         elif leaf == "recurrent_param":
             normal(p, 0.0, 0.5)
-        elif "linear_attn.norm" in name:  # Gated DeltaNet's output norm: plain w, not 1 + w
+        elif "linear_attn.norm" in name or "o_norm" in name:  # GDN / KDA output norm: plain w
             normal(p, 1.0, 0.1)
         elif "norm" in name and p.ndim == 1:
             normal(p, 0.0 if offset_norm else 1.0, 0.1)

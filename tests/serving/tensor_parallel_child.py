@@ -127,6 +127,26 @@ def models() -> dict[str, ModelConfig]:
     return {"ssm": ssm, "recurrent": rec, "shared": shared}
 
 
+def extra_models() -> dict[str, ModelConfig]:
+    """Run only when named on the command line (CI time: ~100 s of compilation each on 2
+    cores): `python tests/serving/tensor_parallel_child.py kimi` with 4 host devices.
+    Kimi Linear: KDA layers (per-channel decay, low-rank gates replicated), MLA with a
+    q LoRA (latents replicated, q_b / kv_b by head, K wider than V), a dense first layer
+    then sigmoid-routed grouped MoE with a shared expert."""
+    from hybrid_jax.checkpoints.kimi_linear import config_from_hf
+
+    kimi = config_from_hf({
+        "architectures": ["KimiLinearForCausalLM"], "vocab_size": 128, "hidden_size": 64,
+        "intermediate_size": 96, "moe_intermediate_size": 32, "num_hidden_layers": 4,
+        "num_attention_heads": 4, "num_key_value_heads": 4, "kv_lora_rank": 16, "q_lora_rank": 24,
+        "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 16, "num_experts": 8,
+        "num_experts_per_token": 2, "num_expert_group": 2, "topk_group": 1, "num_shared_experts": 1,
+        "routed_scaling_factor": 2.5, "first_k_dense_replace": 1,
+        "linear_attn_config": {"head_dim": 16, "num_heads": 4, "short_conv_kernel_size": 4,
+                               "full_attn_layers": [2, 4]}})
+    return {"kimi": kimi}
+
+
 _MODELS: dict[str, CausalLM] = {}
 
 
@@ -180,7 +200,8 @@ def compare_enough(ref, out, what: str):
 
 # The ssm model's engines also cache prefixes (checkpoint pool split like the state slots):
 # its last prompt repeats 24 tokens of the 30-token one, so its solo run resumes from them.
-SETTINGS = {"ssm": dict(enable_prefix_caching=True, prefix_state_stride=16)}
+SETTINGS = {"ssm": dict(enable_prefix_caching=True, prefix_state_stride=16),
+            "kimi": dict(enable_prefix_caching=True, prefix_state_stride=16)}
 
 
 # Engines at tp=2 only (CI time: with Gated DeltaNet, FP8 and the MoE kernel the child's
@@ -403,7 +424,7 @@ def main() -> None:
         refusals(results)
         if not only or "moe_kernel" in only:
             moe_kernel_on_shards(results)
-        for name, cfg in models().items():
+        for name, cfg in (models() | (extra_models() if only else {})).items():
             if not only or name in only:
                 check_model(name, cfg, results)
         if not only or "fp8" in only:
