@@ -13,7 +13,11 @@ for `--seconds`, alternating fronts per repeat. From the server's Prometheus end
 (`hybrid_jax_engine_step_seconds`) it reports, per front: the mean step interval (wall
 time over steps taken), the mean engine step (what `EngineCore` times around
 `engine.step()`; minus the fixed device wait, that is the host time a step took, its
-fixed Python work stretched by whatever else wanted the GIL) and output tokens/s.
+fixed Python work stretched by whatever else wanted the GIL), output tokens/s, and
+CPU time per streamed token of the front's own threads, of the whole server process
+(from /proc: Linux only) and of the load generator. On a machine with few cores the
+load generator's CPU competes with the server's, so the step interval there mixes the
+front's cost with its client's; the CPU times per token separate them.
 
 With no front overhead, the step interval is host-ms + device-ms (plus the loop's own
 bookkeeping), whichever front serves. Whatever it costs beyond that is the front's
@@ -29,6 +33,7 @@ import argparse
 import http.client
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -70,6 +75,7 @@ class FakeEngine:
         self.host_iters = _calibrate(host_ms / 1e3)
         self._seqs: dict[str, _Seq] = {}
         self._ids = 0
+        self.host_s = self.wait_s = 0.0
         sched = SimpleNamespace(max_model_len=1 << 20, max_num_seqs=max_num_seqs, page_size=16, groups=[],
                                 prefix_caching=False)
         self.plan = SimpleNamespace(scheduler=sched, kv_bytes=0, slot_bytes=0)
@@ -105,10 +111,14 @@ class FakeEngine:
     def step(self):
         from serving.engine.outputs import RequestDelta
 
-        x = 0
+        x, t0 = 0, time.perf_counter()
         for i in range(self.host_iters):  # the step's host work: holds the GIL
             x = (x * 31 + i) % 1000003
+        t1 = time.perf_counter()
         time.sleep(self.device_s)  # the device: GIL released
+        t2 = time.perf_counter()
+        self.host_s += t1 - t0  # the Python work, stretched when the thread loses the GIL or a core
+        self.wait_s += t2 - t1  # the wait, stretched when the GIL is not free as the wait ends
         out = []
         for seq in list(self._seqs.values())[:self.max_num_seqs]:
             seq.out += 1
@@ -141,34 +151,69 @@ def serve(args: argparse.Namespace) -> None:
     from serving.entrypoints.grpc.server import GenerationServer
     from serving.entrypoints.openai.api_server import OpenAIConfig
 
+    if args.switch_interval_ms:
+        sys.setswitchinterval(args.switch_interval_ms / 1e3)
     engine = FakeEngine(max_num_seqs=args.streams, host_ms=args.host_ms, device_ms=args.device_ms)
     server = GenerationServer(engine, model_name="fake", port=0, metrics_port=0, self_test=False,
                               http=OpenAIConfig(port=0, model_name="fake")).start()
     print(json.dumps({"grpc": server.port, "http": server.http_port, "metrics": server.metrics_port}),
           flush=True)
-    sys.stdin.read()  # until the parent closes our stdin
+    for _ in sys.stdin:  # each line asks for the CPU times; until the parent closes our stdin
+        got = {**thread_cpu(), "fake_host": engine.host_s, "fake_wait": engine.wait_s}
+        print(json.dumps(got), flush=True)
     server.shutdown(grace_s=0)
+
+
+def thread_cpu() -> dict[str, float]:
+    """CPU seconds (user + system) of this process's threads so far, by role: the engine
+    loop, each front's threads (its event loop, its pool; before grpc.aio, the gRPC pool
+    threads), and the rest (threads that Python did not start, e.g. gRPC's poller)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    out = {"engine": 0.0, "grpc": 0.0, "http": 0.0, "other": 0.0}  # seconds
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:  # the thread ended
+            continue
+        name = names.get(int(tid), "")
+        role = ("engine" if name == "engine-core" else "grpc" if name.startswith("grpc")
+                else "http" if name.startswith("http") else "other")
+        out[role] += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+    return out
 
 
 # -- the load generator (this process) -----------------------------------------------------
 
 
-def _grpc_worker(port: int, max_tokens: int, stop: threading.Event, counts: list[int], i: int) -> None:
-    import grpc
+def _grpc_streams(port: int, max_tokens: int, stop: threading.Event, counts: list[int]) -> None:
+    """Every gRPC stream on one asyncio loop (this thread): a grpc.aio client costs the load
+    generator much less CPU per message than a sync stream per thread, which matters when
+    client and server share a few cores."""
+    import asyncio
+
+    import grpc.aio
 
     from serving.entrypoints.grpc.client import make_request
     from serving.proto.hybrid_jax.v1 import generation_pb2_grpc as pb_grpc
 
-    with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
-        stub = pb_grpc.GenerationStub(ch)
+    async def one(stub, i: int) -> None:
         while not stop.is_set():
             req = make_request([1, 2, 3, 4], max_tokens=max_tokens, ignore_eos=True)
             call = stub.Generate(req, timeout=600)
-            for msg in call:
+            async for msg in call:
                 counts[i] += len(msg.token_ids)
                 if stop.is_set():
                     call.cancel()
                     break
+
+    async def main() -> None:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            stub = pb_grpc.GenerationStub(ch)
+            await asyncio.gather(*(one(stub, i) for i in range(len(counts))))
+
+    asyncio.run(main())
 
 
 def _http_worker(port: int, max_tokens: int, stop: threading.Event, counts: list[int], i: int) -> None:
@@ -198,18 +243,24 @@ def _steps(metrics_port: int) -> tuple[float, float]:
     return got["hybrid_jax_engine_step_seconds_sum"], got["hybrid_jax_engine_step_seconds_count"]
 
 
-def run_once(front: str, ports: dict, args: argparse.Namespace) -> dict:
-    worker = _grpc_worker if front == "grpc" else _http_worker
+def run_once(front: str, ports: dict, args: argparse.Namespace, cpu) -> dict:
     stop = threading.Event()
     counts = [0] * args.streams
-    threads = [threading.Thread(target=worker, args=(ports[front], args.max_tokens, stop, counts, i),
-                                daemon=True) for i in range(args.streams)]
+    if front == "grpc":
+        threads = [threading.Thread(target=_grpc_streams, args=(ports[front], args.max_tokens, stop, counts),
+                                    daemon=True)]
+    else:  # plain http.client, a thread per stream: cheap enough per chunk
+        threads = [threading.Thread(target=_http_worker, daemon=True,
+                                    args=(ports[front], args.max_tokens, stop, counts, i))
+                   for i in range(args.streams)]
     for t in threads:
         t.start()
     time.sleep(args.warmup)  # every stream open and streaming
-    s0, c0, n0, t0 = *_steps(ports["metrics"]), sum(counts), time.monotonic()
+    s0, c0, n0, t0, u0 = *_steps(ports["metrics"]), sum(counts), time.monotonic(), cpu()
+    k0 = _own_cpu()
     time.sleep(args.seconds)
-    s1, c1, n1, t1 = *_steps(ports["metrics"]), sum(counts), time.monotonic()
+    s1, c1, n1, t1, u1 = *_steps(ports["metrics"]), sum(counts), time.monotonic(), cpu()
+    k1 = _own_cpu()
     stop.set()
     for t in threads:
         t.join(timeout=30)
@@ -218,7 +269,17 @@ def run_once(front: str, ports: dict, args: argparse.Namespace) -> dict:
     return {"front": front, "steps": int(steps), "step_interval_ms": 1e3 * (t1 - t0) / steps,
             "engine_step_ms": 1e3 * (s1 - s0) / steps,
             "host_ms_per_step": 1e3 * (s1 - s0) / steps - args.device_ms,
-            "tokens_per_s": (n1 - n0) / (t1 - t0), "tokens_per_step": (n1 - n0) / steps}
+            "tokens_per_s": (n1 - n0) / (t1 - t0), "tokens_per_step": (n1 - n0) / steps,
+            "front_cpu_us_per_token": 1e6 * (u1[front] - u0[front]) / max(1, n1 - n0),
+            "step_host_ms": 1e3 * (u1.pop("fake_host") - u0.pop("fake_host")) / steps,
+            "step_wait_ms": 1e3 * (u1.pop("fake_wait") - u0.pop("fake_wait")) / steps,
+            "server_cpu_us_per_token": 1e6 * (sum(u1.values()) - sum(u0.values())) / max(1, n1 - n0),
+            "client_cpu_us_per_token": 1e6 * (k1 - k0) / max(1, n1 - n0)}
+
+
+def _own_cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -231,22 +292,31 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--host-ms", type=float, default=1.0, help="the fake step's Python work (GIL held)")
     p.add_argument("--device-ms", type=float, default=2.0, help="the fake step's wait (GIL released)")
     p.add_argument("--fronts", default="grpc,http")
+    p.add_argument("--switch-interval-ms", type=float, default=0.0,
+                   help="the server process's sys.setswitchinterval (0: Python's default, 5 ms)")
     p.add_argument("--out", help="write the runs as JSON lines here")
     p.add_argument("--_serve", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args._serve:
         return serve(args)
     cmd = [sys.executable, __file__, "--_serve", "--streams", str(args.streams),
-           "--host-ms", str(args.host_ms), "--device-ms", str(args.device_ms)]
+           "--host-ms", str(args.host_ms), "--device-ms", str(args.device_ms),
+           "--switch-interval-ms", str(args.switch_interval_ms)]
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     child = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
     runs = []
+
+    def cpu() -> dict[str, float]:
+        child.stdin.write("\n")
+        child.stdin.flush()
+        return json.loads(child.stdout.readline())
+
     try:
         ports = json.loads(child.stdout.readline())
         for rep in range(args.repeats):
             fronts = args.fronts.split(",")
             for front in fronts if rep % 2 == 0 else fronts[::-1]:
-                r = run_once(front, ports, args)
+                r = run_once(front, ports, args, cpu)
                 r["repeat"] = rep
                 runs.append(r)
                 print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()}),
@@ -259,7 +329,9 @@ def main(argv: list[str] | None = None) -> None:
     for front in args.fronts.split(","):
         mine = [r for r in runs if r["front"] == front]
         cells = []
-        for key in ("step_interval_ms", "engine_step_ms", "host_ms_per_step", "tokens_per_s"):
+        for key in ("step_interval_ms", "engine_step_ms", "host_ms_per_step", "step_host_ms", "step_wait_ms",
+                    "tokens_per_s",
+                    "front_cpu_us_per_token", "server_cpu_us_per_token", "client_cpu_us_per_token"):
             vals = [r[key] for r in mine]
             cells.append(f"{key} {statistics.median(vals):.3g} [{min(vals):.3g}-{max(vals):.3g}]")
         print(f"{front:>5}: " + ", ".join(cells))

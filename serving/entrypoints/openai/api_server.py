@@ -189,7 +189,7 @@ class OpenAIServer:
                  health: Callable[[], bool] | None = None):
         engine = core.engine
         template = ChatTemplate.from_model_dir(config.model_dir, config.chat_template)
-        self.client = AsyncEngineClient(core)
+        self.client = AsyncEngineClient(core, name="http-engine")
         self.front = Front(self.client, metrics, config.model_name, engine.tokenizer,
                            engine.model_config.vocab_size, engine.plan.scheduler.max_model_len,
                            limits or RequestLimits(), template, dict(config.default_chat_template_kwargs))
