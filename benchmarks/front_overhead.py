@@ -64,14 +64,19 @@ class FakeEngine:
     """What `EngineCore` and the fronts use of `LLMEngine`, with a step of fixed cost.
 
     A step: `host_iters` iterations of Python arithmetic (GIL held; calibrated to
-    `host_ms` on an idle interpreter), then `time.sleep(device_ms)` (GIL released).
+    `host_ms` on an idle interpreter) in `host_releases + 1` pieces with the GIL let go
+    between them (the real engine lets it go at every JAX call; each time, another thread
+    may take it, and the engine waits to get it back), then `time.sleep(device_ms)`
+    (GIL released).
     Every running request (at most max_num_seqs, first come first served) gets one token.
     """
 
-    def __init__(self, *, max_num_seqs: int, host_ms: float, device_ms: float, vocab: int = 1000):
+    def __init__(self, *, max_num_seqs: int, host_ms: float, device_ms: float, host_releases: int = 0,
+                 vocab: int = 1000):
         from serving.engine.engine_config import EngineConfig
 
         self.max_num_seqs, self.device_s, self.vocab = max_num_seqs, device_ms / 1e3, vocab
+        self.host_releases = host_releases
         self.host_iters = _calibrate(host_ms / 1e3)
         self._seqs: dict[str, _Seq] = {}
         self._ids = 0
@@ -112,8 +117,12 @@ class FakeEngine:
         from serving.engine.outputs import RequestDelta
 
         x, t0 = 0, time.perf_counter()
-        for i in range(self.host_iters):  # the step's host work: holds the GIL
-            x = (x * 31 + i) % 1000003
+        chunk = self.host_iters // (self.host_releases + 1)
+        for _ in range(self.host_releases + 1):
+            for i in range(chunk):  # the step's host work: holds the GIL
+                x = (x * 31 + i) % 1000003
+            if self.host_releases:
+                time.sleep(0)  # a call that lets the GIL go (as every JAX dispatch does)
         t1 = time.perf_counter()
         time.sleep(self.device_s)  # the device: GIL released
         t2 = time.perf_counter()
@@ -153,7 +162,8 @@ def serve(args: argparse.Namespace) -> None:
 
     if args.switch_interval_ms:
         sys.setswitchinterval(args.switch_interval_ms / 1e3)
-    engine = FakeEngine(max_num_seqs=args.streams, host_ms=args.host_ms, device_ms=args.device_ms)
+    engine = FakeEngine(max_num_seqs=args.streams, host_ms=args.host_ms, device_ms=args.device_ms,
+                        host_releases=args.host_releases)
     server = GenerationServer(engine, model_name="fake", port=0, metrics_port=0, self_test=False,
                               http=OpenAIConfig(port=0, model_name="fake")).start()
     print(json.dumps({"grpc": server.port, "http": server.http_port, "metrics": server.metrics_port}),
@@ -291,6 +301,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-tokens", type=int, default=100000)
     p.add_argument("--host-ms", type=float, default=1.0, help="the fake step's Python work (GIL held)")
     p.add_argument("--device-ms", type=float, default=2.0, help="the fake step's wait (GIL released)")
+    p.add_argument("--host-releases", type=int, default=0,
+                   help="times the fake step's Python work lets the GIL go (as JAX calls do)")
     p.add_argument("--fronts", default="grpc,http")
     p.add_argument("--switch-interval-ms", type=float, default=0.0,
                    help="the server process's sys.setswitchinterval (0: Python's default, 5 ms)")
@@ -301,7 +313,7 @@ def main(argv: list[str] | None = None) -> None:
         return serve(args)
     cmd = [sys.executable, __file__, "--_serve", "--streams", str(args.streams),
            "--host-ms", str(args.host_ms), "--device-ms", str(args.device_ms),
-           "--switch-interval-ms", str(args.switch_interval_ms)]
+           "--switch-interval-ms", str(args.switch_interval_ms), "--host-releases", str(args.host_releases)]
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     child = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
     runs = []
@@ -324,7 +336,8 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         child.stdin.close()
         child.wait(timeout=60)
-    print(f"\n{args.streams} streams, fake step {args.host_ms} ms host + {args.device_ms} ms device, "
+    print(f"\n{args.streams} streams, fake step {args.host_ms} ms host (GIL let go {args.host_releases} "
+          f"times) + {args.device_ms} ms device, "
           f"{args.repeats} x {args.seconds:g} s per front; median [min-max]")
     for front in args.fronts.split(","):
         mine = [r for r in runs if r["front"] == front]

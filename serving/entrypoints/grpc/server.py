@@ -249,7 +249,7 @@ class GenerationServer:
             for name in ("", SERVICE_NAME):
                 await self.health.set(name, status)
 
-        with contextlib.suppress(RuntimeError):  # the loop has stopped (after shutdown)
+        with contextlib.suppress(RuntimeError, TimeoutError):  # the loop has stopped (after shutdown)
             if wait:
                 self._loop.run(put(), timeout=10)
             else:
@@ -257,7 +257,7 @@ class GenerationServer:
 
     def _close_transport(self, grace_s: float | None) -> None:
         """Stop the gRPC server (calls still open after `grace_s` are cancelled), then its loop."""
-        with contextlib.suppress(RuntimeError):
+        with contextlib.suppress(RuntimeError, TimeoutError):  # stopped before; a wedged loop
             self._loop.run(self._grpc.stop(grace_s), timeout=(grace_s or 0) + 10)
         self._loop.stop()
         self.client.close()
