@@ -1,19 +1,23 @@
 """The serving fronts' host cost: how much a front slows the engine loop under streaming load.
 
-    PYTHONPATH=. python benchmarks/front_overhead.py [--streams 32] [--seconds 10] [--repeats 3]
+    PYTHONPATH=. python benchmarks/front_overhead.py [--streams 32] [--host-releases 20]
+        [--seconds 8] [--repeats 3]
 
 Starts a `GenerationServer` with both fronts (gRPC and OpenAI HTTP) in a child process
 over a *fake* engine whose step costs a fixed amount: `--host-ms` of Python work (holds
-the GIL, as the real engine's scheduling, packing and detokenizing do) and then
-`--device-ms` of waiting with the GIL released (as the real engine waits for the
-device). Every step gives each running request one token. The load generator runs in
-this process: `--streams` concurrent streaming requests (long `max_tokens`, EOS
-ignored, closed loop: a finished one is replaced at once) through one front at a time
-for `--seconds`, alternating fronts per repeat. From the server's Prometheus endpoint
+the GIL, as the real engine's scheduling, packing and detokenizing do; with
+`--host-releases N` it lets the GIL go N times in between, as the real engine does at
+every JAX call) and then `--device-ms` of waiting with the GIL released (as the real
+engine waits for the device). Every step gives each running request one token. The
+load generator runs in this process (gRPC: one grpc.aio loop; HTTP: a thread per
+stream): `--streams` concurrent streaming requests (long `max_tokens`, EOS ignored,
+closed loop: a finished one is replaced at once) through one front at a time for
+`--seconds`, alternating fronts per repeat. From the server's Prometheus endpoint
 (`hybrid_jax_engine_step_seconds`) it reports, per front: the mean step interval (wall
 time over steps taken), the mean engine step (what `EngineCore` times around
 `engine.step()`; minus the fixed device wait, that is the host time a step took, its
-fixed Python work stretched by whatever else wanted the GIL), output tokens/s, and
+fixed Python work stretched by whatever else wanted the GIL; split into the Python work
+and the wait as `step_host_ms` and `step_wait_ms`), output tokens/s, and
 CPU time per streamed token of the front's own threads, of the whole server process
 (from /proc: Linux only) and of the load generator. On a machine with few cores the
 load generator's CPU competes with the server's, so the step interval there mixes the
@@ -24,7 +28,8 @@ bookkeeping), whichever front serves. Whatever it costs beyond that is the front
 host cost landing on the engine thread (GIL hand-offs, wake-ups, message building).
 This is a host-cost figure: valid on a CPU as such (no accelerator is involved), but the
 machine's other load adds noise, so it repeats and reports the spread. The GPU
-counterpart is benchmarks/http_vs_grpc.sh (a real model, Poisson arrivals).
+counterpart is benchmarks/http_vs_grpc.sh (a real model, Poisson arrivals). Figures:
+docs/benchmarks.md, "Serving under load".
 """
 
 from __future__ import annotations

@@ -11,8 +11,8 @@ the `Generation` servicer (coroutines on that loop, fed one wake-up per engine s
 does not fight the engine thread for the GIL at every token), the standard
 `grpc.health.v1` service (grpc_health's asyncio servicer), server reflection, and the
 Prometheus endpoint. The gRPC call limit is the open-stream limit plus spares, so
-health checks and unary calls keep being answered when the streams are full. It binds 127.0.0.1 unless told
-otherwise, and the metrics endpoint binds the same host as gRPC. Optional TLS
+health checks and unary calls keep being answered when the streams are full. It binds
+127.0.0.1 unless told otherwise, and the metrics endpoint binds the same host as gRPC. Optional TLS
 (`tls`) and a shared API key (`api_key`, see `serving.entrypoints.grpc.security`; health stays open).
 With `http` (an `OpenAIConfig`) the OpenAI-compatible HTTP API
 (`serving.entrypoints.openai`) is served on the same host from the same engine core.
