@@ -1,8 +1,11 @@
 """The `hybrid_jax.v1.Generation` servicer: gRPC calls onto the engine core.
 
-Each `Generate` call runs in one thread of the gRPC pool: it checks the request
-(`serving.entrypoints.validation`), submits it to the `EngineCore`, and forwards the request's
-deltas as `GenerateResponse` messages. Status codes:
+The servicer runs on the `grpc.aio` server's event loop (one thread for every call):
+each `Generate` call is a coroutine that checks the request
+(`serving.entrypoints.validation`), submits it to the `EngineCore` and forwards the request's
+deltas as `GenerateResponse` messages. It meets the engine thread through an
+`AsyncEngineClient` (`serving.entrypoints.async_engine`), as the HTTP front does: one
+wake-up of the loop per engine step, not a thread woken per request and token. Status codes:
 
   INVALID_ARGUMENT     a bad field (named in the details), a body that does not parse,
                        or a request over a size limit; the server keeps serving
@@ -14,8 +17,9 @@ deltas as `GenerateResponse` messages. Status codes:
                        other requests go on
 
 Every refusal is logged (`request.rejected`) and counted by code and reason. A
-client cancel or an expired deadline ends the RPC; its callback aborts the request
-in the engine at once, which frees its pages and slot. `add_to_server` registers
+client cancel or an expired deadline ends the RPC; its done-callback aborts the request
+in the engine at once (from the client's small thread pool, never blocking the loop),
+which frees its pages and slot. `add_to_server` registers
 the service with request parsing that cannot fail inside grpc (see
 `validation.parse`). This module knows nothing of sockets, signals, credentials or
 the process lifecycle (see `serving.entrypoints.grpc.server`).
@@ -24,16 +28,15 @@ the process lifecycle (see `serving.entrypoints.grpc.server`).
 from __future__ import annotations
 
 import logging
-import queue
-import threading
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable
 
 import grpc
+import grpc.aio
 
-from serving.engine.engine_core import EngineCore, EngineStopped, QueueFull
+from serving.engine.engine_core import EngineCore, EngineStopped, QueueFull, RequestStream
 from serving.engine.outputs import RequestDelta
+from serving.entrypoints.async_engine import AsyncEngineClient
 from serving.entrypoints.metrics import RequestTiming, ServerMetrics
 from serving.entrypoints.request_log import log_event
 from serving.entrypoints.validation import (
@@ -50,7 +53,6 @@ from serving.proto.hybrid_jax.v1 import generation_pb2_grpc as pb_grpc
 
 FINISH_REASONS = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH,
                   "abort": pb.FINISH_REASON_ABORT}
-POLL_S = 0.1  # how often a waiting handler re-checks that its client is still there
 SERVICE = "hybrid_jax.v1.Generation"
 # method -> (kind, request type, response type)
 METHODS = {"Generate": ("unary_stream", pb.GenerateRequest, pb.GenerateResponse),
@@ -59,7 +61,7 @@ METHODS = {"Generate": ("unary_stream", pb.GenerateRequest, pb.GenerateResponse)
            "GetModelInfo": ("unary_unary", pb.GetModelInfoRequest, pb.ModelInfo)}
 
 
-def add_to_server(servicer: GenerationServicer, server: grpc.Server) -> None:
+def add_to_server(servicer: GenerationServicer, server: grpc.aio.Server) -> None:
     """Register the service; a body that does not parse reaches the handler as `Unparsed`."""
     handlers = {}
     for name, (kind, req_type, resp_type) in METHODS.items():
@@ -73,27 +75,23 @@ def _parser(req_type, max_bytes: int) -> Callable[[bytes], object]:
     return lambda data: parse(req_type, data, max_bytes)
 
 
-@dataclass
-class _ErrorDelta(RequestDelta):
-    """The last delta of a request that the engine failed, with what went wrong."""
-
-    error: str = ""
-
-
 class GenerationServicer(pb_grpc.GenerationServicer):
     """Serves one engine core; `model_name` is reported by GetModelInfo.
 
     At most `max_streams` Generate calls are open at once (None: no limit of its own);
-    one more is refused with RESOURCE_EXHAUSTED, so the server's spare threads stay
-    free for health checks and unary calls.
+    one more is refused with RESOURCE_EXHAUSTED (counted), so the server's own call limit
+    keeps room for health checks and unary calls. Every method runs on the server's event
+    loop; `client` must deliver its wake-ups there (`AsyncEngineClient.bind`).
     """
 
     def __init__(self, core: EngineCore, metrics: ServerMetrics, *, model_name: str,
-                 limits: RequestLimits | None = None, max_streams: int | None = None):
+                 limits: RequestLimits | None = None, max_streams: int | None = None,
+                 client: AsyncEngineClient | None = None):
         self.core, self.metrics, self.model_name = core, metrics, model_name
+        self.client = client or AsyncEngineClient(core, name="grpc-engine")
         self.limits = limits or RequestLimits()
         self.max_streams = max_streams
-        self._open = threading.BoundedSemaphore(max_streams) if max_streams else None
+        self._open = 0  # Generate calls open (touched only on the event loop)
         engine = core.engine
         self.tokenizer = engine.tokenizer
         self.vocab_size = engine.model_config.vocab_size
@@ -101,60 +99,74 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
     # -- Generate ----------------------------------------------------------------------
 
-    def Generate(self, request: pb.GenerateRequest | Unparsed,
-                 context: grpc.ServicerContext) -> Iterator[pb.GenerateResponse]:
+    async def Generate(self, request: pb.GenerateRequest | Unparsed,
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
         """Stream one request's deltas; ends with a finished message or a status (see above)."""
-        req = self._accept(request, context)
-        if self._open is not None and not self._open.acquire(blocking=False):
-            self._reject(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                         f"server busy: {self.max_streams} streams open (its limit); retry later",
-                         req.request_id, "too_many_streams")
+        req = await self._accept(request, context)
+        if self.max_streams and self._open >= self.max_streams:
+            await self._reject(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"server busy: {self.max_streams} streams open (its limit); retry later",
+                               req.request_id, "too_many_streams")
+        self._open += 1  # one event loop: no lock needed
         try:
-            yield from self._serve(req, context)
+            async for msg in self._serve(req, context):
+                yield msg
         finally:
-            if self._open is not None:
-                self._open.release()
+            self._open -= 1
 
-    def _serve(self, req: EngineRequest, context: grpc.ServicerContext) -> Iterator[pb.GenerateResponse]:
+    async def _serve(self, req: EngineRequest,
+                     context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
         timing = RequestTiming(time.monotonic(), len(req.prompt_token_ids))
-        stream = self._submit(req, context)
+        stream = await self._submit(req, context)
         self.metrics.request_accepted(timing)
         log_event("request.accepted", request_id=req.request_id, peer=context.peer(),
                   prompt_tokens=timing.prompt_tokens, max_tokens=req.params.max_tokens)
-        finished = False
-        context.add_callback(lambda: finished or self.core.abort(req.request_id))
-        reason = "abort"
+        watch = self.client.watch([stream])
+        # A cancel or an expired deadline ends the RPC: abort the request in the engine at
+        # once (frees its pages and slot), even if this generator is not resumed to run its
+        # `finally` until later. A no-op once the request has finished.
+        context.add_done_callback(lambda _: watch.close())
+        finished, reason = False, "abort"
+
+        async def gone() -> bool:
+            return context.done()
+
         try:
-            for delta in self._deltas(stream, context):
-                timing.tokens(len(delta.token_ids), time.monotonic())
-                self.metrics.generation_tokens.inc(len(delta.token_ids))
-                if delta.finished:
-                    finished, reason = True, delta.finish_reason or "stop"
-                if delta.finish_reason == "error":
-                    self._failed(req.request_id, delta, context)
-                if delta.finish_reason == "abort" and context.is_active():
-                    # Not the client's doing: the server aborted it (shutdown grace ran out).
-                    context.abort(grpc.StatusCode.UNAVAILABLE, f"request {req.request_id} aborted after "
-                                  f"{delta.num_output_tokens} tokens: the server is shutting down")
-                yield _response(delta, req.params.logprobs)
+            while not watch.done:
+                got = await watch.next(gone)
+                if got is None:  # the client is gone
+                    return
+                for _, delta in got:
+                    timing.tokens(len(delta.token_ids), time.monotonic())
+                    self.metrics.generation_tokens.inc(len(delta.token_ids))
+                    if delta.finished:
+                        finished, reason = True, delta.finish_reason or "stop"
+                    if delta.finish_reason == "error":
+                        await self._failed(req.request_id, delta, context)
+                    if delta.finish_reason == "abort" and not context.done():
+                        # Not the client's doing: the server aborted it (shutdown grace ran out).
+                        n = delta.num_output_tokens
+                        await context.abort(grpc.StatusCode.UNAVAILABLE, f"request {req.request_id} aborted "
+                                            f"after {n} tokens: the server is shutting down")
+                    yield _response(delta, req.params.logprobs)
         finally:
+            watch.close()  # aborts the request if it has not finished (from the client's pool)
             if not finished:  # the client went away (cancel, deadline) or the handler failed
-                self.core.abort(req.request_id)
                 log_event("request.cancelled", request_id=req.request_id,
                           completion_tokens=timing.output_tokens, deadline_passed=_deadline_passed(context))
             self._finished(req.request_id, timing, reason)
 
-    def _failed(self, request_id: str, delta: RequestDelta, context: grpc.ServicerContext) -> None:
+    async def _failed(self, request_id: str, delta: RequestDelta, context: grpc.aio.ServicerContext) -> None:
         """The engine failed this request: log it, end the RPC with INTERNAL, or with
         UNAVAILABLE when the whole engine failed (the server is going away: retry elsewhere)."""
         error = getattr(delta, "error", "") or "a fault in the engine step was pinned on it"
         log_event("request.failed", logging.ERROR, request_id=request_id,
                   completion_tokens=delta.num_output_tokens, error=error)
         if not self.core.healthy:
-            context.abort(grpc.StatusCode.UNAVAILABLE, f"request {request_id} failed: {error}; "
-                          "the server is stopping, retry on another replica")
-        context.abort(grpc.StatusCode.INTERNAL, f"request {request_id} failed in the engine after "
-                      f"{delta.num_output_tokens} tokens ({error}); the server keeps serving")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"request {request_id} failed: {error}; "
+                                "the server is stopping, retry on another replica")
+        await context.abort(grpc.StatusCode.INTERNAL, f"request {request_id} failed in the engine after "
+                            f"{delta.num_output_tokens} tokens ({error}); the server keeps serving")
 
     def _finished(self, request_id: str, timing: RequestTiming, reason: str) -> None:
         now = time.monotonic()
@@ -164,8 +176,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                   prompt_tokens=timing.prompt_tokens, completion_tokens=timing.output_tokens,
                   ttft_s=ttft, e2e_s=round(now - timing.accepted, 4))
 
-    def _accept(self, request: pb.GenerateRequest | Unparsed,
-                context: grpc.ServicerContext) -> EngineRequest:
+    async def _accept(self, request: pb.GenerateRequest | Unparsed,
+                      context: grpc.aio.ServicerContext) -> EngineRequest:
         try:
             if isinstance(request, Unparsed):
                 raise request.error
@@ -175,13 +187,13 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             unparsed = isinstance(request, Unparsed)
             rid = "" if unparsed else request.request_id[:self.limits.max_request_id_chars]
             reason = "unparsed" if unparsed else "invalid"
-            self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, str(err), rid, reason, field=err.field)
+            await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, str(err), rid, reason,
+                               field=err.field)
             raise AssertionError("unreachable") from err  # context.abort raised
 
-    def _submit(self, req: EngineRequest, context: grpc.ServicerContext):
+    async def _submit(self, req: EngineRequest, context: grpc.aio.ServicerContext) -> RequestStream:
         try:
-            return self.core.submit(params=req.params, prompt_token_ids=req.prompt_token_ids,
-                                    request_id=req.request_id)
+            return await self.client.submit(req)
         except QueueFull as err:
             code, details, reason = grpc.StatusCode.RESOURCE_EXHAUSTED, f"server busy: {err}; retry later", \
                 "queue_full"
@@ -191,51 +203,37 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             already = "already" in str(err) and "request_id" in str(err)
             code = grpc.StatusCode.ALREADY_EXISTS if already else grpc.StatusCode.INVALID_ARGUMENT
             details, reason = str(err), "duplicate_id" if already else "invalid"
-        self._reject(context, code, details, req.request_id, reason)
+        await self._reject(context, code, details, req.request_id, reason)
         raise AssertionError("unreachable")
 
-    def _reject(self, context: grpc.ServicerContext, code: grpc.StatusCode, details: str,
-                request_id: str, reason: str, **fields: object) -> None:
+    async def _reject(self, context: grpc.aio.ServicerContext, code: grpc.StatusCode, details: str,
+                      request_id: str, reason: str, **fields: object) -> None:
         self.metrics.rejected.labels(code.name, reason).inc()
         log_event("request.rejected", logging.WARNING, request_id=request_id or None, code=code.name,
                   reason=reason, details=details, peer=context.peer(), **fields)
-        context.abort(code, details)
-
-    def _deltas(self, stream, context: grpc.ServicerContext) -> Iterator[RequestDelta]:
-        """The request's deltas until the last, or until the client is gone."""
-        while True:
-            try:
-                delta = stream.get(timeout=POLL_S)
-            except queue.Empty:
-                if not context.is_active():
-                    return
-                continue
-            except (RuntimeError, EngineStopped) as err:  # the core failed it without a delta
-                delta = _ErrorDelta(stream.request_id, [], "", None, True, "error", 0, 0, str(err))
-            yield delta
-            if delta.finished:
-                return
+        await context.abort(code, details)
 
     # -- unary calls -------------------------------------------------------------------
 
-    def Tokenize(self, request: pb.TokenizeRequest, context: grpc.ServicerContext) -> pb.TokenizeResponse:
-        self._check_unary(request, context, "Tokenize")
+    async def Tokenize(self, request: pb.TokenizeRequest,
+                       context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
+        await self._check_unary(request, context, "Tokenize")
         add_bos = request.add_bos if request.HasField("add_bos") else True
         return pb.TokenizeResponse(token_ids=self.tokenizer.encode(request.text, add_bos=add_bos))
 
-    def Detokenize(self, request: pb.DetokenizeRequest,
-                   context: grpc.ServicerContext) -> pb.DetokenizeResponse:
-        self._check_unary(request, context, "Detokenize")
+    async def Detokenize(self, request: pb.DetokenizeRequest,
+                         context: grpc.aio.ServicerContext) -> pb.DetokenizeResponse:
+        await self._check_unary(request, context, "Detokenize")
         bad = [t for t in request.token_ids if not 0 <= t < self.vocab_size]
         if bad:
-            self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, f"token_ids: {bad[:5]} outside the "
-                         f"vocabulary [0, {self.vocab_size})", "", "invalid", method="Detokenize")
+            await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, f"token_ids: {bad[:5]} outside the "
+                               f"vocabulary [0, {self.vocab_size})", "", "invalid", method="Detokenize")
         skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
         return pb.DetokenizeResponse(text=self.tokenizer.decode(list(request.token_ids),
                                                                 skip_special_tokens=skip))
 
-    def _check_unary(self, request, context: grpc.ServicerContext, method: str,
-                     needs_tokenizer: bool = True) -> None:
+    async def _check_unary(self, request, context: grpc.aio.ServicerContext, method: str,
+                           needs_tokenizer: bool = True) -> None:
         """Refuse (counted, logged) a unary call whose body did not parse or has unknown fields."""
         try:
             if isinstance(request, Unparsed):
@@ -243,13 +241,14 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             check_known(request)
         except InvalidRequest as err:
             reason = "unparsed" if isinstance(request, Unparsed) else "invalid"
-            self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, str(err), "", reason, method=method)
+            await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, str(err), "", reason, method=method)
         if needs_tokenizer and self.tokenizer is None:
-            self._reject(context, grpc.StatusCode.FAILED_PRECONDITION, "this model has no tokenizer", "",
-                         "no_tokenizer", method=method)
+            await self._reject(context, grpc.StatusCode.FAILED_PRECONDITION, "this model has no tokenizer",
+                               "", "no_tokenizer", method=method)
 
-    def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.ServicerContext) -> pb.ModelInfo:
-        self._check_unary(request, context, "GetModelInfo", needs_tokenizer=False)
+    async def GetModelInfo(self, request: pb.GetModelInfoRequest,
+                           context: grpc.aio.ServicerContext) -> pb.ModelInfo:
+        await self._check_unary(request, context, "GetModelInfo", needs_tokenizer=False)
         engine = self.core.engine
         cfg, sc = engine.model_config, engine.plan.scheduler
         info = pb.ModelInfo(
@@ -273,7 +272,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         if cfg.rglru is not None:
             info.rglru_width = cfg.rglru.width
         if sc.prefix_caching:
-            stats = self.core.stats()
+            stats = await self.client.stats()  # takes the core's lock: off the loop
             info.prefix_caching, info.prefix_state_stride = True, sc.prefix_state_stride
             info.prefix_state_checkpoints = stats["prefix_state_checkpoints_total"]
             info.prefix_state_checkpoint_bytes = stats["prefix_state_checkpoint_bytes"]
@@ -299,6 +298,6 @@ def _response(delta: RequestDelta, num_top: int | None) -> pb.GenerateResponse:
     return msg
 
 
-def _deadline_passed(context: grpc.ServicerContext) -> bool:
+def _deadline_passed(context: grpc.aio.ServicerContext) -> bool:
     remaining = context.time_remaining()
     return remaining is not None and remaining <= 0

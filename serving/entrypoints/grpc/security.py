@@ -3,9 +3,10 @@
     creds = tls_credentials("server.crt", "server.key")      # PEM files
     interceptor = ApiKeyInterceptor("s3cret", on_reject=...)  # authorization: Bearer s3cret
 
-`ApiKeyInterceptor` lets a call through when its `authorization` metadata is
-`Bearer <key>` (compared in constant time) and answers UNAUTHENTICATED otherwise;
-the standard health service stays open, so load balancers need no token. This
+`ApiKeyInterceptor` (a `grpc.aio.ServerInterceptor`: the server is a `grpc.aio` one) lets
+a call through when its `authorization` metadata is `Bearer <key>` (compared in constant
+time) and answers UNAUTHENTICATED otherwise; the standard health service stays open, so
+load balancers need no token. This
 module knows nothing of the engine or of the Generation service.
 """
 
@@ -16,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import grpc
+import grpc.aio
 
 OPEN_PREFIXES = ("/grpc.health.v1.Health/",)  # answered without a token
 
@@ -37,7 +39,7 @@ def tls_credentials(cert_file: str | Path, key_file: str | Path) -> grpc.ServerC
     return grpc.ssl_server_credentials([(pems[0], pems[1])])
 
 
-class ApiKeyInterceptor(grpc.ServerInterceptor):
+class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
     """Refuse calls without `authorization: Bearer <key>` (health checks excepted).
 
     `on_reject(method, token_given)` is called once per refused call (to count and log
@@ -50,9 +52,9 @@ class ApiKeyInterceptor(grpc.ServerInterceptor):
         self._expected = f"Bearer {key}".encode()
         self._on_reject = on_reject
 
-    def intercept_service(self, continuation, handler_call_details: grpc.HandlerCallDetails):
+    async def intercept_service(self, continuation, handler_call_details: grpc.HandlerCallDetails):
         method = handler_call_details.method
-        handler = continuation(handler_call_details)
+        handler = await continuation(handler_call_details)
         if handler is None or method.startswith(OPEN_PREFIXES):
             return handler
         given = [v for k, v in handler_call_details.invocation_metadata or () if k == "authorization"]
@@ -71,12 +73,12 @@ def _bytes(value: str | bytes) -> bytes:
 def _refusal(handler: grpc.RpcMethodHandler, details: str) -> grpc.RpcMethodHandler:
     """A handler of the same kind (and (de)serializers) that answers UNAUTHENTICATED."""
 
-    def deny(request_or_iterator, context: grpc.ServicerContext):
-        context.abort(grpc.StatusCode.UNAUTHENTICATED, details)
+    async def deny(request_or_iterator, context: grpc.aio.ServicerContext):
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, details)
 
-    def deny_stream(request_or_iterator, context: grpc.ServicerContext):
-        context.abort(grpc.StatusCode.UNAUTHENTICATED, details)
-        yield  # pragma: no cover - unreachable; makes this a generator
+    async def deny_stream(request_or_iterator, context: grpc.aio.ServicerContext):
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, details)
+        yield  # pragma: no cover - unreachable; makes this an async generator
 
     kinds = {(False, False): grpc.unary_unary_rpc_method_handler,
              (False, True): grpc.unary_stream_rpc_method_handler,

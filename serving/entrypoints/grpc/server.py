@@ -5,11 +5,14 @@
     server.shutdown(grace_s=30)
 
 `GenerationServer` wires the parts together: an `EngineCore` (the engine loop
-thread), a sync `grpc.server` whose thread pool holds one thread per stream that can
-be open plus spares (health checks and unary calls keep being answered when the
-streams are full), the `Generation` servicer, the standard `grpc.health.v1` service,
-server reflection, and the Prometheus endpoint. It binds 127.0.0.1 unless told
-otherwise, and the metrics endpoint binds the same host as gRPC. Optional TLS
+thread), a `grpc.aio` server on its own asyncio event loop in one thread ("grpc-aio"),
+the `Generation` servicer (coroutines on that loop, fed one wake-up per engine step by an
+`AsyncEngineClient`, as the HTTP front is: no thread per stream, so the fronts' Python work
+does not fight the engine thread for the GIL at every token), the standard
+`grpc.health.v1` service (grpc_health's asyncio servicer), server reflection, and the
+Prometheus endpoint. The gRPC call limit is the open-stream limit plus spares, so
+health checks and unary calls keep being answered when the streams are full. It binds
+127.0.0.1 unless told otherwise, and the metrics endpoint binds the same host as gRPC. Optional TLS
 (`tls`) and a shared API key (`api_key`, see `serving.entrypoints.grpc.security`; health stays open).
 With `http` (an `OpenAIConfig`) the OpenAI-compatible HTTP API
 (`serving.entrypoints.openai`) is served on the same host from the same engine core.
@@ -32,18 +35,22 @@ validation or how deltas become messages (see `serving.entrypoints.grpc.grpc_ser
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import signal
 import threading
 import time
-from concurrent import futures
+from collections.abc import Coroutine
 
 import grpc
+import grpc.aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from serving.engine.engine_core import EngineCore, SelfTestFailed
 from serving.engine.llm_engine import LLMEngine
+from serving.entrypoints.async_engine import AsyncEngineClient
 from serving.entrypoints.grpc.grpc_service import SERVICE, GenerationServicer, add_to_server
 from serving.entrypoints.grpc.security import ApiKeyInterceptor
 from serving.entrypoints.metrics import ServerMetrics
@@ -52,7 +59,7 @@ from serving.entrypoints.request_log import log_event
 from serving.entrypoints.validation import RequestLimits, default_request_bytes
 
 SERVICE_NAME = SERVICE  # "hybrid_jax.v1.Generation"
-SPARE_WORKERS = 16  # threads beyond the open streams: health, unary calls, rejections
+SPARE_CALLS = 16  # concurrent calls beyond the open streams: health, unary calls, rejections
 EXIT_ENGINE_FAILED = 1  # run_until_signal's answer when the engine cannot recover
 UNHEALTHY_AFTER = 3  # consecutive requests failed in the engine before health says NOT_SERVING
 FATAL_DRAIN_S = 2.0  # after such a fault: NOT_SERVING answered, then the transport closes
@@ -64,8 +71,8 @@ class GenerationServer:
     max_waiting bounds the engine's waiting queue (RESOURCE_EXHAUSTED beyond it).
     max_streams bounds the open Generate calls (default: every stream that can be
     admitted, max_num_seqs + max_waiting); one more gets RESOURCE_EXHAUSTED from the
-    servicer, counted. The gRPC pool has max_streams + spare threads, and gRPC itself
-    refuses calls beyond that (uncounted) rather than queue them invisibly.
+    servicer, counted. gRPC itself takes max_streams + SPARE_CALLS concurrent calls and
+    refuses more (RESOURCE_EXHAUSTED, uncounted) rather than queue them invisibly.
     limits: per-request size limits (default: `RequestLimits` with a request-size
     limit from max_model_len). tls: server credentials (`security.tls_credentials`).
     api_key: calls other than health checks need `authorization: Bearer <api_key>`.
@@ -87,21 +94,17 @@ class GenerationServer:
         self.limits = limits or RequestLimits(
             max_request_bytes=default_request_bytes(engine.plan.scheduler.max_model_len))
         streams = max_streams or engine.plan.scheduler.max_num_seqs + max_waiting
-        workers = streams + SPARE_WORKERS
-        interceptors = [ApiKeyInterceptor(api_key, self._unauthenticated)] if api_key else []
-        self._grpc = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="grpc"),
-            interceptors=interceptors, maximum_concurrent_rpcs=workers,
-            options=[("grpc.so_reuseport", 0),  # a second server on the same port fails to bind
-                     # bodies up to twice the limit reach the servicer, which refuses them counted
-                     ("grpc.max_receive_message_length", 2 * self.limits.max_request_bytes)])
-        add_to_server(GenerationServicer(self.core, self.metrics, model_name=model_name,
-                                         limits=self.limits, max_streams=streams), self._grpc)
-        self.health = health.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._grpc)
-        reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME),
-                                            self._grpc)
-        self.host, self.port = host, self._bind(host, port, tls)
+        self._loop = _LoopThread("grpc-aio")  # the gRPC front's event loop, from here on
+        self.client = AsyncEngineClient(self.core, name="grpc-engine")
+        self.health = None
+        try:
+            self._grpc = self._loop.run(self._build(streams, api_key, model_name))
+            self.port = self._loop.run(self._bind(host, port, tls))
+        except BaseException:
+            self._loop.stop()
+            self.client.close()
+            raise
+        self.host = host
         self._metrics_port_arg = metrics_port
         self.metrics_port: int | None = None
         self.model_name = model_name
@@ -112,13 +115,36 @@ class GenerationServer:
         self._serving = False
         # The OpenAI HTTP front: same host, engine core, metrics, limits and API key; its
         # /health answers from is_serving() (the rule gRPC health follows too).
-        self.http = None if http is None else OpenAIServer(
-            self.core, self.metrics, http, host=host, limits=self.limits, api_key=api_key,
-            health=self.is_serving)
+        try:
+            self.http = None if http is None else OpenAIServer(
+                self.core, self.metrics, http, host=host, limits=self.limits, api_key=api_key,
+                health=self.is_serving)
+        except BaseException:  # its port is in use: release gRPC's too
+            self._close_transport(None)
+            raise
         self.http_port = None if self.http is None else self.http.port
         self.core.on_health.append(self._on_health)  # degraded / serving again
 
-    def _bind(self, host: str, port: int, tls: grpc.ServerCredentials | None) -> int:
+    async def _build(self, streams: int, api_key: str | None, model_name: str) -> grpc.aio.Server:
+        """The aio server and its services (on the loop: grpc.aio binds a server to the
+        loop it is made on)."""
+        self.client.bind(asyncio.get_running_loop())
+        interceptors = [ApiKeyInterceptor(api_key, self._unauthenticated)] if api_key else []
+        calls = streams + SPARE_CALLS
+        server = grpc.aio.server(
+            interceptors=interceptors, maximum_concurrent_rpcs=calls,
+            options=[("grpc.so_reuseport", 0),  # a second server on the same port fails to bind
+                     # bodies up to twice the limit reach the servicer, which refuses them counted
+                     ("grpc.max_receive_message_length", 2 * self.limits.max_request_bytes)])
+        add_to_server(GenerationServicer(self.core, self.metrics, model_name=model_name, limits=self.limits,
+                                         max_streams=streams, client=self.client), server)
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME),
+                                            server)
+        return server
+
+    async def _bind(self, host: str, port: int, tls: grpc.ServerCredentials | None) -> int:
         addr = f"{host}:{port}"
         try:
             bound = self._grpc.add_secure_port(addr, tls) if tls else self._grpc.add_insecure_port(addr)
@@ -138,17 +164,17 @@ class GenerationServer:
             try:
                 self.core.self_test()
             except SelfTestFailed:
-                self._grpc.stop(None)  # release the bound port
+                self._close_transport(None)  # release the bound port
                 raise
             log_event("server.self_test", seconds=round(time.monotonic() - t0, 3))
         self.core.start()
         if self._metrics_port_arg is not None:
             self.metrics_port = self.metrics.start_http(self._metrics_port_arg, addr=self.host)
-        self._grpc.start()
+        self._loop.run(self._grpc.start())
         if self.http is not None:
             self.http.start()
         self._serving = True
-        self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        self._set_health(health_pb2.HealthCheckResponse.SERVING, wait=True)
         engine = self.core.engine
         log_event("server.started", model=self.model_name, host=self.host, port=self.port,
                   metrics_port=self.metrics_port, http_port=self.http_port,
@@ -160,7 +186,8 @@ class GenerationServer:
         """Stop accepting, let in-flight requests finish for `grace_s`, abort the rest, stop.
 
         Idempotent. Aborted streams end with UNAVAILABLE; the transport then gets a few
-        seconds to deliver those statuses before it closes.
+        seconds to deliver those statuses before it closes. The gRPC front's event loop
+        serves throughout, and stops last.
         """
         if self._stopped.is_set():
             return
@@ -168,12 +195,12 @@ class GenerationServer:
         live = self.core.num_live()
         log_event("server.stopping", in_flight=live, grace_s=grace_s)
         self._serving = False
-        self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING, wait=True)
         t0 = time.monotonic()
         self.core.shutdown(grace_s)  # stop accepting, wait up to grace_s, abort the rest
-        self._grpc.stop(grace=5.0).wait()
         if self.http is not None:
             self.http.stop()
+        self._close_transport(5.0)
         self.metrics.stop_http()
         log_event("server.stopped", in_flight_at_signal=live, seconds=round(time.monotonic() - t0, 3))
 
@@ -213,9 +240,27 @@ class GenerationServer:
         log_event("request.rejected", logging.WARNING, code="UNAUTHENTICATED", reason="unauthenticated",
                   method=method, token_given=token_given)
 
-    def _set_health(self, status: int) -> None:
-        for name in ("", SERVICE_NAME):
-            self.health.set(name, status)
+    def _set_health(self, status: int, wait: bool = False) -> None:
+        """Set both health entries on the loop. Without `wait` it returns at once (the engine
+        thread calls this with the core's lock held: it must never wait for the loop); the
+        change still lands before the loop hears of the step that caused it, since both go
+        through the loop's queue in order."""
+        async def put() -> None:
+            for name in ("", SERVICE_NAME):
+                await self.health.set(name, status)
+
+        with contextlib.suppress(RuntimeError, TimeoutError):  # the loop has stopped (after shutdown)
+            if wait:
+                self._loop.run(put(), timeout=10)
+            else:
+                self._loop.loop.call_soon_threadsafe(lambda: self._loop.loop.create_task(put()))
+
+    def _close_transport(self, grace_s: float | None) -> None:
+        """Stop the gRPC server (calls still open after `grace_s` are cancelled), then its loop."""
+        with contextlib.suppress(RuntimeError, TimeoutError):  # stopped before; a wedged loop
+            self._loop.run(self._grpc.stop(grace_s), timeout=(grace_s or 0) + 10)
+        self._loop.stop()
+        self.client.close()
 
     def run_until_signal(self, grace_s: float = 30.0) -> int:
         """Block until SIGTERM or SIGINT (main thread only), then shut down gracefully: 0.
@@ -250,3 +295,42 @@ class GenerationServer:
         stopper = threading.Thread(target=self.shutdown, args=(grace_s,), daemon=True)
         stopper.start()
         stopper.join(timeout=grace_s + 10.0)
+
+
+class _LoopThread:
+    """An asyncio event loop running in its own daemon thread; `run` a coroutine on it
+    from any other thread and wait for its result."""
+
+    def __init__(self, name: str):
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._main, name=name, daemon=True)
+        self._thread.start()
+
+    def _main(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_forever()
+
+    def run(self, coro: Coroutine, timeout: float | None = 60.0):
+        if self.loop.is_closed() or not self._thread.is_alive():
+            coro.close()
+            raise RuntimeError("the gRPC event loop has stopped")
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def stop(self) -> None:
+        """Stop the loop (idempotent): cancel what still runs on it, then close it."""
+        if self.loop.is_closed():
+            return
+        if self._thread.is_alive():
+            async def cancel_rest() -> None:
+                rest = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+                for t in rest:
+                    t.cancel()
+                await asyncio.gather(*rest, return_exceptions=True)
+                await self.loop.shutdown_asyncgens()
+
+            with contextlib.suppress(Exception):
+                asyncio.run_coroutine_threadsafe(cancel_rest(), self.loop).result(10)
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(timeout=10)
+        if not self._thread.is_alive():
+            self.loop.close()

@@ -14,7 +14,7 @@ waiting queue is full, 503 shutting down; each is logged and counted like gRPC's
 (`requests_rejected_total{code,reason}` with the gRPC code name).
 
 The app is Starlette on uvicorn, run in its own thread with its own asyncio loop;
-the engine loop keeps its thread (see `engine_client` for how the two meet). The
+the engine loop keeps its thread (see `serving.entrypoints.async_engine` for how the two meet). The
 socket is bound in the constructor, so a port in use fails before anything starts.
 This module knows nothing of gRPC.
 """
@@ -40,9 +40,9 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from serving.engine.engine_core import EngineCore
+from serving.entrypoints.async_engine import AsyncEngineClient
 from serving.entrypoints.metrics import ServerMetrics
 from serving.entrypoints.openai.chat_template import ChatTemplate
-from serving.entrypoints.openai.engine_client import AsyncEngineClient
 from serving.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from serving.entrypoints.openai.serving_chat import create_chat_completion
 from serving.entrypoints.openai.serving_common import ERRORS, ApiError, Front, from_validation
@@ -189,7 +189,7 @@ class OpenAIServer:
                  health: Callable[[], bool] | None = None):
         engine = core.engine
         template = ChatTemplate.from_model_dir(config.model_dir, config.chat_template)
-        self.client = AsyncEngineClient(core)
+        self.client = AsyncEngineClient(core, name="http-engine")
         self.front = Front(self.client, metrics, config.model_name, engine.tokenizer,
                            engine.model_config.vocab_size, engine.plan.scheduler.max_model_len,
                            limits or RequestLimits(), template, dict(config.default_chat_template_kwargs))

@@ -21,8 +21,8 @@ from pydantic import ValidationError
 
 from serving.engine.engine_core import EngineStopped, QueueFull, RequestStream
 from serving.engine.outputs import RequestDelta
+from serving.entrypoints.async_engine import AsyncEngineClient
 from serving.entrypoints.metrics import RequestTiming, ServerMetrics
-from serving.entrypoints.openai.engine_client import AsyncEngineClient
 from serving.entrypoints.openai.protocol import SamplingRequest, Usage
 from serving.entrypoints.request_log import log_event
 from serving.entrypoints.validation import EngineRequest, InvalidRequest, RequestLimits, to_engine_request

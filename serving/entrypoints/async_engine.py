@@ -1,7 +1,9 @@
 """The engine core seen from an asyncio event loop: submit, watch deltas, abort.
 
-The HTTP front runs in its own thread with its own event loop; the engine loop
-runs in the `EngineCore` thread. Calls that take the core's lock (submit, abort) can
+Both serving fronts use this: the OpenAI HTTP front (`serving.entrypoints.openai`) and
+the gRPC front (`serving.entrypoints.grpc`) each run on their own asyncio event loop in
+their own thread, with one `AsyncEngineClient` each; the engine loop runs in the
+`EngineCore` thread. Calls that take the core's lock (submit, abort) can
 wait for a whole engine step, so they run in a small thread pool, never on the
 event loop. Deltas reach the loop without a thread per request: after every step
 the core's `on_step` hook schedules ONE callback on the event loop (one
@@ -10,8 +12,13 @@ got deltas; each request then drains its `RequestStream` queue without blocking.
 Deltas that do not come from a step (an abort at shutdown, a failed engine) are
 picked up by a poll every POLL_S, which also checks whether the client is gone.
 Detokenization stays where the engine does it (on the engine thread, overlapped with
-the next device step); JSON and SSE encoding happen here, off the engine thread.
-This module knows nothing of HTTP or of the OpenAI schema.
+the next device step); the fronts encode (JSON and SSE, protobuf) on their loops, off the
+engine thread.
+The engine thread's cost per step is therefore one check (and, when the front has
+requests that got deltas, one `call_soon_threadsafe`), not a thread wake-up per request:
+that keeps the fronts' Python work from competing with the engine loop for the GIL at
+every token (benchmarks/front_overhead.py). This module knows nothing of HTTP, gRPC or
+their schemas.
 """
 
 from __future__ import annotations
@@ -40,15 +47,17 @@ class ErrorDelta(RequestDelta):
 
 
 class AsyncEngineClient:
-    def __init__(self, core: EngineCore, workers: int = 4):
+    """One front's view of the core; `bind(loop)` once the front's loop runs."""
+
+    def __init__(self, core: EngineCore, workers: int = 4, name: str = "engine-client"):
         self.core = core
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="http-engine")
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=name)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._events: dict[str, asyncio.Event] = {}
         core.on_step.append(self._on_step)
 
     def bind(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Deliver wake-ups to `loop` (the HTTP server's, once it runs)."""
+        """Deliver wake-ups to `loop` (the front's, once it runs)."""
         self._loop = loop
 
     def close(self) -> None:
@@ -79,6 +88,10 @@ class AsyncEngineClient:
                        request_id=req.request_id)
         return await asyncio.get_running_loop().run_in_executor(self._pool, call)
 
+    async def stats(self) -> dict[str, object]:
+        """`EngineCore.stats` (it takes the core's lock) from the pool."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, self.core.stats)
+
     def abort_soon(self, request_ids: list[str]) -> None:
         """Abort these requests from the pool (frees their pages and slots); returns at once."""
         for rid in request_ids:
@@ -89,7 +102,7 @@ class AsyncEngineClient:
 
 
 class Watch:
-    """The deltas of several requests of one HTTP call, as they arrive; `close` aborts the
+    """The deltas of one or several requests of one call (HTTP or gRPC), as they arrive; `close` aborts the
     requests that have not finished (a client gone, an error) and stops watching."""
 
     def __init__(self, client: AsyncEngineClient, streams: list[RequestStream]):
