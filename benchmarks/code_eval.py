@@ -127,7 +127,10 @@ def _resolve(name: str, roots: dict[str, Path]) -> Path | None:
     return p if p.is_file() else None
 
 
-def held_out_loss(model: str, manifest: Path, roots: dict[str, Path], seq_len: int, batch: int) -> dict:
+def held_out_loss(model: str, manifest: Path, roots: dict[str, Path], seq_len: int, batch: int,
+                  dtype: str = "float32", quantization: str | None = None) -> dict:
+    """Nats per token and bits per byte of `model` (loaded in `dtype`, `quantization` at load)
+    over the held-out files of `manifest` (module doc, 2)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -149,7 +152,7 @@ def held_out_loss(model: str, manifest: Path, roots: dict[str, Path], seq_len: i
             missing.append(name)
     if not docs:
         raise ValueError(f"held_out={str(manifest)!r}: none of its {len(names)} files is here")
-    lm = load_model(model)
+    lm = load_model(model, dtype=dtype, quantization=quantization)
     rows = pack(encode_docs(lm.tokenizer, docs), seq_len, pad_tail=True)
     tb = token_bytes(lm.tokenizer)
 

@@ -59,6 +59,14 @@ def calibrate_kv_scales(model: CausalLM, kv_scale: str, tokens: np.ndarray | Non
     """Per window group (k_scale, v_scale), each f32 [k, n_g] (module doc): one prefill of
     `tokens` (default `calibration_tokens`) into a cache in the model's dtype."""
     check_kv_cache_dtype("fp8", kv_scale)
+    # Where the parameters live: tensor parallelism loads the whole model on the host CPU,
+    # and the prefill must not pull it onto one accelerator.
+    device = next(iter(jax.tree.leaves(nnx.state(model))[0].devices()))
+    with jax.default_device(device):
+        return _calibrate(model, kv_scale, tokens)
+
+
+def _calibrate(model: CausalLM, kv_scale: str, tokens: np.ndarray | None):
     cfg = model.cfg
     ids = calibration_tokens(cfg.vocab_size) if tokens is None else np.asarray(tokens, np.int32)
     n, s = len(ids), CALIBRATION_PAGE

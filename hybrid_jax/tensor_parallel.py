@@ -561,8 +561,8 @@ def cache_axes(caches) -> object:
     from hybrid_jax.cache import GDNState, KVCache, Mamba1State, Mamba2State, RGLRUState, ShortConvState
 
     def axes(c):
-        if isinstance(c, KVCache):
-            return KVCache(0, 0)
+        if isinstance(c, KVCache):  # FP8 pages' scales [k, n] split with their KV heads
+            return KVCache(0, 0) if c.k_scale is None else KVCache(0, 0, 0, 0)
         if isinstance(c, GDNState):
             return GDNState(3, 2)
         if isinstance(c, Mamba2State):
@@ -578,6 +578,17 @@ def cache_axes(caches) -> object:
     is_leaf = lambda c: isinstance(c, KVCache | Mamba2State | Mamba1State | RGLRUState | ShortConvState
                                    | GDNState)
     return jax.tree.map(axes, caches, is_leaf=is_leaf)
+
+
+def shard_kv_scales(cfg: ModelConfig, scales: tuple[tuple[np.ndarray, np.ndarray], ...], n: int
+                    ) -> tuple[tuple[np.ndarray, np.ndarray], ...]:
+    """FP8 KV scales of the whole model (hybrid_jax/kv_quant.py: per window group (k_scale,
+    v_scale), each [k, n_g]) -> the global arrays of the sharded caches: device d's share of
+    the KV heads (the heads its K/V pages hold, replicated when k < n) stacked in device
+    order along axis 0, [n * k_local, n_g], as `cache_axes` splits them."""
+    k = cfg.attention.num_kv_heads
+    return tuple(tuple(np.concatenate([_units(np.asarray(x), 0, k, n, d) for d in range(n)])
+                       for x in pair) for pair in scales)
 
 
 # -- devices ---------------------------------------------------------------------------------

@@ -149,9 +149,6 @@ class EngineConfig:
             raise ValueError(f"max_model_len={self.max_model_len} must be >= 2")
         check_quantization(self.quantization)
         check_kv_cache_dtype(self.kv_cache_dtype, self.kv_scale)
-        if self.kv_cache_dtype == "fp8" and self.tensor_parallel_size > 1:
-            raise ValueError(f"kv_cache_dtype='fp8' with tensor_parallel_size={self.tensor_parallel_size}: "
-                             "FP8 KV pages do not run tensor-parallel yet (their scales are not sharded)")
         if self.ssm_state_dtype not in ("float32", "bfloat16"):
             raise ValueError(f"ssm_state_dtype={self.ssm_state_dtype!r} must be 'float32' or 'bfloat16'")
         if self.prefix_state_stride < self.page_size or self.prefix_state_stride % self.page_size:

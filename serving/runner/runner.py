@@ -162,10 +162,9 @@ class ModelRunner:
             self.ckpts = zeros(ckpt_shapes) if ckpt_ops else None
             self.mtp_caches = zeros(mtp_shapes) if mtp_k else None
         else:
-            if kv_scales is not None:
-                raise ValueError("FP8 KV pages do not run on the tensor-parallel path yet "
-                                 "(tensor_parallel_size > 1 or HYBRID_JAX_SHARDED_RUNNER=1)")
             self._place_sharded(model, cache_shapes, ckpt_shapes, mtp_shapes)
+            if kv_scales is not None:  # each device's pages get the scales of their KV heads
+                self.caches = with_kv_scales(self.caches, tp.shard_kv_scales(self.cfg, kv_scales, n))
         self.stats = jax.device_put(init_token_stats(num_slots, self.cfg.vocab_size), self.replicated)
         self.ring_widths = ring_widths
         self.page_size = page_size

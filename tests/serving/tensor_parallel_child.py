@@ -264,25 +264,45 @@ def _check(fn, *args):
 
 
 def check_fp8(results: dict) -> None:
-    """FP8 weights (the ssm model quantized at load with 4 x 4 blocks, so that every split
-    of this tiny model is whole blocks): greedy at tp=2 equals tp=1, the shards hold FP8,
+    """FP8 weights and FP8 KV pages (the ssm model with 2 KV heads, quantized at load with
+    4 x 4 blocks, so that every split of this tiny model is whole blocks; its K/V pages in
+    e4m3 with per-head scales): greedy at tp=2 equals tp=1, both engines calibrate the same
+    scales and each device's pages hold the scales of its own KV head, the shards hold FP8,
     and 16 x 16 blocks (which the Mamba2 in_proj's dt columns cut) are refused by name."""
+    import numpy as np
+
     from hybrid_jax.quantization import quantize_model
 
-    cfg = models()["ssm"]
+    ssm = models()["ssm"]
+    cfg = dataclasses.replace(ssm, attention=dataclasses.replace(ssm.attention, num_kv_heads=2))
 
     def fp8_engine(n: int, block: int) -> LLMEngine:
         model = quantize_model(CausalLM(cfg, rngs=nnx.Rngs(0)), "fp8", block=block)
         settings = dict(max_num_seqs=4, max_num_batched_tokens=32, max_prefill_chunk=7, max_model_len=64,
                         page_size=8, seq_buckets=(4,), token_buckets=(32,), tensor_parallel_size=n,
-                        compilation_cache_dir=None)
+                        compilation_cache_dir=None, kv_cache_dtype="fp8")
         return LLMEngine(LoadedModel(model, cfg, None, "test"), EngineConfig(**settings), show_progress=False)
 
     ps = prompts(cfg.vocab_size)
-    ref = run(fp8_engine(1, 4), ps, GREEDY)
+    eng1 = fp8_engine(1, 4)
+    ref = run(eng1, ps, GREEDY)
     eng = fp8_engine(2, 4)
     results["fp8: tp=2 greedy == tp=1 (margin-aware)"] = _check(compare_enough, ref, run(eng, ps, GREEDY),
                                                                 "fp8")
+    results["fp8: tp=2 KV pages are e4m3"] = eng.stats()["kv_cache_dtype"] == "float8_e4m3fn" or \
+        f"{eng.stats()['kv_cache_dtype']}"
+
+    def scales_split() -> bool | str:
+        for one, two in zip(eng1.runner.caches.kv, eng.runner.caches.kv, strict=True):
+            for a, b in ((one.k_scale, two.k_scale), (one.v_scale, two.v_scale)):
+                a = np.asarray(a)  # [2 KV heads, layers]: distinct per head (calibrated)
+                assert (a[0] != a[1]).any() and np.array_equal(np.asarray(b), a), (a, np.asarray(b))
+                for shard in b.addressable_shards:  # device d serves query heads 2d, 2d + 1: KV head d
+                    d = list(eng.runner.mesh.devices.flat).index(shard.device)
+                    assert np.array_equal(np.asarray(shard.data), a[d:d + 1]), (d, shard.data, a)
+        return True
+
+    results["fp8: tp=2 KV scales == tp=1's, split by KV head"] = _check(scales_split)
     dtypes = eng.stats()["weight_bytes_by_dtype"]
     results["fp8: tp=2 shards hold FP8"] = dtypes.get("float8_e4m3fn", 0) > 0 or f"{dtypes}"
     try:

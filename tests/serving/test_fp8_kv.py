@@ -93,8 +93,7 @@ def test_fp8_kv_planning_scales_and_refusals(lm):
         EngineConfig(kv_cache_dtype="int8")
     with pytest.raises(ValueError, match="kv_scale='token'"):
         EngineConfig(kv_cache_dtype="fp8", kv_scale="token")
-    with pytest.raises(ValueError, match="tensor_parallel_size=2"):
-        EngineConfig(kv_cache_dtype="fp8", tensor_parallel_size=2)
+    EngineConfig(kv_cache_dtype="fp8", tensor_parallel_size=2)  # runs tensor-parallel (scales split)
 
 
 def test_cli_subcommands_take_kv_cache_dtype():

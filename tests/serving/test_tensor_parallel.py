@@ -78,10 +78,11 @@ def test_mtp_speculation_at_tp2_equals_plain_greedy(child_results):
 
 
 @pytest.mark.slow
-def test_sharded_fp8_weights_equal_single_device(child_results):
+def test_sharded_fp8_weights_and_kv_equal_single_device(child_results):
+    """FP8 weights and FP8 KV pages (per-head scales split with the heads) at tp=2 == tp=1."""
     assert "child crashed" not in child_results, child_results["child crashed"]
     mine = {k: v for k, v in child_results.items() if k.startswith("fp8:")}
-    assert len(mine) == 3 and all(v is True for v in mine.values()), mine
+    assert len(mine) == 5 and all(v is True for v in mine.values()), mine
 
 
 def test_fp8_shards_hold_the_shards_of_the_dequantized_weight():
