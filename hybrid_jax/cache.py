@@ -24,9 +24,10 @@ class KVCache(NamedTuple):
     """K/V pages [k, num_pages, s, e]. MLA models (`ModelConfig.mla`) cache the latent
     instead: k holds one row [norm(c) | k_r] of width L = kv_lora_rank + qk_rope_head_dim
     per token, [1, num_pages, s, L] (one "KV head" every query head reads; the values are
-    its first kv_lora_rank columns), and v is empty, [1, num_pages, s, 0]. FP8 (float8_e4m3fn) pages carry their scales, f32,
-    one per KV head and layer (the real K/V are page values x scale): [k, n] in the stacks
-    (n layers of the group), [k] in a layer's view (`layer_cache`). None otherwise."""
+    its first kv_lora_rank columns), and v is empty, [1, num_pages, s, 0]. FP8
+    (float8_e4m3fn) pages carry their scales, f32, one per KV head and layer (the real K/V
+    are page values x scale): [k, n] in the stacks (n layers of the group), [k] in a
+    layer's view (`layer_cache`). None otherwise."""
 
     k: jax.Array  # [k, num_pages, s, e]
     v: jax.Array

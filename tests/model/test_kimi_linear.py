@@ -172,10 +172,12 @@ def test_absorbed_latent_attention_equals_expanded():
     B = lambda lin: np.asarray(lin.bias[...], np.float64)  # noqa: E731
 
     def rms(v, norm):
-        return v / np.sqrt(np.mean(v * v, -1, keepdims=True) + 1e-6) * np.asarray(norm.weight[...], np.float64)
+        w = np.asarray(norm.weight[...], np.float64)
+        return v / np.sqrt(np.mean(v * v, -1, keepdims=True) + 1e-6) * w
 
     x64 = x.astype(np.float64)
-    q = (rms(x64 @ W(layer.q_a_proj) + B(layer.q_a_proj), layer.q_a_layernorm) @ W(layer.q_b_proj)).reshape(t, h, -1)
+    q_a = rms(x64 @ W(layer.q_a_proj) + B(layer.q_a_proj), layer.q_a_layernorm)
+    q = (q_a @ W(layer.q_b_proj)).reshape(t, h, -1)
     ckr = x64 @ W(layer.kv_a_proj_with_mqa) + B(layer.kv_a_proj_with_mqa)
     kv = (rms(ckr[:, :r], layer.kv_a_layernorm) @ W(layer.kv_b_proj)).reshape(t, h, dn + dv)
     k = np.concatenate([kv[..., :dn], np.broadcast_to(ckr[:, None, r:], (t, h, dr))], -1)
