@@ -142,6 +142,8 @@ def test_engine_equals_transformers_and_invariants(kimi):
     assert eng.runner.caches.kv[0].v.size == 0
     # Whole prompts in one chunk, no prefix cache, pages enough: the same tokens.
     assert engine_tokens(_engine(d, 32), prompts) == outs
+    with pytest.raises(ValueError, match="kv_cache_dtype='fp8' is not supported for MLA"):
+        _engine(d, 32, kv_cache_dtype="fp8")
 
 
 def test_absorbed_latent_attention_equals_expanded():
