@@ -21,9 +21,13 @@ from pallas_kernels import offset_indices
 
 
 class KVCache(NamedTuple):
-    """K/V pages [k, num_pages, s, e]. FP8 (float8_e4m3fn) pages carry their scales, f32,
-    one per KV head and layer (the real K/V are page values x scale): [k, n] in the stacks
-    (n layers of the group), [k] in a layer's view (`layer_cache`). None otherwise."""
+    """K/V pages [k, num_pages, s, e]. MLA models (`ModelConfig.mla`) cache the latent
+    instead: k holds one row [norm(c) | k_r] of width L = kv_lora_rank + qk_rope_head_dim
+    per token, [1, num_pages, s, L] (one "KV head" every query head reads; the values are
+    its first kv_lora_rank columns), and v is empty, [1, num_pages, s, 0]. FP8
+    (float8_e4m3fn) pages carry their scales, f32, one per KV head and layer (the real K/V
+    are page values x scale): [k, n] in the stacks (n layers of the group), [k] in a
+    layer's view (`layer_cache`). None otherwise."""
 
     k: jax.Array  # [k, num_pages, s, e]
     v: jax.Array
@@ -198,8 +202,15 @@ def init_caches(cfg: ModelConfig, *, num_pages: tuple[int, ...], page_size: int,
         raise ValueError(f"num_slots={num_slots} x {deepest} layers reaches 2**31")
     a = cfg.attention
     kv_dtype = jnp.dtype(dtype if kv_dtype is None else kv_dtype)
+    if cfg.mla is not None and kv_dtype == jnp.float8_e4m3fn:
+        raise ValueError("kv_cache_dtype='fp8' is not supported for MLA latent pages (the latent "
+                         "row mixes the normed latent and the key slice under one scale): use 'auto'")
     kv = []
     for g, n in enumerate(per_group):
+        if cfg.mla is not None:  # the latent cache (KVCache's doc): no V pages
+            shape = (1, n, num_pages[g], page_size, cfg.mla.latent_width)
+            kv.append(KVCache(jnp.zeros(shape, kv_dtype), jnp.zeros(shape[:-1] + (0,), kv_dtype)))
+            continue
         shape = (a.num_kv_heads, n, num_pages[g], page_size, kv_head_dim(a.head_dim))
         scales = ((jnp.ones((a.num_kv_heads, n), jnp.float32),) * 2
                   if kv_dtype == jnp.float8_e4m3fn else ())

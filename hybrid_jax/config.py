@@ -294,8 +294,9 @@ class MLAConfig:
     [c | k_r] = kv_a_proj_with_mqa(x) [r + dr]; [k_n | v] = kv_b_proj(norm(c)) per head
     [h, dn + dv]; k = [k_n | k_r] (k_r shared by every head); softmax scale (dn + dr)^-1/2;
     o_proj over [h dv]. `rope` False: no positional encoding at all (Kimi Linear's
-    attention is NoPE; the "rope" part is only a shared key slice). The engine keeps the
-    expanded per-head K and V (V zero-padded to dn + dr) in ordinary pages.
+    attention is NoPE; the "rope" part is only a shared key slice). The engine's pages hold
+    the latent cache: per token one row [norm(c) | k_r] of `latent_width` = r + dr values,
+    attended with the absorbed projections (hybrid_jax/layers/mla.py).
     """
 
     num_heads: int
@@ -317,13 +318,15 @@ class MLAConfig:
         if self.rope:
             raise ValueError("rope=True: MLA with rotary embeddings is not implemented "
                              "(Kimi Linear's MLA is NoPE)")
-        if self.v_head_dim > self.qk_head_dim:
-            raise ValueError(f"v_head_dim={self.v_head_dim} must be <= qk_head_dim="
-                             f"{self.qk_head_dim} (V is zero-padded to K's width in the pages)")
 
     @property
     def qk_head_dim(self) -> int:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def latent_width(self) -> int:
+        """Values cached per token and MLA layer: the normed latent and the shared key slice."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
 
 
 @dataclass(frozen=True)
@@ -594,7 +597,8 @@ class ModelConfig:
 
 
 def _check_mla(mla: MLAConfig, a: AttentionConfig | None, layers: tuple[LayerSpec, ...]) -> None:
-    """MLA layers are global ATTENTION layers whose pages hold per-head K/V of qk_head_dim."""
+    """MLA layers are global ATTENTION layers; `attention` gives their query heads and
+    softmax scale (qk_head_dim^-1/2). Their pages hold the latent (`MLAConfig.latent_width`)."""
     want = (mla.num_heads, mla.num_heads, mla.qk_head_dim, False, None)
     got = None if a is None else (a.num_heads, a.num_kv_heads, a.head_dim, a.rope, a.scale)
     if got != want:

@@ -50,6 +50,7 @@ from hybrid_jax.cache import (
 )
 from hybrid_jax.config import ModelConfig
 from hybrid_jax.layers.attention import Attention, gated_heads
+from hybrid_jax.layers.mla import MLAttention
 from hybrid_jax.layers.rotary import rope_cos_sin
 from hybrid_jax.layers.shared_block import DepthAttention, SharedBlock
 from hybrid_jax.model import Block, CausalLM, _scale
@@ -81,6 +82,8 @@ def _attention(layer: Attention | DepthAttention, x: jax.Array | None, batch: Ra
     fused_out takes it). merge False (a fused decode, `_merged_decode`): the decode
     kernel's output as `DecodeParts`, its splits not yet merged.
     """
+    if isinstance(layer, MLAttention):  # never fused (hybrid_jax/fusion.py)
+        return _mla_attention(layer, x, batch, kv, group, decode, q_len)
     raw = None
     if fused is not None:
         cfg, (proj, cols) = layer.cfg, fused
@@ -117,6 +120,30 @@ def _attention(layer: Attention | DepthAttention, x: jax.Array | None, batch: Ra
                                     batch.lengths, table, **common, **scales)
     return (_attention_out(layer, gated_heads(o[..., :e].astype(dtype), gate), project_out),
             KVCache(k_pages, v_pages))
+
+
+def _mla_attention(layer: MLAttention, x: jax.Array, batch: RaggedBatch, kv: KVCache, group: int,
+                   decode: bool, q_len: int = 0) -> tuple[jax.Array, KVCache]:
+    """MLA over the latent cache (hybrid_jax/layers/mla.py): each token's latent row [t, 1, L]
+    written to its page slot, the queries absorbed into latent space [t, h, L], multi-query
+    attention against the pages (one KV head; the same pages as K and V, whose first
+    kv_lora_rank output columns are the attended latent), then W_uv and o_proj.
+
+    The attention runs the paged references (XLA gathers): the Pallas kernels tile head
+    widths of 64, 128 or 256, not L (576 for Kimi Linear)."""
+    latent = layer.latent(x).astype(kv.k.dtype)
+    flat = kv.k.reshape(1, -1, kv.k.shape[-1])
+    # Real tokens' slots are distinct; only padding rows share slots of the dummy page 0.
+    k_pages = flat.at[0, batch.slot_mappings[group]].set(latent, unique_indices=True).reshape(kv.k.shape)
+    q = layer.absorb_q(x)
+    common = dict(window=None, softcap=None, scale=layer.cfg.query_scale, impl="reference")
+    if decode or q_len:
+        o = paged_attention_decode(q, k_pages, k_pages, batch.lengths, batch.page_tables[group],
+                                   queries=max(q_len, 1), **common)
+    else:
+        o = paged_attention_prefill(q, k_pages, k_pages, batch.cu_seqlens, batch.lengths,
+                                    batch.page_tables[group], **common)
+    return layer.absorbed_output(o.astype(q.dtype)), kv._replace(k=k_pages)
 
 
 def _fused_decode_args(layer: Attention, fused: tuple[jax.Array, tuple[int, int, int]], batch: RaggedBatch,

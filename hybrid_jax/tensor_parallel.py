@@ -31,7 +31,8 @@ axis, placed by marking layers of the local model (`mark_local_model`):
 | gated attention's q_proj (query and gate per head) | by head, with its gate | - |
 | KDA q/k/v_proj, conv, f_b_proj, dt_bias, g_b_proj, b_proj, A_log, states | by head | - |
 | KDA low-rank f_a_proj, g_a_proj; output norm | replicated | - |
-| MLA q_proj / q_b_proj, kv_b_proj (k_nope and v per head), K/V pages | by head | - |
+| MLA q_proj / q_b_proj, kv_b_proj (k_nope and v per head: W_uk / W_uv absorbed per device) | by head | - |
+| MLA latent pages (one row per token that every head reads) | a copy per device on axis 0 | - |
 | MLA latent projections q_a_proj, kv_a_proj_with_mqa (+ their norms) | replicated | - |
 | embeddings, LM head | by vocabulary (replicated when V % N != 0) | psum / all_gather of logits |
 | norms, q/k norms, shared-block adapters' down LoRAs | replicated | - |
@@ -204,7 +205,7 @@ def local_config(cfg: ModelConfig, n: int) -> ModelConfig:
         a = cfg.attention
         subs["attention"] = dataclasses.replace(a, num_heads=a.num_heads // n,
                                                 num_kv_heads=_local(a.num_kv_heads, n))
-    if cfg.mla is not None:  # MLA: its query (and expanded K/V) heads, as attention's
+    if cfg.mla is not None:  # MLA: its query heads (the latent pages are whole on every device)
         subs["mla"] = dataclasses.replace(cfg.mla, num_heads=cfg.mla.num_heads // n)
     if cfg.mamba2 is not None:
         m = cfg.mamba2

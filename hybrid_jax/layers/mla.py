@@ -1,19 +1,21 @@
-"""Multi-head latent attention (MLA) as Kimi Linear uses it: NoPE, K/V expanded per head.
+"""Multi-head latent attention (MLA) as Kimi Linear uses it: NoPE, a latent KV cache.
 
 Shapes: t tokens, d hidden, h heads, r = kv_lora_rank, dn = qk_nope_head_dim,
 dr = qk_rope_head_dim (a key slice shared by every head; Kimi Linear applies no rotary
-to it: the layer has no positional encoding), dv = v_head_dim, e = dn + dr.
+to it: the layer has no positional encoding), dv = v_head_dim, e = dn + dr, L = r + dr.
 
     q = q_proj(x) [t, h, e]  (or q_b_proj(rms(q_a_proj(x))) with q_lora_rank)
     [c | k_r] = kv_a_proj_with_mqa(x) [t, r + dr];  [k_n | v] = kv_b_proj(rms(c)) [t, h, dn + dv]
     k = [k_n | k_r (every head)] [t, h, e];  softmax(q k^T e^-1/2) v;  o_proj([t, h dv])
 
-`project` returns per-head q, k [t, h, e] and v zero-padded to [t, h, e], and `output`
-takes the attention output [t, h, e] and drops the padding: the engine's paged attention
-(hybrid_jax/ragged.py, one head width for K and V) then serves it as ordinary global
-attention with h KV heads of width e, and the padded V columns only ever hold zeros. The
-latent cache (r + dr values per token instead of 2 h e) is the memory-saving next step.
-The full-sequence forward here is the reference of that path.
+That expanded form is the full-sequence forward here (`__call__`, the serving path's
+reference). The serving path keeps only the latent: one row [rms(c) | k_r] of width L per
+token (`latent`), one "KV head" for all h query heads. With W_uk [r, h, dn] and W_uv
+[r, h, dv] the two parts of kv_b_proj, q_n . k_n = (q_n W_uk^T) . rms(c) and
+sum_j p_j v_j = (sum_j p_j rms(c_j)) W_uv, so attention runs as multi-query attention in
+latent space (`absorb_q`: [q_n W_uk^T | q_r] [t, h, L] against keys [rms(c) | k_r], values
+the same rows' first r columns) and `absorbed_output` maps the latent output [t, h, r]
+through W_uv and o_proj. The softmax scale stays e^-1/2 (the expanded head width).
 This module knows nothing of pages, slots or scheduling.
 """
 
@@ -77,6 +79,39 @@ class MLAttention(nnx.Module):
                             axis=-1)
         v = jnp.pad(v, [(0, 0)] * (v.ndim - 1) + [(0, e - m.v_head_dim)])
         return q, k, v
+
+    def latent(self, x: jax.Array) -> jax.Array:
+        """x [..., d] -> the cached row [..., L] = [rms(c) | k_r] (what the pages hold)."""
+        c, k_r = jnp.split(self.kv_a_proj_with_mqa(x), [self.mla.kv_lora_rank], axis=-1)
+        return jnp.concatenate([self.kv_a_layernorm(c), k_r.astype(c.dtype)], axis=-1)
+
+    def _kv_b(self) -> tuple[jax.Array, jax.Array]:
+        """kv_b_proj's kernel split per head: W_uk [r, h, dn], W_uv [r, h, dv]."""
+        m, lin = self.mla, self.kv_b_proj
+        w = lin.weight()  # [r, h (dn + dv)], or [h (dn + dv), r] held transposed (fusion.py)
+        w = (w.T if lin.transposed else w).reshape(m.kv_lora_rank, m.num_heads, -1)
+        return w[..., :m.qk_nope_head_dim], w[..., m.qk_nope_head_dim:]
+
+    def absorb_q(self, x: jax.Array) -> jax.Array:
+        """x [t, d] -> queries in latent space [t, h, L] = [q_n W_uk^T | q_r]."""
+        m = self.mla
+        if self.q_proj is not None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.reshape(*x.shape[:-1], m.num_heads, m.qk_head_dim)
+        w_uk, _ = self._kv_b()
+        q_lat = jnp.einsum("thn,rhn->thr", q[..., :m.qk_nope_head_dim], w_uk.astype(q.dtype),
+                           preferred_element_type=jnp.float32).astype(q.dtype)
+        return jnp.concatenate([q_lat, q[..., m.qk_nope_head_dim:]], axis=-1)
+
+    def absorbed_output(self, o: jax.Array) -> jax.Array:
+        """o [t, h, >= r] (the attended latent rows; columns past r dropped) -> [t, d]."""
+        _, w_uv = self._kv_b()
+        o = o[..., :self.mla.kv_lora_rank]
+        v = jnp.einsum("thr,rhv->thv", o, w_uv.astype(o.dtype),
+                       preferred_element_type=jnp.float32).astype(o.dtype)
+        return self.o_proj(v.reshape(*v.shape[:-2], -1))
 
     def output(self, o: jax.Array, gate: jax.Array | None = None) -> jax.Array:
         """o [..., h, e] (V's padding columns last) -> [..., d]."""

@@ -130,3 +130,19 @@ def test_reference_workload_table_and_flags():
     for flag in ("--backend openai", "--server http://127.0.0.1:8000", "--max-concurrency 16",
                  "--num-requests 512", "--input-len 4400", "--output-len 512"):
         assert flag in bench, flag
+
+
+def test_mla_kv_bytes_are_the_latent_rows():
+    """Kimi Linear's MLA pages hold one latent row per token and layer (512 + 64 values, no
+    V): the floor, the memory arithmetic and the engine's own page sizes agree by hand."""
+    import jax.numpy as jnp
+
+    from hybrid_jax.cache import cache_bytes
+    from serving.entrypoints.bench.memory import page_bytes
+
+    cfg = load_preset("kimi-linear-48b-a3b")  # 7 MLA layers, kv_lora_rank 512, qk_rope 64
+    b, ctx = 2, 99
+    got = decode_floor_bytes(cfg, batch=b, context=ctx, weight_bytes=10**11, dtype="bfloat16")
+    assert got["kv"] == 7 * b * (ctx + 1) * 576 * 2
+    assert page_bytes(cfg, 16, "bfloat16") == (7 * 16 * 576 * 2,)
+    assert cache_bytes(cfg, page_size=16, dtype=jnp.bfloat16)[0] == (7 * 16 * 576 * 2,)

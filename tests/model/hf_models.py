@@ -217,8 +217,8 @@ def qwen3_5_moe_vlm_config() -> T.PretrainedConfig:
 def kimi_linear_config(**kw) -> T.PretrainedConfig:
     # The published config's layout (linear_attn_config, 1-indexed layers; first_k_dense_replace):
     # KDA, KDA, MLA, KDA; layer 0 dense, then MoE: sigmoid top-2 of 8 in the best 1 of 2
-    # groups, renormalised, scaled 2.5, a shared expert. MLA qk 16 + 8, v 16 (K and V of
-    # different widths: V is zero-padded in the pages).
+    # groups, renormalised, scaled 2.5, a shared expert. MLA qk 16 + 8, v 16, kv_lora_rank 16
+    # (the engine's latent pages hold 16 + 8 values per token).
     return T.KimiLinearConfig(
         vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16,

@@ -14,7 +14,10 @@ expert; MLA with K wider than V), saved and loaded from disk.
    tokens, too few pages for the batch: preemption by recompute): greedy tokens are
    transformers' argmax wherever its top-1/top-2 gap is clear; each request alone gives
    its batched tokens (a prefix-cache hit == the miss); whole prompts in one chunk
-   (a second engine, same compiled shapes) give the same tokens.
+   (a second engine, same compiled shapes) give the same tokens. The pages hold the MLA
+   latent (kv_lora_rank + qk_rope_head_dim values per token and layer, no V pages).
+4. The absorbed attention (queries in latent space, one KV head of latent rows, W_uv
+   after) equals the expanded per-head form, in float64 numpy on random weights.
 Speculative verification of KDA layers runs Gated DeltaNet's serving path
 (`ragged_recurrent.gated_deltanet`, q > 0) with a per-channel g; its candidates are checked
 in tests/kernels/test_kda.py and tests/kernels/test_gated_delta.py (an engine with a
@@ -129,5 +132,76 @@ def test_engine_equals_transformers_and_invariants(kimi):
     s = eng.stats()
     assert s["prefix_cache_hit_tokens"] > hits and s["prefix_state_checkpoints_cached"] > 0
     assert s["num_preemptions"] > 0
+    # The latent cache: per token and MLA layer kv_lora_rank + qk_rope_head_dim values (f32),
+    # one row, no V (the expanded form held 2 x heads x qk_head_dim).
+    cfg = eng.model_config
+    mla_layers = sum(1 for x in cfg.layers if x.kind.has_attention)
+    per_token = (cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim) * 4
+    assert eng.plan.page_bytes == (mla_layers * 8 * per_token,)
+    assert s["kv_bytes"] == eng.plan.scheduler.groups[0].num_pages * mla_layers * 8 * per_token
+    assert eng.runner.caches.kv[0].v.size == 0
     # Whole prompts in one chunk, no prefix cache, pages enough: the same tokens.
     assert engine_tokens(_engine(d, 32), prompts) == outs
+    with pytest.raises(ValueError, match="kv_cache_dtype='fp8' is not supported for MLA"):
+        _engine(d, 32, kv_cache_dtype="fp8")
+
+
+def test_absorbed_latent_attention_equals_expanded():
+    """The serving path's MLA (latent rows written to pages, absorbed queries, one KV head,
+    W_uv after: ragged._mla_attention) on random weights, a 5-token prefill then a decode
+    of a 6th token, against the expanded per-head attention in float64 numpy."""
+    from flax import nnx
+
+    from hybrid_jax.cache import KVCache, RaggedBatch
+    from hybrid_jax.config import AttentionConfig, MLAConfig
+    from hybrid_jax.layers.mla import MLAttention
+    from hybrid_jax.ragged import _mla_attention
+
+    h, r, dn, dr, dv, d, s, t = 3, 8, 4, 2, 5, 12, 4, 6
+    mla = MLAConfig(num_heads=h, kv_lora_rank=r, qk_nope_head_dim=dn, qk_rope_head_dim=dr,
+                    v_head_dim=dv, q_lora_rank=6, bias=True)
+    layer = MLAttention(d, mla, AttentionConfig(num_heads=h, num_kv_heads=h, head_dim=dn + dr, rope=False),
+                        dtype=jnp.float32, rngs=nnx.Rngs(0))
+    rng = np.random.default_rng(0)
+    for node in (layer.q_a_layernorm, layer.kv_a_layernorm):  # non-trivial norm weights
+        node.weight = nnx.Param(jnp.asarray(rng.uniform(0.5, 1.5, node.weight.shape), jnp.float32))
+    for lin in (layer.q_a_proj, layer.kv_a_proj_with_mqa, layer.o_proj):
+        lin.bias = nnx.Param(jnp.asarray(rng.normal(size=lin.bias.shape), jnp.float32))
+    x = rng.normal(size=(t, d)).astype(np.float32)
+
+    # Expanded form, float64 numpy, from the layer's weights.
+    W = lambda lin: np.asarray(lin.kernel[...], np.float64)  # noqa: E731
+    B = lambda lin: np.asarray(lin.bias[...], np.float64)  # noqa: E731
+
+    def rms(v, norm):
+        w = np.asarray(norm.weight[...], np.float64)
+        return v / np.sqrt(np.mean(v * v, -1, keepdims=True) + 1e-6) * w
+
+    x64 = x.astype(np.float64)
+    q_a = rms(x64 @ W(layer.q_a_proj) + B(layer.q_a_proj), layer.q_a_layernorm)
+    q = (q_a @ W(layer.q_b_proj)).reshape(t, h, -1)
+    ckr = x64 @ W(layer.kv_a_proj_with_mqa) + B(layer.kv_a_proj_with_mqa)
+    kv = (rms(ckr[:, :r], layer.kv_a_layernorm) @ W(layer.kv_b_proj)).reshape(t, h, dn + dv)
+    k = np.concatenate([kv[..., :dn], np.broadcast_to(ckr[:, None, r:], (t, h, dr))], -1)
+    logits = np.einsum("qhe,khe->hqk", q, k) * (dn + dr) ** -0.5
+    logits = np.where(np.tril(np.ones((t, t), bool)), logits, -np.inf)
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    want = np.einsum("hqk,khv->qhv", p, kv[..., dn:]).reshape(t, -1) @ W(layer.o_proj) + B(layer.o_proj)
+
+    # Serving path: one sequence in pages 1 and 2 (page 0 the dummy), prefill 5 then decode 1.
+    pages = KVCache(jnp.zeros((1, 3, s, r + dr)), jnp.zeros((1, 3, s, 0)))
+    table = jnp.asarray([[1, 2]], jnp.int32)
+
+    def batch(lo, hi):
+        pos = np.arange(lo, hi, dtype=np.int32)
+        i32 = lambda v: jnp.asarray(v, jnp.int32)  # noqa: E731
+        return RaggedBatch(i32(np.zeros(hi - lo)), i32(pos), i32([0, hi - lo]), i32([hi]), i32([0]),
+                           jnp.asarray([lo > 0]), (table,), (i32(1 + pos // s) * s + i32(pos % s),),
+                           i32([hi - lo - 1]))
+
+    got_prefill, pages = _mla_attention(layer, jnp.asarray(x[:5]), batch(0, 5), pages, 0, decode=False)
+    got_decode, pages = _mla_attention(layer, jnp.asarray(x[5:]), batch(5, 6), pages, 0, decode=True)
+    got = np.concatenate([np.asarray(got_prefill), np.asarray(got_decode)])
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+    assert pages.k.shape == (1, 3, s, r + dr)  # the pages hold latent rows only

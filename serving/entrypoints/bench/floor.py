@@ -66,7 +66,9 @@ def decode_floor_bytes(cfg: ModelConfig, *, batch: int, context: int, weight_byt
         if spec.kind.has_attention:
             a = cfg.attention
             seen = context + 1 if spec.window is None else min(context + 1, spec.window)
-            kv += batch * seen * 2 * a.num_kv_heads * a.head_dim * kv_b  # read (the new one written)
+            # read (the new one written); MLA reads its latent rows (r + dr values), no V
+            width = cfg.mla.latent_width if cfg.mla is not None else 2 * a.num_kv_heads * a.head_dim
+            kv += batch * seen * width * kv_b
         if spec.kind.has_mamba2:
             m = cfg.mamba2
             state += 2 * batch * m.num_heads * m.head_dim * m.state_size * st_b
@@ -135,8 +137,8 @@ def engine_floor_bytes(engine, lengths: np.ndarray) -> dict[str, int]:
         weights -= int(expert * (1.0 - touched_experts(cfg, batch) / e))
     kv = state = 0
     for window, cache in zip(cfg.windows, runner.caches.kv, strict=True):
-        k = cache.k  # [k, layers, pages, s, e]
-        per_token = 2 * k.shape[0] * k.shape[1] * k.shape[4] * k.dtype.itemsize
+        # K and V [k, layers, pages, s, e]; an MLA model's V is empty (its latent cache)
+        per_token = sum(x.shape[0] * x.shape[1] * x.shape[4] * x.dtype.itemsize for x in (cache.k, cache.v))
         seen = lengths if window is None else np.minimum(lengths, window)
         kv += int(seen.sum()) * per_token
     for x in jax.tree.leaves(states_of(runner.caches)):  # [layers, slots, ...]

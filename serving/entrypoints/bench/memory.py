@@ -21,7 +21,10 @@ def page_bytes(cfg: ModelConfig, page_size: int, dtype: str) -> tuple[int, ...]:
     for w in cfg.windows:
         layers = sum(1 for s in cfg.layers if s.kind.has_attention and s.window == w)
         a = cfg.attention
-        out.append(layers * page_size * 2 * a.num_kv_heads * kv_head_dim(a.head_dim) * DTYPE_BYTES[dtype])
+        # MLA caches one latent row per token (r + dr values), no V; others K and V per KV head
+        width = (cfg.mla.latent_width if cfg.mla is not None
+                 else 2 * a.num_kv_heads * kv_head_dim(a.head_dim))
+        out.append(layers * page_size * width * DTYPE_BYTES[dtype])
     return tuple(out)
 
 
