@@ -35,6 +35,26 @@ from pallas_kernels.ragged import chunk_table, pad_tokens, segments
 _HI = jax.lax.Precision.HIGHEST
 
 
+def unit_lower_solve(a: jax.Array, rhs: jax.Array) -> jax.Array:
+    """x with (I + a) x = rhs, `a` [..., l, l] strictly lower triangular (its diagonal and
+    upper part are ignored), rhs [..., l, n]: forward substitution, one row per step.
+
+    Not `lax.linalg.triangular_solve`: on a CPU its batched solver fans out onto the
+    client's thread pool and waits there, and with several devices of one process each
+    running it at once (tensor parallelism on CPU devices) on a 2-core host every pool
+    thread ends up waiting: the step deadlocks (seen at 128-token steps of a Qwen3.5 model
+    at tensor_parallel_size=2). The substitution is the same algorithm as a row-wise
+    triangular solve, in plain matmuls."""
+    l = a.shape[-1]
+    a = jnp.tril(a, -1)
+
+    def row(i, x):  # rows >= i of x are still zero, so a's whole row i may be used
+        xi = rhs[..., i, :] - jnp.einsum("...j,...jn->...n", a[..., i, :], x, precision=_HI)
+        return jax.lax.dynamic_update_index_in_dim(x, xi, i, axis=-2)
+
+    return jax.lax.fori_loop(0, l, row, jnp.zeros_like(rhs))
+
+
 @functools.partial(jax.jit, static_argnames=("scale", "chunk_size"))
 def gated_delta_ragged_chunked(q, k, v, g, beta, cu_seqlens, states, slot_ids, has_initial, *,
                                scale: float, chunk_size: int = 64):
@@ -82,9 +102,7 @@ def gated_delta_ragged_chunked(q, k, v, g, beta, cu_seqlens, states, slot_ids, h
     k_h = jnp.moveaxis(kc, 1, 2)[:, :, None]  # [c, h, 1, l, k]
     rhs = jnp.concatenate([(bt * jnp.exp(G))[..., None] * k_h,
                            bt[..., None] * jnp.moveaxis(vc, 1, 3)], axis=-1)
-    eye = jnp.eye(l, dtype=f32)
-    wu = jax.lax.linalg.triangular_solve(eye + a, rhs, left_side=True, lower=True,
-                                         unit_diagonal=True)
+    wu = unit_lower_solve(a, rhs)
     w, u = wu[..., :dk], wu[..., dk:]  # [c, h, r, l, k], [c, h, r, l, v]
 
     # 4. The state-free parts of the output and of the state update.

@@ -37,6 +37,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.gated_delta_chunked import unit_lower_solve
 from pallas_kernels.ragged import chunk_table, pad_tokens, segments
 
 _HI = jax.lax.Precision.HIGHEST
@@ -118,9 +119,7 @@ def kda_ragged_chunked(q, k, v, g, beta, cu_seqlens, states, slot_ids, has_initi
     # 3. The UT transform: (I + A) [W | U~] = [diag(beta) (e^G * K) | diag(beta) V].
     a = bt[..., None] * kk
     rhs = bt[..., None] * jnp.concatenate([hm(kc * jnp.exp(G)), hm(vc)], axis=-1)
-    eye = jnp.eye(l, dtype=f32)
-    wu = jax.lax.linalg.triangular_solve(eye + a, rhs, left_side=True, lower=True,
-                                         unit_diagonal=True)
+    wu = unit_lower_solve(a, rhs)
     w, u = wu[..., :dk], wu[..., dk:]  # [c, h, l, k], [c, h, l, v]
 
     # 4. The state-free factors of the output and of the state update.

@@ -209,3 +209,15 @@ def test_kernels_lower_to_triton():
                                                               impl="pallas"))
         assert f.trace(*step).lower(lowering_platforms=("cuda",)).as_text().count(
             "__gpu$xla.gpu.triton") == 1
+
+
+def test_unit_lower_solve_matches_a_float64_solve():
+    """The UT transform's forward substitution (not lax's triangular_solve: see its doc)."""
+    from pallas_kernels.gated_delta_chunked import unit_lower_solve
+
+    rng = np.random.default_rng(3)
+    a = rng.normal(size=(3, 2, 16, 16)).astype(np.float32) * 0.3
+    rhs = rng.normal(size=(3, 2, 16, 5)).astype(np.float32)
+    ref = np.linalg.solve(np.eye(16) + np.tril(a.astype(np.float64), -1), rhs.astype(np.float64))
+    np.testing.assert_allclose(np.asarray(unit_lower_solve(jnp.asarray(a), jnp.asarray(rhs))), ref,
+                               rtol=1e-4, atol=1e-4)
