@@ -19,6 +19,13 @@ verification's cost, not its speed-up. Every setting is a flag, for shortened ru
 
   PYTHONPATH=. python benchmarks/reference_workload.py --out ref_out
   PYTHONPATH=. python benchmarks/reference_workload.py --num-requests 64 --out ref_short
+
+A CPU dry run of the whole path (two CPU devices, the shrunk preset; docs/benchmarks.md):
+
+  XLA_FLAGS=--xla_force_host_platform_device_count=2 PYTHONPATH=. python benchmarks/reference_workload.py \
+      --model qwen3.5-moe-tiny --num-requests 8 --max-concurrency 4 --input-len 96 --output-len 16 \
+      --max-model-len 256 --max-num-batched-tokens 128 --max-num-seqs 8 --memory-fraction 0.1 \
+      --speculative-tokens 2 --out ref_cpu
 """
 
 from __future__ import annotations
