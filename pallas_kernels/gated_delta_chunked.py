@@ -55,6 +55,56 @@ def unit_lower_solve(a: jax.Array, rhs: jax.Array) -> jax.Array:
     return jax.lax.fori_loop(0, l, row, jnp.zeros_like(rhs))
 
 
+def gather_chunks(l: int, cu_seqlens: jax.Array, *xs: jax.Array):
+    """Tokens [t, ...] -> chunks [c, l, ...] in f32 (the chunks of `chunk_table`); rows
+    outside a chunk's sequence are zero (g = 0 keeps the state, beta = k = 0 writes
+    nothing). -> (table, real [c] (a chunk of a sequence), seg [c] (its sequence, clamped),
+    the chunked arrays). Shared by the chunked gated delta rules (also kda_chunked.py)."""
+    xs = pad_tokens(l, *xs)
+    b, tp = cu_seqlens.shape[0] - 1, xs[0].shape[0]
+    tab = chunk_table(cu_seqlens, tp, l)
+    real = tab.seq < b
+    idx = tab.start[:, None] + jnp.arange(l)
+    valid = (idx < tab.end[:, None]) & real[:, None]
+    idx = jnp.minimum(idx, tp - 1)
+    mask = lambda x: valid.reshape(*valid.shape, *(1,) * (x.ndim - 1))  # noqa: E731
+    chunks = tuple(jnp.where(mask(x), x[idx].astype(jnp.float32), 0.0) for x in xs)
+    return tab, real, jnp.minimum(tab.seq, b - 1), chunks
+
+
+def chunk_pass(cu_seqlens, tab, real, seg, t: int, init, w, u, p, q_dec, k_dec, decay):
+    """The sequential pass over chunks of a chunked gated delta rule (Gated DeltaNet and
+    KDA): the state entering each chunk (the slot's `init` [b, ...], or zero, at a
+    sequence's first chunk), its writes U, its output and each sequence's final state.
+
+    Per chunk (leading axis c; heads "..."): w, u, q_dec, k_dec [c, ..., l, k or v],
+    p [c, ..., l, l], decay broadcast against a state [..., k, v] (a scalar per head or a
+    vector over k). -> (outputs in token order [t, heads, v] f32, padding tokens 0; the
+    final states [b, ...]; an empty sequence keeps its initial state)."""
+    nc, l = tab.seq.shape[0], w.shape[-2]
+    first = real & (jnp.arange(nc) == tab.first[seg])
+    last = real & (jnp.arange(nc) == tab.first[seg + 1] - 1)
+
+    def body(carry, x):
+        s, finals = carry
+        c_first, c_last, c_seg, w_c, u_c, p_c, qd_c, kd_c, dec_c = x
+        s = jnp.where(c_first, init[c_seg], s)
+        u_true = u_c - jnp.einsum("...lk,...kv->...lv", w_c, s, precision=_HI)
+        o = (jnp.einsum("...lk,...kv->...lv", qd_c, s, precision=_HI)
+             + jnp.einsum("...ij,...jv->...iv", p_c, u_true, precision=_HI))
+        s = dec_c * s + jnp.einsum("...lk,...lv->...kv", kd_c, u_true, precision=_HI)
+        finals = finals.at[c_seg].set(jnp.where(c_last, s, finals[c_seg]))
+        return (s, finals), o
+
+    xs = (first, last, seg, w, u, p, q_dec, k_dec, decay)
+    (_, finals), oc = jax.lax.scan(body, (jnp.zeros_like(init[0]), init), xs)
+    oc = jnp.moveaxis(oc, -2, 1)  # [c, l, heads..., v]
+    oc = oc.reshape(nc * l, -1, oc.shape[-1])
+    sg = segments(cu_seqlens, t)
+    flat = (tab.first[jnp.maximum(sg.seq, 0)] + sg.pos // l) * l + sg.pos % l
+    return jnp.where((sg.pos >= 0)[:, None, None], oc[jnp.where(sg.pos >= 0, flat, 0)], 0.0), finals
+
+
 @functools.partial(jax.jit, static_argnames=("scale", "chunk_size"))
 def gated_delta_ragged_chunked(q, k, v, g, beta, cu_seqlens, states, slot_ids, has_initial, *,
                                scale: float, chunk_size: int = 64):
@@ -68,25 +118,11 @@ def gated_delta_ragged_chunked(q, k, v, g, beta, cu_seqlens, states, slot_ids, h
     hv, dv = v.shape[1:]
     r, l, b = hv // hk, chunk_size, cu_seqlens.shape[0] - 1
     f32 = jnp.float32
-    q, k, v, g, beta = pad_tokens(l, q, k, v, g, beta)
-    tab = chunk_table(cu_seqlens, q.shape[0], l)
+    # 1. Tokens into chunks [c, l, ...] (`gather_chunks`).
+    tab, real, seg, (qc, kc, vc, gc, bc) = gather_chunks(l, cu_seqlens, q, k, v, g, beta)
     nc = tab.seq.shape[0]
-    real = tab.seq < b
-    seg = jnp.minimum(tab.seq, b - 1)
-
-    # 1. Gather tokens into chunks [c, l]; rows outside the chunk are zero (g = 0 keeps
-    #    the decay, beta = k = 0 writes nothing), so they leave the state alone.
-    idx = tab.start[:, None] + jnp.arange(l)
-    valid = (idx < tab.end[:, None]) & real[:, None]
-    idx = jnp.minimum(idx, q.shape[0] - 1)
-
-    def take(x, shape):
-        x = x[idx].astype(f32).reshape(nc, l, *shape)
-        return jnp.where(valid.reshape(nc, l, *(1,) * len(shape)), x, 0.0)
-
-    qc, kc = take(q, (hk, dk)), take(k, (hk, dk))  # [c, l, h, k]
-    vc = take(v, (hk, r, dv))  # [c, l, h, r, v]
-    gc, bc = take(g, (hk, r)), take(beta, (hk, r))  # [c, l, h, r]
+    vc = vc.reshape(nc, l, hk, r, dv)  # [c, l, h, r, v]
+    gc, bc = gc.reshape(nc, l, hk, r), bc.reshape(nc, l, hk, r)  # [c, l, h, r]
 
     # 2. Cumulative log decay within the chunk, G [c, h, r, l] (head-major from here on).
     G = jnp.moveaxis(jnp.cumsum(gc, axis=1), 1, -1)
@@ -112,32 +148,10 @@ def gated_delta_ragged_chunked(q, k, v, g, beta, cu_seqlens, states, slot_ids, h
     k_dec = k_h * jnp.exp(G[..., -1:] - G)[..., None]  # e^{G_l - G_j} k_j
     chunk_decay = jnp.exp(G[..., -1])  # [c, h, r]
 
-    # 5. Sequential pass over chunks: the state entering each chunk (the slot's, or zero,
-    #    at a sequence's first chunk), its writes U, its output, and each final state.
+    # 5. Sequential pass over chunks, back to token order (`chunk_pass`).
     init = jnp.where(has_initial[:, None, None, None], states[slot_ids].astype(f32), 0.0)
-    init = init.reshape(b, hk, r, dk, dv)
-    first = real & (jnp.arange(nc) == tab.first[seg])
-    last = real & (jnp.arange(nc) == tab.first[seg + 1] - 1)
-
-    def body(carry, x):
-        s, finals = carry
-        c_first, c_last, c_seg, w_c, u_c, p_c, qd_c, kd_c, dec_c = x
-        s = jnp.where(c_first, init[c_seg], s)
-        u_true = u_c - jnp.einsum("hrlk,hrkv->hrlv", w_c, s, precision=_HI)
-        o = (jnp.einsum("hrlk,hrkv->hrlv", qd_c, s, precision=_HI)
-             + jnp.einsum("hrij,hrjv->hriv", p_c, u_true, precision=_HI))
-        s = dec_c[..., None, None] * s + jnp.einsum("hrlk,hrlv->hrkv", kd_c, u_true, precision=_HI)
-        finals = finals.at[c_seg].set(jnp.where(c_last, s, finals[c_seg]))
-        return (s, finals), o
-
-    xs = (first, last, seg, w, u, p, q_dec, k_dec, chunk_decay)
-    (_, finals), oc = jax.lax.scan(body, (jnp.zeros_like(init[0]), init), xs)
-
-    # 6. Back to token order; padding tokens get 0.
-    oc = jnp.moveaxis(oc, 3, 1).reshape(nc * l, hv, dv) * scale  # [c, h, r, l, v] -> rows
-    sg = segments(cu_seqlens, t)
-    flat = (tab.first[jnp.maximum(sg.seq, 0)] + sg.pos // l) * l + sg.pos % l
-    o = jnp.where((sg.pos >= 0)[:, None, None], oc[jnp.where(sg.pos >= 0, flat, 0)], 0.0)
-    # An empty sequence keeps its initial state (finals starts as init).
+    o, finals = chunk_pass(cu_seqlens, tab, real, seg, t, init.reshape(b, hk, r, dk, dv), w, u, p,
+                           q_dec, k_dec, chunk_decay[..., None, None])
+    o = o * scale
     finals = finals.reshape(b, hv, dk, dv)
     return o.astype(v.dtype), states.at[slot_ids].set(finals.astype(states.dtype))

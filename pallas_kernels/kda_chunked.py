@@ -37,8 +37,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.gated_delta_chunked import unit_lower_solve
-from pallas_kernels.ragged import chunk_table, pad_tokens, segments
+from pallas_kernels.gated_delta_chunked import chunk_pass, gather_chunks, unit_lower_solve
 
 _HI = jax.lax.Precision.HIGHEST
 SUB = 16  # sub-chunk rows (the pairwise exact part)
@@ -88,26 +87,11 @@ def kda_ragged_chunked(q, k, v, g, beta, cu_seqlens, states, slot_ids, has_initi
     hk = q.shape[1]
     h, dv = v.shape[1:]
     dk = q.shape[2]
-    l, b = chunk_size, cu_seqlens.shape[0] - 1
+    l = chunk_size
     f32 = jnp.float32
     rep = lambda x: jnp.repeat(x, h // hk, axis=1)  # noqa: E731  key heads -> value heads
-    q, k, v, g, beta = pad_tokens(l, rep(q), rep(k), v, g, beta)
-    tab = chunk_table(cu_seqlens, q.shape[0], l)
-    nc = tab.seq.shape[0]
-    real = tab.seq < b
-    seg = jnp.minimum(tab.seq, b - 1)
-
-    # 1. Tokens into chunks [c, l, ...]; rows outside the chunk are zero (g = 0 keeps the
-    #    state, beta = k = 0 writes nothing).
-    idx = tab.start[:, None] + jnp.arange(l)
-    valid = (idx < tab.end[:, None]) & real[:, None]
-    idx = jnp.minimum(idx, q.shape[0] - 1)
-
-    def take(x):
-        x = x[idx].astype(f32)
-        return jnp.where(valid.reshape(nc, l, *(1,) * (x.ndim - 2)), x, 0.0)
-
-    qc, kc, vc, gc, bc = take(q), take(k), take(v), take(g), take(beta)  # [c, l, h, ...]
+    # 1. Tokens into chunks [c, l, ...] (gated_delta_chunked.gather_chunks).
+    tab, real, seg, (qc, kc, vc, gc, bc) = gather_chunks(l, cu_seqlens, rep(q), rep(k), v, g, beta)
 
     # 2. Cumulative log decay per channel within the chunk, and the decayed pair products.
     G = jnp.cumsum(gc, axis=1)  # [c, l, h, k]
@@ -128,28 +112,8 @@ def kda_ragged_chunked(q, k, v, g, beta, cu_seqlens, states, slot_ids, has_initi
     k_dec = hm(kc * jnp.exp(g_last[:, None] - G))
     chunk_decay = jnp.exp(g_last)
 
-    # 5. Sequential pass over chunks (the slot's state, or zero, at a sequence's first chunk).
+    # 5. Sequential pass over chunks, back to token order (gated_delta_chunked.chunk_pass).
     init = jnp.where(has_initial[:, None, None, None], states[slot_ids].astype(f32), 0.0)
-    first = real & (jnp.arange(nc) == tab.first[seg])
-    last = real & (jnp.arange(nc) == tab.first[seg + 1] - 1)
-
-    def body(carry, x):
-        s, finals = carry
-        c_first, c_last, c_seg, w_c, u_c, p_c, qd_c, kd_c, dec_c = x
-        s = jnp.where(c_first, init[c_seg], s)
-        u_true = u_c - jnp.einsum("hlk,hkv->hlv", w_c, s, precision=_HI)
-        o = (jnp.einsum("hlk,hkv->hlv", qd_c, s, precision=_HI)
-             + jnp.einsum("hij,hjv->hiv", p_c, u_true, precision=_HI))
-        s = dec_c[..., None] * s + jnp.einsum("hlk,hlv->hkv", kd_c, u_true, precision=_HI)
-        finals = finals.at[c_seg].set(jnp.where(c_last, s, finals[c_seg]))
-        return (s, finals), o
-
-    xs = (first, last, seg, w, u, p, q_dec, k_dec, chunk_decay)
-    (_, finals), oc = jax.lax.scan(body, (jnp.zeros_like(init[0]), init), xs)
-
-    # 6. Back to token order; padding tokens get 0.
-    oc = jnp.moveaxis(oc, 2, 1).reshape(nc * l, h, dv) * scale  # [c, h, l, v] -> rows
-    sg = segments(cu_seqlens, t)
-    flat = (tab.first[jnp.maximum(sg.seq, 0)] + sg.pos // l) * l + sg.pos % l
-    o = jnp.where((sg.pos >= 0)[:, None, None], oc[jnp.where(sg.pos >= 0, flat, 0)], 0.0)
+    o, finals = chunk_pass(cu_seqlens, tab, real, seg, t, init, w, u, p, q_dec, k_dec, chunk_decay[..., None])
+    o = o * scale
     return o.astype(v.dtype), states.at[slot_ids].set(finals.astype(states.dtype))
