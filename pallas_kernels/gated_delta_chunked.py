@@ -30,7 +30,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.ragged import chunk_table, pad_tokens, segments
+from pallas_kernels.ragged import gather_chunks, segments
 
 _HI = jax.lax.Precision.HIGHEST
 
@@ -53,23 +53,6 @@ def unit_lower_solve(a: jax.Array, rhs: jax.Array) -> jax.Array:
         return jax.lax.dynamic_update_index_in_dim(x, xi, i, axis=-2)
 
     return jax.lax.fori_loop(0, l, row, jnp.zeros_like(rhs))
-
-
-def gather_chunks(l: int, cu_seqlens: jax.Array, *xs: jax.Array):
-    """Tokens [t, ...] -> chunks [c, l, ...] in f32 (the chunks of `chunk_table`); rows
-    outside a chunk's sequence are zero (g = 0 keeps the state, beta = k = 0 writes
-    nothing). -> (table, real [c] (a chunk of a sequence), seg [c] (its sequence, clamped),
-    the chunked arrays). Shared by the chunked gated delta rules (also kda_chunked.py)."""
-    xs = pad_tokens(l, *xs)
-    b, tp = cu_seqlens.shape[0] - 1, xs[0].shape[0]
-    tab = chunk_table(cu_seqlens, tp, l)
-    real = tab.seq < b
-    idx = tab.start[:, None] + jnp.arange(l)
-    valid = (idx < tab.end[:, None]) & real[:, None]
-    idx = jnp.minimum(idx, tp - 1)
-    mask = lambda x: valid.reshape(*valid.shape, *(1,) * (x.ndim - 1))  # noqa: E731
-    chunks = tuple(jnp.where(mask(x), x[idx].astype(jnp.float32), 0.0) for x in xs)
-    return tab, real, jnp.minimum(tab.seq, b - 1), chunks
 
 
 def chunk_pass(cu_seqlens, tab, real, seg, t: int, init, w, u, p, q_dec, k_dec, decay):
@@ -118,7 +101,7 @@ def gated_delta_ragged_chunked(q, k, v, g, beta, cu_seqlens, states, slot_ids, h
     hv, dv = v.shape[1:]
     r, l, b = hv // hk, chunk_size, cu_seqlens.shape[0] - 1
     f32 = jnp.float32
-    # 1. Tokens into chunks [c, l, ...] (`gather_chunks`).
+    # 1. Tokens into chunks [c, l, ...] (ragged.gather_chunks).
     tab, real, seg, (qc, kc, vc, gc, bc) = gather_chunks(l, cu_seqlens, q, k, v, g, beta)
     nc = tab.seq.shape[0]
     vc = vc.reshape(nc, l, hk, r, dv)  # [c, l, h, r, v]

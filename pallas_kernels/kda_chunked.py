@@ -37,7 +37,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.gated_delta_chunked import chunk_pass, gather_chunks, unit_lower_solve
+from pallas_kernels.gated_delta_chunked import chunk_pass, unit_lower_solve
+from pallas_kernels.ragged import gather_chunks
 
 _HI = jax.lax.Precision.HIGHEST
 SUB = 16  # sub-chunk rows (the pairwise exact part)
@@ -90,7 +91,7 @@ def kda_ragged_chunked(q, k, v, g, beta, cu_seqlens, states, slot_ids, has_initi
     l = chunk_size
     f32 = jnp.float32
     rep = lambda x: jnp.repeat(x, h // hk, axis=1)  # noqa: E731  key heads -> value heads
-    # 1. Tokens into chunks [c, l, ...] (gated_delta_chunked.gather_chunks).
+    # 1. Tokens into chunks [c, l, ...] (ragged.gather_chunks).
     tab, real, seg, (qc, kc, vc, gc, bc) = gather_chunks(l, cu_seqlens, rep(q), rep(k), v, g, beta)
 
     # 2. Cumulative log decay per channel within the chunk, and the decayed pair products.

@@ -101,3 +101,21 @@ def pad_tokens(l: int, *arrays):
     return tuple(
         None if a is None else jnp.pad(a, [(0, l - t)] + [(0, 0)] * (a.ndim - 1)) for a in arrays
     )
+
+
+def gather_chunks(l: int, cu_seqlens: jax.Array, *xs: jax.Array):
+    """Tokens [t, ...] -> chunks [c, l, ...] in f32 (the chunks of `chunk_table`); rows
+    outside a chunk's sequence are zero (g = 0 keeps the state, beta = k = 0 writes
+    nothing). -> (table, real [c] (a chunk of a sequence), seg [c] (its sequence, clamped),
+    the chunked arrays). The chunked gated delta rules' first step (gated_delta_chunked.py,
+    kda_chunked.py); ssd.py gathers the same way by hand."""
+    xs = pad_tokens(l, *xs)
+    b, tp = cu_seqlens.shape[0] - 1, xs[0].shape[0]
+    tab = chunk_table(cu_seqlens, tp, l)
+    real = tab.seq < b
+    idx = tab.start[:, None] + jnp.arange(l)
+    valid = (idx < tab.end[:, None]) & real[:, None]
+    idx = jnp.minimum(idx, tp - 1)
+    mask = lambda x: valid.reshape(*valid.shape, *(1,) * (x.ndim - 1))  # noqa: E731
+    chunks = tuple(jnp.where(mask(x), x[idx].astype(jnp.float32), 0.0) for x in xs)
+    return tab, real, jnp.minimum(tab.seq, b - 1), chunks
