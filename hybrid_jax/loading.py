@@ -68,10 +68,46 @@ def load_model(model: str = DEFAULT_MODEL, *, dtype: str = "float32", seed: int 
     """
     check_quantization(quantization)
     if device is not None:
+        maker = _preset_maker(model, dtype, device)
+        if maker is not None:  # a preset for the host: drawn on an accelerator, then moved
+            return _moved(load_model(model, dtype=dtype, seed=seed, device=maker,
+                                     quantization=quantization), device)
         with jax.default_device(device):
             return load_model(model, dtype=dtype, seed=seed, quantization=quantization)
     lm = _load(model, dtype, seed)
     quantize_model(lm.model, quantization)
+    return lm
+
+
+def _preset_maker(model: str, dtype: str, device: jax.Device) -> jax.Device | None:
+    """The accelerator that draws a preset's random weights asked for on the host (tensor
+    parallelism loads there): drawing 35B values on a host CPU takes minutes, on a GPU
+    seconds, and the values are the ones a single-device engine draws on that GPU (the
+    same seed, the same backend). None: not a preset, the host has no accelerator, or the
+    whole model does not fit in the first one's free memory (then the host draws it)."""
+    if device.platform != "cpu" or resolve_model_name(model) not in preset_names():
+        return None
+    accel = [d for d in jax.local_devices() if d.platform != "cpu"]
+    if not accel:
+        return None
+    stats = accel[0].memory_stats() or {}
+    free = stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)
+    cfg = load_preset(resolve_model_name(model))
+    shapes = nnx.eval_shape(lambda: CausalLM(cfg, dtype=_dtype(dtype), rngs=nnx.Rngs(0)))
+    need = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(shapes)))
+    return accel[0] if need * 1.25 < free else None
+
+
+def _moved(lm: LoadedModel, device: jax.Device) -> LoadedModel:
+    """`lm`'s parameters moved to `device`, the accelerator's copies freed at once."""
+    state = nnx.state(lm.model)
+    leaves = jax.tree.leaves(state)
+    moved = jax.device_put(state, device)
+    jax.block_until_ready(moved)
+    nnx.update(lm.model, moved)
+    for x in leaves:
+        if x.devices() != {device}:  # a leaf already there is shared by its move, not copied
+            x.delete()
     return lm
 
 

@@ -114,3 +114,27 @@ def test_byte_level_tokenizer_handles_multibyte_text():
     ids = lm.tokenizer.encode(text)
     assert len(ids) == len(text.encode()) and max(ids) < lm.config.vocab_size
     assert lm.tokenizer.decode(ids) == text
+
+
+def test_preset_for_the_host_is_drawn_where_it_can_be_and_moved_whole(monkeypatch):
+    """Tensor parallelism asks for a preset on the host; with an accelerator that fits it,
+    it is drawn there and moved (hybrid_jax/loading.py). Here (CPU only) the host draws it,
+    and a move onto the device the leaves are already on keeps every value (nothing freed)."""
+    import jax
+
+    from hybrid_jax import loading
+
+    cpu = jax.devices("cpu")[0]
+    assert loading._preset_maker("native-tiny", "float32", cpu) is None  # no accelerator here
+    assert loading._preset_maker("/no/such/dir", "float32", cpu) is None
+    on_host = load_model("native-tiny", device=cpu)
+    plain = load_model("native-tiny")
+    for a, b in zip(jax.tree.leaves(nnx.state(on_host.model)), jax.tree.leaves(nnx.state(plain.model)),
+                    strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    before = [np.asarray(x) for x in jax.tree.leaves(nnx.state(plain.model))]
+    moved = loading._moved(plain, cpu)
+    after = jax.tree.leaves(nnx.state(moved.model))
+    assert all(x.devices() == {cpu} for x in after)
+    for a, b in zip(before, after, strict=True):
+        np.testing.assert_array_equal(a, np.asarray(b))
