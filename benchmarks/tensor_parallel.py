@@ -56,12 +56,17 @@ from serving.entrypoints.bench.trace_report import trace_calls
 from serving.entrypoints.llm import LLM
 from serving.sample.sampling_params import SamplingParams
 
-COLLECTIVE = ("nccl", "all-reduce", "allreduce", "all_reduce", "all-gather", "allgather", "all_gather")
+# XLA names the kernel of an all-reduce it runs itself (not through NCCL) after the HLO op:
+# shard_map's psum becomes `psum_<id>_0_fusion...` (2 x H200, jax 0.11.2: 56 of them a
+# native-7b-parallel step, on streams of their own, none named nccl).
+COLLECTIVE = ("nccl", "all-reduce", "allreduce", "all_reduce", "all-gather", "allgather", "all_gather",
+              "psum")
 
 
 def trace_steps(engine: LLMEngine, steps: int, top: int = 12) -> dict[str, dict]:
     """GPU kernel ms per step, per device plane: {'/device:GPU:0': {'kernel_ms',
-    'collective_ms', 'lines': {line: ms}, 'top_kernels': [[name, ms, calls], ...]}}. Every
+    'collective_ms', 'lines': {line: ms}, 'line_kernels': {line: [[name, ms], ...]} (each
+    line's top 3), 'top_kernels': [[name, ms, calls], ...]}}. Every
     line of the plane but XLA's per-op / per-module summaries counts (collectives run on
     streams of their own: `gpu_kernel_events` keeps only lines named 'Stream #...')."""
     from jax.profiler import ProfileData
@@ -74,6 +79,7 @@ def trace_steps(engine: LLMEngine, steps: int, top: int = 12) -> dict[str, dict]
             continue
         lines: dict[str, float] = collections.defaultdict(float)
         kernels: dict[str, list] = collections.defaultdict(lambda: [0.0, 0.0])
+        per_line: dict = collections.defaultdict(lambda: collections.defaultdict(float))
         total = coll = 0.0
         for line in plane.lines:
             if line.name.startswith("XLA") or "launch" in line.name.lower():
@@ -84,6 +90,7 @@ def trace_steps(engine: LLMEngine, steps: int, top: int = 12) -> dict[str, dict]
                 ms = ev.duration_ns / 1e6 / (steps + 1)  # steps + 1 dispatches were traced
                 total += ms
                 lines[line.name[:40]] += ms
+                per_line[line.name[:40]][ev.name[:60]] += ms
                 if any(c in ev.name.lower() for c in COLLECTIVE):
                     coll += ms
                 k = kernels[ev.name[:80]]
@@ -92,6 +99,8 @@ def trace_steps(engine: LLMEngine, steps: int, top: int = 12) -> dict[str, dict]
         ranked = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:top]
         res[plane.name] = {"kernel_ms": total, "collective_ms": coll,
                            "lines": {k: round(v, 4) for k, v in lines.items()},
+                           "line_kernels": {k: [[n, round(ms, 4)] for n, ms in sorted(
+                               v.items(), key=lambda kv: -kv[1])[:3]] for k, v in per_line.items()},
                            "top_kernels": [[n, round(ms, 4), round(c, 1)] for n, (ms, c) in ranked]}
     return res
 

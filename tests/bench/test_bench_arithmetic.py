@@ -121,11 +121,14 @@ def test_reference_workload_table_and_flags():
     a = argparse.Namespace(model="qwen3.5-35b-a3b", tp=2, max_num_seqs=64, max_model_len=8192,
                            max_num_batched_tokens=8192, num_requests=512, memory_fraction=0.9,
                            quantization="fp8", speculative_tokens=2, serve_args=[], max_concurrency=16,
-                           input_len=4400, output_len=512, range_ratio=0.1)
+                           input_len=4400, output_len=512, range_ratio=0.1, background_compile=False)
     serve = " ".join(serve_command(a))
     for flag in ("--tensor-parallel-size 2", "--enable-prefix-caching", "--max-num-seqs 64", "--http-port 0",
-                 "--quantization fp8", "--speculative-method mtp --num-speculative-tokens 2"):
+                 "--quantization fp8", "--speculative-method mtp --num-speculative-tokens 2",
+                 "--no-background-compile"):
         assert flag in serve, flag
+    a.background_compile = True
+    assert "--no-background-compile" not in serve_command(a)
     bench = " ".join(bench_command(a, 8000, "out"))
     for flag in ("--backend openai", "--server http://127.0.0.1:8000", "--max-concurrency 16",
                  "--num-requests 512", "--input-len 4400", "--output-len 512"):
