@@ -28,6 +28,11 @@ for native-7b-parallel at batch 64.
 
   PYTHONPATH=. python benchmarks/tensor_parallel.py --tp 1 2 2:unfused --batch 64 \\
       --presets native-7b-parallel --greedy-check --out tp.jsonl
+
+The reference workload's model, its decode step traced kernel by kernel at TP = 1 and 2:
+
+  PYTHONPATH=. python benchmarks/tensor_parallel.py --presets qwen3.5-35b-a3b --quantization fp8 \\
+      --tp 1 2 --batch 16 64 --context 4400 --steps 10 --trace-steps 3 --chunk 8192 --out tp35.jsonl
 """
 
 from __future__ import annotations
@@ -174,11 +179,13 @@ def _run(name: str, lm, spec: str, n: int, a: argparse.Namespace, bw: float, bas
     cfg = EngineConfig(max_num_seqs=big, max_num_batched_tokens=a.chunk, max_prefill_chunk=a.chunk,
                        max_model_len=a.context + a.steps + 128, dtype=a.dtype, memory_fraction=0.85,
                        seq_buckets=tuple(sorted({*a.batch, 8})), token_buckets=(a.chunk,),
-                       tensor_parallel_size=n)
+                       tensor_parallel_size=n, quantization=a.quantization)
     t0 = time.perf_counter()
     engine = LLMEngine(lm, cfg, show_progress=False)
     startup = time.perf_counter() - t0
     per_device = engine.runner.param_bytes_per_device
+    # FP8 experts: one byte a weight plus an f32 scale per 128 x 128 block (quantize-at-load's)
+    itemsize = 1 + 4 / 128**2 if a.quantization == "fp8" else None
     local = tp.local_config(lm.config, n)
     check = {}
     if a.greedy_check and "local" not in spec:  # a local model has other weights
@@ -190,7 +197,7 @@ def _run(name: str, lm, spec: str, n: int, a: argparse.Namespace, bw: float, bas
     for b in sorted(a.batch, reverse=True):
         step_s, ran = measure_decode(engine, b, a.context, a.steps)
         fb = decode_floor_bytes(local, batch=ran, context=a.context + a.steps // 2,
-                                weight_bytes=per_device, dtype=a.dtype)
+                                weight_bytes=per_device, dtype=a.dtype, expert_itemsize=itemsize)
         prof = _traced(engine, b, a) if a.trace_steps else {}
         row = {"model": name, "tp": spec, "batch_run": ran, "context": a.context, "dtype": a.dtype,
                "device": str(jax.devices()[0]), "devices": n, "date": time.strftime("%Y-%m-%d"),
@@ -223,6 +230,9 @@ def main() -> None:
                    help="tokens per prefill step (large: the whole batch must reach decode "
                         "before its first sequences finish)")
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--quantization", default=None, choices=["fp8"],
+                   help="FP8 weights at load (the reference workload's qwen3.5-35b-a3b: "
+                        "--presets qwen3.5-35b-a3b --quantization fp8 --batch 16 64 --context 4400)")
     p.add_argument("--trace-steps", type=int, default=5, help="steps profiled (0: no profile)")
     p.add_argument("--greedy-check", action="store_true",
                    help="greedy tokens of each variant against the first (module doc)")
@@ -233,7 +243,7 @@ def main() -> None:
     for name in a.presets:
         # One model serves every variant: on the first device, whence each tensor-parallel
         # runner copies each device's shard (a model larger than one device: load on the host).
-        lm = load_model(name, dtype=a.dtype)
+        lm = load_model(name, dtype=a.dtype, quantization=a.quantization)
         for spec in a.tp:
             n, flags = variant(spec)
             if "local" not in flags and n > len(jax.local_devices()):
