@@ -71,12 +71,20 @@ class GroupedConfig:
     # Grid (column blocks, items) instead of (items, column blocks): the order programs are
     # launched in. Measured, not modelled: prefill on an H100, 1.67 vs 2.07 ms of GEMMs.
     cols_major: bool = False
+    # FP8 weights: where a block's scale is applied. "output": each k step's partial product
+    # [bm, bn] is scaled, then added (the accumulator cannot ride in the MMA). "weights": the
+    # widened weight tile [bk, bn] is scaled in f32 and rounded to x's dtype (the reference's
+    # dequantized weights, bit for bit), then the MMA accumulates in place. Which is faster
+    # is the GPU's to say (benchmarks/moe_fp8.py times both).
+    fp8_scale: str = "output"
 
     def __post_init__(self):
         for name in ("bm", "bn", "bk"):
             v = getattr(self, name)
             if not is_pow2(v) or v < 16:
                 raise ValueError(f"{name}={v} must be a power of 2 >= 16")
+        if self.fp8_scale not in ("output", "weights"):
+            raise ValueError(f"fp8_scale={self.fp8_scale!r} must be 'output' or 'weights'")
 
 
 # Measured on an H100 at Granite-4.0-H-Small's expert shapes (docs/benchmarks.md, MoE).
@@ -242,7 +250,7 @@ def _launch(group, row0, count, src, dst, x_flat, w, scale, *, m, n, bn, bk, glu
     e, k, nw = w.shape
     fp8 = None if scale is None else (block, *scale_blocks(k, nw, block, glu))
     kernel = functools.partial(_kernel, bm=cfg.bm, bn=bn, bk=bk, n=n, k=k, glu=glu, act=act,
-                               cols_major=cfg.cols_major, fp8=fp8)
+                               cols_major=cfg.cols_major, fp8=fp8, scale_weights=cfg.fp8_scale == "weights")
     grid = (n // bn, items) if cfg.cols_major else (items, n // bn)
     operands = (group, row0, count, src, dst, x_flat, w) + (() if scale is None else (scale,))
     out = pl.pallas_call(
@@ -256,7 +264,7 @@ def _launch(group, row0, count, src, dst, x_flat, w, scale, *, m, n, bn, bk, glu
 
 
 def _kernel(group_ref, row0_ref, count_ref, src_ref, dst_ref, x_ref, w_ref, *refs, bm, bn, bk,
-            n, k, glu, act, cols_major, fp8):
+            n, k, glu, act, cols_major, fp8, scale_weights):
     s_ref, o_ref = refs if fp8 else (None, refs[0])
     item, j = pl.program_id(int(cols_major)), pl.program_id(1 - int(cols_major))
     g, r0, count = group_ref[item], row0_ref[item], count_ref[item]
@@ -277,7 +285,10 @@ def _kernel(group_ref, row0_ref, count_ref, src_ref, dst_ref, x_ref, w_ref, *ref
             at = (g * kb + k0 // block) * nb + half * (nb // 2) + c0 // block
             # e4m3 -> bf16 is exact and lowers everywhere (Triton converts e4m3 to 16-bit
             # types), then to x's dtype (exact again for f32).
-            return dot(xt, wt.astype(jnp.bfloat16).astype(xt.dtype)) * s_ref[at]
+            wide = wt.astype(jnp.bfloat16)
+            if scale_weights:  # dequantized as the reference does: f32 product, one rounding
+                return dot(xt, (wide.astype(F32) * s_ref[at]).astype(xt.dtype))
+            return dot(xt, wide.astype(xt.dtype)) * s_ref[at]
 
         def step(i, accs):  # launch.dot: bf16 on the tensor cores, f32 at full precision
             k0 = pl.multiple_of(i * bk, bk)

@@ -130,6 +130,11 @@ FP8_CASES = [  # t, k, n_w, sizes, glu, dtype, scale dtype, block, config
     # decode-like: 128 x 128 blocks, most experts untouched
     (3, 256, 256, [0, 0, 2, 0, 1, 0, 0, 0], True, jnp.bfloat16, jnp.float32, 128,
      GroupedConfig(bm=16, bn=128, bk=128)),
+    # the scale applied to the weight tile instead of the partial product (fp8_scale)
+    (12, 48, 96, [5, 0, 21, 3, 0, 7], True, jnp.float32, jnp.float32, 32,
+     GroupedConfig(bm=16, bn=128, bk=128, fp8_scale="weights")),
+    (36, 64, 80, [0, 17, 0, 19], False, jnp.bfloat16, jnp.bfloat16, 32,
+     GroupedConfig(bm=16, bn=32, bk=32, cols_major=True, fp8_scale="weights")),
 ]
 
 
