@@ -118,8 +118,9 @@ def mla_tuning(b: int, queries: int, heads: int, rank: int, pages, page_table,
     t = tuning or MLATuning()
     _, _, s, width = pages.shape
     rows = t.rows or min(MAX_ROWS, max(MIN_ROWS, pl.next_power_of_2(queries * heads)))
-    tile = t.tile_tokens or max(s, min(64, pl.next_power_of_2(max(1, 16384 // (width * pages.dtype.itemsize)))))
-    tile = max(tile, MIN_ROWS)
+    # ~16 KiB of latent rows per tile (16 tokens of Kimi Linear's 576 bf16 values).
+    fit = pl.next_power_of_2(max(1, 16384 // (width * pages.dtype.itemsize)))
+    tile = t.tile_tokens or max(s, MIN_ROWS, min(64, fit))
     blocks = -(-queries * heads // rows)
     splits = t.splits or default_splits(b, blocks, -(-page_table.shape[1] * s // tile))
     # The f32 accumulator [rows, rank] takes rows x rank / (32 x warps) registers per thread:
