@@ -60,6 +60,8 @@ from pallas_kernels import (
     decode_fused_fits,
     mamba2_step_fits,
     mixer_merge,
+    mla_decode,
+    mla_decode_fits,
     paged_attention_decode,
     paged_attention_decode_fused,
     paged_attention_prefill,
@@ -129,20 +131,26 @@ def _mla_attention(layer: MLAttention, x: jax.Array, batch: RaggedBatch, kv: KVC
     attention against the pages (one KV head; the same pages as K and V, whose first
     kv_lora_rank output columns are the attended latent), then W_uv and o_proj.
 
-    The attention runs the paged references (XLA gathers): the Pallas kernels tile head
-    widths of 64, 128 or 256, not L (576 for Kimi Linear)."""
+    Decode and verification (decode or q_len) run `mla_decode`: the Pallas kernel where the
+    process runs kernels (a GPU, or HYBRID_JAX_KERNELS=interpret) and the latent fits it
+    (`mla_decode_fits`: Kimi Linear's 512 + 64 does), else its XLA reference;
+    HYBRID_JAX_MLA_KERNEL=0 keeps the reference. Prefill runs the paged prefill reference
+    (XLA gathers): the Pallas prefill kernel tiles head widths of 64, 128 or 256, not L."""
     latent = layer.latent(x).astype(kv.k.dtype)
     flat = kv.k.reshape(1, -1, kv.k.shape[-1])
     # Real tokens' slots are distinct; only padding rows share slots of the dummy page 0.
     k_pages = flat.at[0, batch.slot_mappings[group]].set(latent, unique_indices=True).reshape(kv.k.shape)
     q = layer.absorb_q(x)
-    common = dict(window=None, softcap=None, scale=layer.cfg.query_scale, impl="reference")
+    rank, table = layer.mla.kv_lora_rank, batch.page_tables[group]
     if decode or q_len:
-        o = paged_attention_decode(q, k_pages, k_pages, batch.lengths, batch.page_tables[group],
-                                   queries=max(q_len, 1), **common)
+        # impl None: the process default (the kernel on a GPU, the reference on a CPU).
+        impl = None if MLA_KERNEL and mla_decode_fits(rank, k_pages) else "reference"
+        o = mla_decode(q, k_pages, batch.lengths, table, rank=rank, scale=layer.cfg.query_scale,
+                       queries=max(q_len, 1), impl=impl)
     else:
-        o = paged_attention_prefill(q, k_pages, k_pages, batch.cu_seqlens, batch.lengths,
-                                    batch.page_tables[group], **common)
+        o = paged_attention_prefill(q, k_pages, k_pages, batch.cu_seqlens, batch.lengths, table,
+                                    window=None, softcap=None, scale=layer.cfg.query_scale,
+                                    impl="reference")
     return layer.absorbed_output(o.astype(q.dtype)), kv._replace(k=k_pages)
 
 
@@ -293,6 +301,9 @@ def _temporal(block: Block, u: jax.Array, batch: RaggedBatch, cache: LayerCache,
 # took several kernels (pallas_kernels/decode_glue.py): `_merged_decode`, `_glued_residual`.
 # HYBRID_JAX_DECODE_GLUE=0 turns both off (A/B measurements; the executable store keys on it).
 DECODE_GLUE = switches.decode_glue()
+# MLA's decode and verification attention runs the Pallas `mla_decode` kernel where the
+# process runs kernels (`_mla_attention`); HYBRID_JAX_MLA_KERNEL=0 keeps the XLA reference.
+MLA_KERNEL = switches.mla_kernel()
 # Decode steps of at most this many rows launch a merged layer's paged decode and Mamba2
 # state update as one grid (`attention_ssm_decode`). HYBRID_JAX_PARALLEL_DECODE_ROWS=0: apart.
 # H100, native-1b-parallel, the two kernels' time per step apart -> together: 0.226 -> 0.150

@@ -34,6 +34,7 @@ from pallas_kernels.linear_scan import (
     linear_scan_ragged_reference,
 )
 from pallas_kernels.mamba_step import mamba2_step, mamba2_step_fits, mamba2_step_reference
+from pallas_kernels.mla_decode import mla_decode, mla_decode_fits, mla_decode_reference
 from pallas_kernels.paged_attention import (
     decode_fused_fits,
     paged_attention_decode,
@@ -81,6 +82,9 @@ __all__ = [
     "mamba2_step",
     "mamba2_step_fits",
     "mamba2_step_reference",
+    "mla_decode",
+    "mla_decode_fits",
+    "mla_decode_reference",
     "mixer_merge",
     "mixer_merge_reference",
     "paged_attention_decode",

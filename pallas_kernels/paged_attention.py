@@ -166,9 +166,13 @@ def paged_attention_decode(
                 q, k_pages, v_pages, lengths, page_table, window=window, softcap=softcap, scale=scale,
                 **scales)
         cu = jnp.arange(b + 1, dtype=jnp.int32) * queries
-        return paged_attention_prefill_reference(
+        o = paged_attention_prefill_reference(
             q, k_pages, v_pages, cu, lengths, page_table, window=window, softcap=softcap, scale=scale,
             **scales)
+        # A padding sequence (length 0) gives zeros as in the kernel: the prefill reference,
+        # whose contract has lengths >= queries, gathers its table row's first page and a NaN
+        # there (garbage) reached the output through 0 * NaN.
+        return jnp.where(jnp.repeat(lengths > 0, queries)[:, None, None], o, jnp.zeros_like(o))
     _check_kernel_shapes(k_pages)
     # Measured on H100 (docs/history/benchmarks-2026.md): 32 KiB K + V tiles, no cp.async
     # pipelining (num_stages=1) so several programs share an SM, beat deeper stages.

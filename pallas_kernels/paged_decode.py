@@ -77,13 +77,13 @@ def _decode_kernel(lens_ref, pt_ref, q_ref, k_ref, v_ref, *out_refs, cfg: TileCo
         qpos = length - queries + tok
     k_lo, k_hi, t_lo, t_hi, full_lo, full_hi = tile_span(length - queries, length - 1, cfg)
     t_hi = jnp.where(length > 0, t_hi, t_lo)  # padding rows visit no tile
-    t0, t1 = _split_range(t_lo, t_hi, s, splits)
+    t0, t1 = split_range(t_lo, t_hi, s, splits)
     span = (k_lo, k_hi, full_lo, full_hi)
     carry = attend_tiles(q, qpos, k_ref, v_ref, pt_ref, b, span, (t0, t1), init_carry(rows, e), cfg)
     _store(carry, out_refs)
 
 
-def _split_range(t_lo, t_hi, s, splits: int):
+def split_range(t_lo, t_hi, s, splits: int):
     """Split s's contiguous share [t0, t1) of the tiles [t_lo, t_hi)."""
     per_split = (t_hi - t_lo + splits - 1) // splits
     t0 = jnp.minimum(t_lo + s * per_split, t_hi)
@@ -100,7 +100,7 @@ def _store(carry, out_refs) -> None:
         o_ref[...], m_ref[...], l_ref[...] = carry
 
 
-def _merge_splits(o, m, l):
+def merge_splits(o, m, l):
     """Combine split partial states o [S,...,r,e], m/l [S,...,r] -> [..., r, e]."""
     m_all = jnp.max(m, axis=0)
     w = jnp.exp2(m - m_all[None])
@@ -112,7 +112,7 @@ def _merge_splits(o, m, l):
 def split_blocks(splits: int, b: int, nk: int, rows: int, e: int, dtype):
     """(out_shapes, blocks) of a decode launch on grid (b, nk, splits), as tuples: the
     normalised output [b, nk, rows, e] with one split, else each split's partial state o
-    [S, b, nk, rows, e], m and l [S, b, nk, rows] in f32 (`_merge_splits` combines them)."""
+    [S, b, nk, rows, e], m and l [S, b, nk, rows] in f32 (`merge_splits` combines them)."""
     if splits == 1:
         return ((jax.ShapeDtypeStruct((b, nk, rows, e), dtype),),
                 (Block((None, None, rows, e), lambda i, j, x: (i, j, 0, 0)),))
@@ -173,7 +173,7 @@ def decode_pallas(
     )(lengths, pt_flat, qg, k_pages, v_pages)
     if splits > 1:
         # Keep XLA from fusing the merge into a form that reorders the exp2s.
-        out = _merge_splits(*lax.optimization_barrier(out)).astype(q.dtype)
+        out = merge_splits(*lax.optimization_barrier(out)).astype(q.dtype)
     out = out[:, :, :n * g].reshape(b, nk, n, g, e)
     return jnp.swapaxes(out, 1, 2).reshape(t, h, e)
 
@@ -241,7 +241,7 @@ def _decode_fused_kernel(lens_ref, pt_ref, slot_ref, cos_ref, sin_ref, proj_ref,
     qpos = jnp.full((rows,), length - 2, jnp.int32)
     k_lo, k_hi, t_lo, t_hi, full_lo, full_hi = tile_span(length - 2, length - 2, prev)
     t_hi = jnp.where(length > 1, t_hi, t_lo)
-    t0, t1 = _split_range(t_lo, t_hi, s, splits)
+    t0, t1 = split_range(t_lo, t_hi, s, splits)
     carry = attend_tiles(q, qpos, k_ref, v_ref, pt_ref, b, (k_lo, k_hi, full_lo, full_hi),
                          (t0, t1), init_carry(rows, e), prev)
     # This token, in the last split: one more key of the online softmax.
@@ -287,7 +287,7 @@ def fused_outputs(out, heads: int, merge: bool):
     if not merge:
         return tuple(att), k_pages, v_pages
     if len(att) > 1:
-        o = _merge_splits(*lax.optimization_barrier(tuple(att))).astype(k_pages.dtype)
+        o = merge_splits(*lax.optimization_barrier(tuple(att))).astype(k_pages.dtype)
     else:
         (o,) = att
     b, nk = o.shape[0], k_pages.shape[0]

@@ -77,7 +77,7 @@ def _dot_nn(a: jax.Array, b: jax.Array) -> jax.Array:
     )
 
 
-def _tile_pages(pt_ref, seq, tile, k_lo, k_hi, cfg: TileConfig) -> jax.Array:
+def tile_pages(pt_ref, seq, tile, k_lo, k_hi, cfg: TileConfig) -> jax.Array:
     """Physical pages of one tile; pages wholly outside [k_lo, k_hi) -> page 0."""
     n = cfg.pages_per_tile
     logical = tile * n + lax.broadcasted_iota(jnp.int32, (n,), 0)
@@ -100,7 +100,7 @@ def _logits(q, k, cfg: TileConfig) -> jax.Array:
     return _base2(_dot_nt(q, k), cfg)
 
 
-def _visible(qpos, kpos, cfg: TileConfig) -> jax.Array:
+def visible(qpos, kpos, cfg: TileConfig) -> jax.Array:
     """[r, n] mask: query at qpos sees key at kpos iff qpos - w < kpos <= qpos."""
     ok = kpos[None, :] <= qpos[:, None]
     if cfg.window is not None:
@@ -115,7 +115,7 @@ def _make_step(q, qpos, k_ref, v_ref, pt_ref, seq, k_lo, k_hi, cfg: TileConfig, 
 
     def step(tile, carry):
         o, m, l = carry
-        pages = _tile_pages(pt_ref, seq, tile, k_lo, k_hi, cfg)
+        pages = tile_pages(pt_ref, seq, tile, k_lo, k_hi, cfg)
         # FP8 pages (e4m3) are widened to q's dtype as they are read: the dots run in the
         # compute dtype, the per-head scales were folded into q and the output outside.
         k = k_ref[pages].reshape(kb, e).astype(q.dtype)
@@ -123,7 +123,7 @@ def _make_step(q, qpos, k_ref, v_ref, pt_ref, seq, k_lo, k_hi, cfg: TileConfig, 
         s = _logits(q, k, cfg)
         if masked:
             kpos = tile * kb + lax.broadcasted_iota(jnp.int32, (kb,), 0)
-            s = jnp.where(_visible(qpos, kpos, cfg), s, -jnp.inf)
+            s = jnp.where(visible(qpos, kpos, cfg), s, -jnp.inf)
             in_span = (kpos >= k_lo) & (kpos < k_hi)
             v = jnp.where(in_span[:, None], v, jnp.zeros_like(v))
         m_new = jnp.maximum(m, jnp.max(s, axis=1))

@@ -217,12 +217,13 @@ def qwen3_5_moe_vlm_config() -> T.PretrainedConfig:
 def kimi_linear_config(**kw) -> T.PretrainedConfig:
     # The published config's layout (linear_attn_config, 1-indexed layers; first_k_dense_replace):
     # KDA, KDA, MLA, KDA; layer 0 dense, then MoE: sigmoid top-2 of 8 in the best 1 of 2
-    # groups, renormalised, scaled 2.5, a shared expert. MLA qk 16 + 8, v 16, kv_lora_rank 16
-    # (the engine's latent pages hold 16 + 8 values per token).
+    # groups, renormalised, scaled 2.5, a shared expert. MLA qk 16 + 16, v 16, kv_lora_rank 16
+    # (the engine's latent pages hold 16 + 16 values per token: both parts powers of two
+    # >= 16, the shapes the MLA decode kernel takes).
     return T.KimiLinearConfig(
         vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16,
-        q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+        q_lora_rank=None, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16,
         num_local_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1,
         routed_scaling_factor=2.5, pad_token_id=0, bos_token_id=1, eos_token_id=2,
         linear_attn_config={"head_dim": 16, "num_heads": 4, "short_conv_kernel_size": 4,

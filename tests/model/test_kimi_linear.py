@@ -14,8 +14,9 @@ expert; MLA with K wider than V), saved and loaded from disk.
    tokens, too few pages for the batch: preemption by recompute): greedy tokens are
    transformers' argmax wherever its top-1/top-2 gap is clear; each request alone gives
    its batched tokens (a prefix-cache hit == the miss); whole prompts in one chunk
-   (a second engine, same compiled shapes) give the same tokens. The pages hold the MLA
-   latent (kv_lora_rank + qk_rope_head_dim values per token and layer, no V pages).
+   (a second engine, same compiled shapes, its decode steps' MLA attention through the
+   Pallas `mla_decode` kernel in interpret mode) give the same tokens. The pages hold the
+   MLA latent (kv_lora_rank + qk_rope_head_dim values per token and layer, no V pages).
 4. The absorbed attention (queries in latent space, one KV head of latent rows, W_uv
    after) equals the expanded per-head form, in float64 numpy on random weights.
 Speculative verification of KDA layers runs Gated DeltaNet's serving path
@@ -37,11 +38,13 @@ from safetensors.numpy import load_file, save_file
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+from hybrid_jax import ragged  # noqa: E402
 from hybrid_jax.checkpoints import CheckpointError, load_hf  # noqa: E402
 from hybrid_jax.checkpoints.kimi_linear import config_from_hf  # noqa: E402
 from hybrid_jax.config import LayerKind, ModelConfig  # noqa: E402
 from hybrid_jax.loading import load_model  # noqa: E402
 from hybrid_jax.tensor_parallel import check_shardable  # noqa: E402
+from pallas_kernels import mla_decode  # noqa: E402
 from serving.engine.engine_config import EngineConfig  # noqa: E402
 from serving.engine.llm_engine import LLMEngine  # noqa: E402
 from tests.model import hf_models  # noqa: E402
@@ -64,7 +67,7 @@ def test_logits_match_transformers(kimi):
     assert [s.kind for s in cfg.layers] == [LayerKind.GATED_DELTANET] * 2 + [
         LayerKind.ATTENTION, LayerKind.GATED_DELTANET]
     assert [s.moe for s in cfg.layers] == [False, True, True, True]
-    assert cfg.gated_deltanet.kimi_delta and cfg.mla.qk_head_dim == 24 and cfg.mla.v_head_dim == 16
+    assert cfg.gated_deltanet.kimi_delta and cfg.mla.qk_head_dim == 32 and cfg.mla.v_head_dim == 16
     assert cfg.moe.scores == "sigmoid" and cfg.moe.expert_bias and cfg.moe.n_group == 2
     ids = np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 80))
     with torch.no_grad():
@@ -119,7 +122,7 @@ def _engine(d, chunk: int, **kw) -> LLMEngine:
     return LLMEngine(load_model(str(d)), cfg, show_progress=False)
 
 
-def test_engine_equals_transformers_and_invariants(kimi):
+def test_engine_equals_transformers_and_invariants(kimi, monkeypatch):
     hf_model, d = kimi
     rng = np.random.default_rng(3)
     prompts = [rng.integers(0, 128, n).tolist() for n in (3, 16, 30)]
@@ -140,8 +143,19 @@ def test_engine_equals_transformers_and_invariants(kimi):
     assert eng.plan.page_bytes == (mla_layers * 8 * per_token,)
     assert s["kv_bytes"] == eng.plan.scheduler.groups[0].num_pages * mla_layers * 8 * per_token
     assert eng.runner.caches.kv[0].v.size == 0
-    # Whole prompts in one chunk, no prefix cache, pages enough: the same tokens.
+    # Whole prompts in one chunk, no prefix cache, pages enough, and the decode steps' MLA
+    # attention through the Pallas kernel (interpret mode; the CPU's default is the
+    # reference): the same tokens.
+    kernel_calls = []
+
+    def interpreted(*a, impl=None, **kw):
+        kernel_calls.append(impl)
+        return mla_decode(*a, **kw, impl="interpret" if impl is None else impl)
+
+    monkeypatch.setattr(ragged, "mla_decode", interpreted)
     assert engine_tokens(_engine(d, 32), prompts) == outs
+    assert kernel_calls and set(kernel_calls) == {None}  # traced, and the shapes fit the kernel
+    monkeypatch.undo()
     with pytest.raises(ValueError, match="kv_cache_dtype='fp8' is not supported for MLA"):
         _engine(d, 32, kv_cache_dtype="fp8")
 
