@@ -62,9 +62,10 @@ SWITCHES: tuple[Switch, ...] = (
            "0 runs FP8 Linears' decode products (<= 64 rows) through the dequantize path "
            "instead of the Pallas FP8 decode kernels (`fp8_stream` on Hopper for [out, in] "
            "kernels, else `fp8_gemv`)"),
-    Switch("HYBRID_JAX_MLA_KERNEL", "1",
-           "0 runs MLA's latent decode (and verification) attention through the XLA paged "
-           "reference instead of the Pallas `mla_decode` kernel where the Pallas backend is used"),
+    Switch("HYBRID_JAX_MLA_KERNEL", "0",
+           "1 runs MLA's latent decode (and verification) attention through the Pallas "
+           "`mla_decode` kernel where the Pallas backend is used, instead of the XLA paged "
+           "reference (off until the kernel is compiled and timed on a GPU)"),
     Switch("HYBRID_JAX_XLA_OPTIONS", "unset",
            "JSON object of XLA compile options added to, or overriding, the step executables' own"),
     Switch("HYBRID_JAX_SHARDED_RUNNER", "0",
@@ -152,7 +153,8 @@ def fp8_gemv() -> bool:
 
 
 def mla_kernel() -> bool:
-    return _on("HYBRID_JAX_MLA_KERNEL")
+    """Default off: the kernel is checked in interpret mode only (docs/kernels.md)."""
+    return (_get("HYBRID_JAX_MLA_KERNEL") or "0") == "1"
 
 
 def stream_gemm_config() -> tuple[int, int, int, int] | None:

@@ -134,7 +134,8 @@ def _mla_attention(layer: MLAttention, x: jax.Array, batch: RaggedBatch, kv: KVC
     Decode and verification (decode or q_len) run `mla_decode`: the Pallas kernel where the
     process runs kernels (a GPU, or HYBRID_JAX_KERNELS=interpret) and the latent fits it
     (`mla_decode_fits`: Kimi Linear's 512 + 64 does), else its XLA reference;
-    HYBRID_JAX_MLA_KERNEL=0 keeps the reference. Prefill runs the paged prefill reference
+    only with HYBRID_JAX_MLA_KERNEL=1 (default off until the kernel is compiled and timed on
+    a GPU: it is checked in interpret mode only). Prefill runs the paged prefill reference
     (XLA gathers): the Pallas prefill kernel tiles head widths of 64, 128 or 256, not L."""
     latent = layer.latent(x).astype(kv.k.dtype)
     flat = kv.k.reshape(1, -1, kv.k.shape[-1])
@@ -302,7 +303,7 @@ def _temporal(block: Block, u: jax.Array, batch: RaggedBatch, cache: LayerCache,
 # HYBRID_JAX_DECODE_GLUE=0 turns both off (A/B measurements; the executable store keys on it).
 DECODE_GLUE = switches.decode_glue()
 # MLA's decode and verification attention runs the Pallas `mla_decode` kernel where the
-# process runs kernels (`_mla_attention`); HYBRID_JAX_MLA_KERNEL=0 keeps the XLA reference.
+# process runs kernels (`_mla_attention`) with HYBRID_JAX_MLA_KERNEL=1 (default: the XLA reference).
 MLA_KERNEL = switches.mla_kernel()
 # Decode steps of at most this many rows launch a merged layer's paged decode and Mamba2
 # state update as one grid (`attention_ssm_decode`). HYBRID_JAX_PARALLEL_DECODE_ROWS=0: apart.

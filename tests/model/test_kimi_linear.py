@@ -153,6 +153,7 @@ def test_engine_equals_transformers_and_invariants(kimi, monkeypatch):
         return mla_decode(*a, **kw, impl="interpret" if impl is None else impl)
 
     monkeypatch.setattr(ragged, "mla_decode", interpreted)
+    monkeypatch.setattr(ragged, "MLA_KERNEL", True)  # HYBRID_JAX_MLA_KERNEL=1
     assert engine_tokens(_engine(d, 32), prompts) == outs
     assert kernel_calls and set(kernel_calls) == {None}  # traced, and the shapes fit the kernel
     monkeypatch.undo()
