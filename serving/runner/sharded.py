@@ -1,6 +1,6 @@
 """Tensor-parallel placement of a runner's device state: parameters, caches, checkpoints.
 
-Each device's parameter shard (hybrid_jax/tensor_parallel.py's rules) is built and
+Each device's parameter shard (hybrid_jax/tp_rules.py's rules) is built and
 packed on the host (one flat buffer per dtype, serving/runner/packing.py) and put on
 that device only; the per-device buffers form one array split along the mesh. With
 fused projections each device's local model is fused, never the global one (a fused
