@@ -128,31 +128,13 @@ class ModelRunner:
         self.mtp_shardings = None
         self.hidden: tuple[Bucket, jax.Array] | None = None  # the last target step's (bucket, [t, d])
         self.mtp_caches = None
-        # HYBRID_JAX_SHARDED_RUNNER=1 runs the tensor-parallel path (packed shards, shard_map,
-        # explicit shardings) on a one-device mesh: the TP step checked on one GPU.
         # FP8 Linears' block sizes (static in the graph; keyed by the executable store)
         self.fp8_blocks = tuple((".".join(map(str, p)), m.block) for p, m in nnx.iter_graph(model)
                                 if isinstance(m, Linear) and m.quantized)
+        # HYBRID_JAX_SHARDED_RUNNER=1 runs the tensor-parallel path (packed shards, shard_map,
+        # explicit shardings) on a one-device mesh: the TP step checked on one GPU.
         if n == 1 and not switches.sharded_runner():
-            if fuse_projections_enabled():  # one GEMM per shared input (hybrid_jax/fusion.py)
-                model = fuse_projections(model)
-                self.transposed = True  # its layers' Linears held [out, in], fused or not
-            stacks = kernel_stacks(model)
-            self.graphdef, params = nnx.split(model)
-            del model  # a fused copy's concatenated weights go once packed
-            # One flat buffer per dtype (serving/runner/packing.py: hundreds of arguments cost ms per call),
-            # but one each for the stacks a Pallas kernel reads whole (a slice would be copied).
-            self.layout, self.params = pack(jax.device_put(params, self.replicated),
-                                            own=lambda x: tuple(x.shape) in stacks)
-            del params
-            gc.collect()  # the fused copy's concatenations, before the pools are allocated
-            zeros = lambda tree: jax.device_put(
-                jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), tree), self.replicated)
-            self.caches = zeros(cache_shapes)
-            if kv_scales is not None:
-                self.caches = with_kv_scales(self.caches, kv_scales)
-            self.ckpts = zeros(ckpt_shapes) if ckpt_ops else None
-            self.mtp_caches = zeros(mtp_shapes) if mtp_k else None
+            self._place_single(model, cache_shapes, ckpt_shapes, mtp_shapes, kv_scales)
         else:
             placed = place_sharded(model, self.mesh, cache_shapes, ckpt_shapes, mtp_shapes,
                                    fuse=fuse_projections_enabled())
@@ -177,6 +159,34 @@ class ModelRunner:
         self.compiled: dict[Bucket, Callable] = {}
         self.samplers: dict[int, Callable] = {}  # the full sampler, by sequence count
         self._host_layouts()
+        self._extra_buckets(spec_q, spec_max_seqs, multi_q, multi_max_seqs)
+        # The buffers the executables write their results into (serving/runner/result_buffers.py).
+        self.results = ResultBuffers(self.cfg.vocab_size, self.max_seqs, self.replicated)
+
+    def _place_single(self, model: CausalLM, cache_shapes, ckpt_shapes, mtp_shapes, kv_scales) -> None:
+        """One device: the model (fused) packed, caches, checkpoints and MTP K/V allocated whole."""
+        if fuse_projections_enabled():  # one GEMM per shared input (hybrid_jax/fusion.py)
+            model = fuse_projections(model)
+            self.transposed = True  # its layers' Linears held [out, in], fused or not
+        stacks = kernel_stacks(model)
+        self.graphdef, params = nnx.split(model)
+        del model  # a fused copy's concatenated weights go once packed
+        # One flat buffer per dtype (serving/runner/packing.py: hundreds of arguments cost ms per call),
+        # but one each for the stacks a Pallas kernel reads whole (a slice would be copied).
+        self.layout, self.params = pack(jax.device_put(params, self.replicated),
+                                        own=lambda x: tuple(x.shape) in stacks)
+        del params
+        gc.collect()  # the fused copy's concatenations, before the pools are allocated
+        zeros = lambda tree: jax.device_put(
+            jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), tree), self.replicated)
+        self.caches = zeros(cache_shapes)
+        if kv_scales is not None:
+            self.caches = with_kv_scales(self.caches, kv_scales)
+        self.ckpts = zeros(ckpt_shapes) if self.ckpt_ops else None
+        self.mtp_caches = zeros(mtp_shapes) if self.mtp_k else None
+
+    def _extra_buckets(self, spec_q: int, spec_max_seqs: int, multi_q: int, multi_max_seqs: int) -> None:
+        """The verification, multi-step and MTP buckets and their host layouts."""
         # Speculative decoding: verification buckets of b sequences x spec_q tokens, for
         # the decode ladder's sizes up to spec_max_seqs (speculation is off above it),
         # each compiled with and without the sampling filters.
@@ -206,15 +216,13 @@ class ModelRunner:
         self.multisteps: dict[tuple[Bucket, bool], Callable] = {}
         self.mtp_layouts: dict[Bucket, HostLayout] = {}
         self.mtp_steps: dict[Bucket, Callable] = {}
-        if mtp_k:
+        if self.mtp_k:
             g = mtp_group(self.cfg)
             for bk in [*self.buckets, *self.verify_buckets]:
                 batch, _ = self._dummy(bk)
                 batch = batch._replace(page_tables=(batch.page_tables[g],),
                                        slot_mappings=(batch.slot_mappings[g],))
                 self.mtp_layouts[bk] = host_layout((batch, np.full(bk.tokens, -1, np.int32)))
-        # The buffers the executables write their results into (serving/runner/result_buffers.py).
-        self.results = ResultBuffers(self.cfg.vocab_size, self.max_seqs, self.replicated)
 
     def _q_buckets(self, q: int, max_seqs: int, single_row: bool = False) -> list[Bucket]:
         """Buckets of b sequences x q tokens: the decode ladder's sizes up to max_seqs (the
