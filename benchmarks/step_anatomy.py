@@ -242,10 +242,10 @@ def run(a: argparse.Namespace) -> dict:
     arrays, sampling = captured["args"]
     bucket = r.pick(arrays)
     exe = r.compiled[bucket]
-    from serving.runner.runner import _pad_rows
+    from serving.runner.padding import pad_rows
     from serving.sample.sampling import SamplingArrays
 
-    samp = SamplingArrays(*(_pad_rows(np.asarray(x), bucket.seqs) for x in sampling))
+    samp = SamplingArrays(*(pad_rows(np.asarray(x), bucket.seqs) for x in sampling))
     feed = np.full(bucket.tokens, -1, np.int32)
     tree = r._host_tree(bucket, r._pad(arrays, bucket), samp, feed, None)
     buf = jax.device_put(r.host_layouts[bucket].pack(tree))

@@ -8,24 +8,18 @@ a bad request never reaches the scheduler, so it cannot harm the others.
 
 from __future__ import annotations
 
-import dataclasses
-import gc
 import itertools
 import logging
-import os
-import sys
 import time
 from collections import deque
 
 import jax
 import numpy as np
-from flax import nnx
 
 from hybrid_jax import tensor_parallel as tp
 from hybrid_jax.kv_quant import calibrate_kv_scales, kv_dtype
 from hybrid_jax.loading import DTYPES, LoadedModel, load_model
-from hybrid_jax.quantization import fp8_linears, quantize_model
-from serving.core.block_table import ring_width
+from hybrid_jax.quantization import fp8_linears
 from serving.core.schedule import PENDING, Schedule, flatten
 from serving.core.scheduler import Scheduler, SpecPlan
 from serving.core.sequence import FinishReason, Sequence, SequenceStatus
@@ -34,7 +28,15 @@ from serving.engine.engine_config import EngineConfig, PoolPlan, plan_pools
 from serving.engine.faults import EngineFatal, FaultIsolator
 from serving.engine.memory import device_free_bytes
 from serving.engine.outputs import RequestDelta
-from serving.runner.runner import ModelRunner, Pending, StepResult
+from serving.engine.startup import (  # noqa: F401  (freeze_heap: imported from here by the CLI)
+    compile_progress,
+    describe_bytes,
+    freeze_heap,
+    load_for_engine,
+    make_runner,
+    use_compilation_cache,
+)
+from serving.runner.runner import Pending, StepResult
 from serving.runner.step_fns import decode_row_floor
 from serving.sample.sampling import SUPPRESS_WIDTH, SamplingArrays
 from serving.sample.sampling_params import SamplingParams
@@ -68,89 +70,16 @@ class _Launched:
         return self._rows
 
 
-def freeze_heap() -> None:
-    """Collect, then move every object alive now out of the cyclic GC's reach (gc.freeze).
-
-    For a process that serves one engine for its life (the CLI, the server): after
-    start-up the heap holds millions of long-lived objects (JAX, the model, the
-    executables), and each full collection walks them all, which stalls one step by
-    100-200 ms every few hundred steps at batch 256 (docs/history/benchmarks-2026.md). Frozen,
-    a full collection walks only what was made after start-up. An object frozen here
-    is never collected as part of a reference cycle later, so a process that builds
-    and drops engines (tests, notebooks) should not call this.
-    """
-    gc.collect()
-    gc.freeze()
-
-
-def _use_compilation_cache(path: str | None) -> None:
-    if path is not None and jax.config.jax_compilation_cache_dir is None:
-        jax.config.update("jax_compilation_cache_dir", os.path.expanduser(path))
-
-
-def _progress(i: int, n: int, key) -> None:
-    bar = "#" * (20 * i // n)
-    if hasattr(key, "seqs"):
-        what = f"t={key.tokens}, b={key.seqs}{', decode' if key.decode else ''}"
-    elif isinstance(key, int):  # a sampler (its sequence count)
-        what = f"sampler b={key}"
-    elif key[0] == "multi":  # a multi-step decoder (("multi", bucket, filters))
-        what = f"multi-step b={key[1].seqs}"
-    elif key[0] == "mtp":  # the MTP head's step (("mtp", bucket))
-        what = f"mtp t={key[1].tokens}, b={key[1].seqs}"
-    else:  # a verifier ((bucket, filters))
-        what = f"verify b={key[0].seqs}"
-    print(f"\rcompiling step executables [{bar:<20}] {i}/{n} ({what})".ljust(78),
-          end="\n" if i == n else "", file=sys.stderr, flush=True)
-
-
-def describe_bytes(by_dtype: dict[str, int]) -> str:
-    """"float8_e4m3fn 1.2 MiB, float32 0.3 MiB": the weights held, by dtype."""
-    return ", ".join(f"{name} {n / 2**20:.1f} MiB" for name, n in sorted(by_dtype.items()))
-
-
-def _quantized(lm: LoadedModel, quantization: str | None) -> LoadedModel:
-    """`lm` with its model quantized as EngineConfig.quantization asks: a copy (the caller's
-    model is left as it was), or `lm` itself when there is nothing to do."""
-    if quantization is None or fp8_linears(lm.model):
-        return lm
-    copy = nnx.merge(*nnx.split(lm.model))
-    return dataclasses.replace(lm, model=quantize_model(copy, quantization))
-
-
-def _tp_aligned(lm: LoadedModel, n: int, copy: bool) -> LoadedModel:
-    """`lm` with the FP8 Linears that n devices cannot split on whole scale blocks held in
-    the compute dtype (tensor_parallel.dequantize_unaligned: same outputs); on a copy when
-    `copy` (the caller's model), `lm` itself when every FP8 Linear splits."""
-    if not tp.unaligned_fp8_linears(lm.model, n):
-        return lm
-    if copy:  # new modules over the same arrays: the caller's model keeps its FP8 Linears
-        lm = dataclasses.replace(lm, model=nnx.merge(*nnx.split(lm.model)))
-    dense = tp.dequantize_unaligned(lm.model, n)
-    log.info("tensor_parallel_size=%d: %d FP8 Linear(s) whose split would cut a scale block are "
-             "held in %s (%s)", n, len(dense), np.dtype(lm.model.dtype).name,
-             ", ".join(dense[:4]) + (", ..." if len(dense) > 4 else ""))
-    return lm
-
-
 class LLMEngine:
     def __init__(self, model: str | LoadedModel, config: EngineConfig | None = None, *,
                  seed: int = 0, show_progress: bool = True):
         dev = jax.devices()[0]
         self.config = (config or EngineConfig()).with_device_sizing(
             dev.platform, (dev.memory_stats() or {}).get("bytes_limit"))
-        _use_compilation_cache(self.config.compilation_cache_dir)
+        use_compilation_cache(self.config.compilation_cache_dir)
         n = self.config.tensor_parallel_size
         mesh = tp.make_mesh(n)  # refuses more devices than the host has, before loading
-        if isinstance(model, LoadedModel):
-            lm = _quantized(model, self.config.quantization)
-        else:  # tensor parallel: load on the host, each device then receives only its shard
-            lm = load_model(model, dtype=self.config.dtype, device=tp.host_device() if n > 1 else None,
-                            quantization=self.config.quantization)
-        tp.check_shardable(lm.config, n)
-        if n > 1:
-            lm = _tp_aligned(lm, n, copy=lm is model)
-            tp.check_weights_shardable(lm.model, n)
+        lm = load_for_engine(model, self.config, n)
         self.model_config, self.tokenizer = lm.config, lm.tokenizer
         if self.config.speculative_method == "mtp" and getattr(lm.model, "mtp", None) is None:
             name = model if isinstance(model, str) else lm.source
@@ -175,19 +104,7 @@ class LLMEngine:
         # FP8 KV: static per-layer scales from one calibration prefill (hybrid_jax/kv_quant.py)
         kv_scales = (calibrate_kv_scales(lm.model, self.config.kv_scale)
                      if self.config.kv_cache_dtype == "fp8" else None)
-        self.runner = ModelRunner(
-            lm.model, num_pages=tuple(g.num_pages for g in sc.groups), page_size=sc.page_size,
-            num_slots=sc.num_slots,
-            ring_widths=tuple(ring_width(g.window, sc.page_size, sc.max_prefill_chunk,
-                                         sc.max_model_len) for g in sc.groups),
-            max_num_seqs=sc.max_num_seqs, max_num_batched_tokens=sc.max_num_batched_tokens,
-            seq_sizes=self.config.seq_buckets, token_sizes=self.config.token_buckets,
-            state_dtype=DTYPES[self.config.ssm_state_dtype], num_checkpoints=sc.num_checkpoints,
-            ckpt_ops=sc.max_checkpoint_ops if sc.prefix_caching else 0,
-            spec_q=self.config.spec_q, spec_max_seqs=min(self.config.spec_max_seqs, sc.max_num_seqs),
-            multi_q=self.config.multi_q, multi_max_seqs=multi_seqs, mesh=mesh,
-            kv_dtype=kv_dtype(self.config.kv_cache_dtype, lm.model.dtype), kv_scales=kv_scales,
-            mtp_k=self.config.num_speculative_tokens if self.config.speculative_method == "mtp" else 0)
+        self.runner = make_runner(lm, self.config, sc, mesh, multi_seqs, kv_scales)
         self._spec = self._spec_plan(lm)
         # Multi-step decoding rides on the scheduler's verification steps: q tokens per
         # sequence with pages reserved, the q - 1 after the first sampled on the device.
@@ -197,8 +114,8 @@ class LLMEngine:
         self._deferred: dict | Exception | None = None  # set by the background compile's thread
         self.deferred_ready_s: float | None = None  # when the deferred executables went in
         limits = self._startup_limits()
-        self.runner.compile_all(_progress if show_progress else None, config_key=self.config.store_key(),
-                                defer=limits)
+        self.runner.compile_all(compile_progress if show_progress else None,
+                                config_key=self.config.store_key(), defer=limits)
         if self.runner.deferred:
             self._t_deferred = time.perf_counter()
             self.scheduler.set_limits(*limits)

@@ -5,8 +5,8 @@ Each compilation starts as soon as its lowering is done: XLA compiles without th
 beside the lowering of the next ones. Deserialising from the store runs on a thread pool
 too (XLA loads without the GIL). Jobs that `defer` names and the store does not hold are
 left out and handed back, for the caller to build later (`compile_later`). This module
-knows nothing of what the executables compute: `ModelRunner.compile_all`
-(serving/runner/runner.py) says which to build.
+knows nothing of what the executables compute: serving/runner/executables.py says
+which to build, for `ModelRunner.compile_all` (serving/runner/runner.py).
 """
 
 from __future__ import annotations

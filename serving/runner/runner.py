@@ -16,7 +16,10 @@ mesh), KV pages by KV head and states by head or channel; the model part of the 
 runs the device-local model under `shard_map` (the kernels see local heads), and the
 step stays one executable with explicit in/out shardings, so nothing is resharded
 between steps. The step functions themselves and the shape buckets live in
-serving/runner/step_fns.py; this module holds the device state, compiles, and dispatches.
+serving/runner/step_fns.py, the tensor-parallel placement in serving/runner/sharded.py,
+the list of executables to build in serving/runner/executables.py and the padding of a
+step to its bucket in serving/runner/padding.py; this module holds the device state,
+compiles, and dispatches.
 The runner knows nothing of requests or scheduling policy.
 """
 
@@ -35,27 +38,24 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from configs import switches
 from hybrid_jax import tensor_parallel as tp
-from hybrid_jax.cache import RaggedBatch, init_caches, states_of
+from hybrid_jax.cache import RaggedBatch
 from hybrid_jax.fusion import fuse_projections, kernel_stacks
 from hybrid_jax.kv_quant import with_kv_scales
 from hybrid_jax.layers.linear import Linear, reduction_gemv
 from hybrid_jax.model import CausalLM
-from hybrid_jax.mtp_ragged import mtp_group, mtp_init_caches
-from serving.core.schedule import PENDING, StepArrays
+from hybrid_jax.mtp_ragged import mtp_group
+from serving.core.schedule import StepArrays
 from serving.runner.compile_pool import Job, compile_jobs, compile_later
+from serving.runner.executables import add_executables
 from serving.runner.host_pack import HostLayout, host_layout, host_put
-from serving.runner.packing import pack, pack_host, plan_layout
+from serving.runner.packing import pack
+from serving.runner.padding import check_indices, dummy_batch, pad_batch, pad_ckpt_ops, pad_rows, q_bucket
 from serving.runner.result_buffers import ResultBuffers
+from serving.runner.sharded import local_shapes, place_sharded
 from serving.runner.step_fns import (  # noqa: F401  (Bucket, make_buckets: imported from here too)
-    TOP_LOGPROBS,
     Bucket,
     CkptOps,
     Shardings,
-    _forward_fn,
-    _mtp_fn,
-    _multi_fn,
-    _sampler_fn,
-    _verify_fn,
     compile_options,
     decode_row_floor,
     make_buckets,
@@ -69,7 +69,7 @@ log = logging.getLogger(__name__)
 def fuse_projections_enabled() -> bool:
     """Fused projections (hybrid_jax/fusion.py): on unless HYBRID_JAX_FUSE_PROJECTIONS=0
     (for A/B measurements; the executable store keys on it). Tensor-parallel runners fuse
-    each device's local model (`Runner._fuse_local`), never the global one (a fused
+    each device's local model (serving/runner/sharded.py `fuse_local`), never the global one (a fused
     matrix's column shards would mix heads)."""
     return switches.fuse_projections()
 
@@ -115,54 +115,31 @@ class ModelRunner:
         # `num_checkpoints` state checkpoints (0 for a model without recurrent state).
         self.ckpt_ops, self.num_checkpoints = ckpt_ops, num_checkpoints
         self.ckpts = None
-        local = tp.local_config(self.cfg, n)
-        cache_shapes = jax.eval_shape(lambda: init_caches(
-            local, num_pages=num_pages, page_size=page_size, num_slots=num_slots, dtype=model.dtype,
-            state_dtype=state_dtype, kv_dtype=kv_dtype))
-        fp8_kv = any(kv.k_scale is not None for kv in cache_shapes.kv)
-        if fp8_kv != (kv_scales is not None):
+        cache_shapes, ckpt_shapes, mtp_shapes = local_shapes(
+            self.cfg, n, num_pages=num_pages, page_size=page_size, num_slots=num_slots,
+            dtype=model.dtype, state_dtype=state_dtype, kv_dtype=kv_dtype,
+            num_checkpoints=num_checkpoints if ckpt_ops else None, mtp=bool(mtp_k))
+        if any(kv.k_scale is not None for kv in cache_shapes.kv) != (kv_scales is not None):
             raise ValueError("FP8 KV pages (kv_dtype float8_e4m3fn) need their kv_scales "
                              "(hybrid_jax/kv_quant.py), and only they take them")
-        ckpt_shapes = jax.eval_shape(lambda: states_of(init_caches(
-            local, num_pages=(1,) * len(num_pages), page_size=page_size,
-            num_slots=max(num_checkpoints, 1), dtype=model.dtype, state_dtype=state_dtype))) \
-            if ckpt_ops else None
         # speculative_method="mtp": the MTP head's K/V (pages of the group it shares,
         # hybrid_jax/mtp_ragged.py) and the target steps' hidden states for the MTP step.
         self.mtp_k, self.dtype = mtp_k, model.dtype
-        mtp_shapes = jax.eval_shape(lambda: mtp_init_caches(  # one device's (split like the caches)
-            local, num_pages=num_pages[mtp_group(self.cfg)], page_size=page_size,
-            dtype=model.dtype)) if mtp_k else None
         self.mtp_shardings = None
         self.hidden: tuple[Bucket, jax.Array] | None = None  # the last target step's (bucket, [t, d])
         self.mtp_caches = None
-        # HYBRID_JAX_SHARDED_RUNNER=1 runs the tensor-parallel path (packed shards, shard_map,
-        # explicit shardings) on a one-device mesh: the TP step checked on one GPU.
         # FP8 Linears' block sizes (static in the graph; keyed by the executable store)
         self.fp8_blocks = tuple((".".join(map(str, p)), m.block) for p, m in nnx.iter_graph(model)
                                 if isinstance(m, Linear) and m.quantized)
+        # HYBRID_JAX_SHARDED_RUNNER=1 runs the tensor-parallel path (packed shards, shard_map,
+        # explicit shardings) on a one-device mesh: the TP step checked on one GPU.
         if n == 1 and not switches.sharded_runner():
-            if fuse_projections_enabled():  # one GEMM per shared input (hybrid_jax/fusion.py)
-                model = fuse_projections(model)
-                self.transposed = True  # its layers' Linears held [out, in], fused or not
-            stacks = kernel_stacks(model)
-            self.graphdef, params = nnx.split(model)
-            del model  # a fused copy's concatenated weights go once packed
-            # One flat buffer per dtype (serving/runner/packing.py: hundreds of arguments cost ms per call),
-            # but one each for the stacks a Pallas kernel reads whole (a slice would be copied).
-            self.layout, self.params = pack(jax.device_put(params, self.replicated),
-                                            own=lambda x: tuple(x.shape) in stacks)
-            del params
-            gc.collect()  # the fused copy's concatenations, before the pools are allocated
-            zeros = lambda tree: jax.device_put(
-                jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), tree), self.replicated)
-            self.caches = zeros(cache_shapes)
-            if kv_scales is not None:
-                self.caches = with_kv_scales(self.caches, kv_scales)
-            self.ckpts = zeros(ckpt_shapes) if ckpt_ops else None
-            self.mtp_caches = zeros(mtp_shapes) if mtp_k else None
+            self._place_single(model, cache_shapes, ckpt_shapes, mtp_shapes, kv_scales)
         else:
-            self._place_sharded(model, cache_shapes, ckpt_shapes, mtp_shapes)
+            placed = place_sharded(model, self.mesh, cache_shapes, ckpt_shapes, mtp_shapes,
+                                   fuse=fuse_projections_enabled())
+            (self.graphdef, self.layout, self.transposed, self.params, self.caches, self.ckpts,
+             self.mtp_caches, self.mtp_shardings, self.shardings) = placed
             if kv_scales is not None:  # each device's pages get the scales of their KV heads
                 self.caches = with_kv_scales(self.caches, tp.shard_kv_scales(self.cfg, kv_scales, n))
         self.stats = jax.device_put(init_token_stats(num_slots, self.cfg.vocab_size), self.replicated)
@@ -182,6 +159,34 @@ class ModelRunner:
         self.compiled: dict[Bucket, Callable] = {}
         self.samplers: dict[int, Callable] = {}  # the full sampler, by sequence count
         self._host_layouts()
+        self._extra_buckets(spec_q, spec_max_seqs, multi_q, multi_max_seqs)
+        # The buffers the executables write their results into (serving/runner/result_buffers.py).
+        self.results = ResultBuffers(self.cfg.vocab_size, self.max_seqs, self.replicated)
+
+    def _place_single(self, model: CausalLM, cache_shapes, ckpt_shapes, mtp_shapes, kv_scales) -> None:
+        """One device: the model (fused) packed, caches, checkpoints and MTP K/V allocated whole."""
+        if fuse_projections_enabled():  # one GEMM per shared input (hybrid_jax/fusion.py)
+            model = fuse_projections(model)
+            self.transposed = True  # its layers' Linears held [out, in], fused or not
+        stacks = kernel_stacks(model)
+        self.graphdef, params = nnx.split(model)
+        del model  # a fused copy's concatenated weights go once packed
+        # One flat buffer per dtype (serving/runner/packing.py: hundreds of arguments cost ms per call),
+        # but one each for the stacks a Pallas kernel reads whole (a slice would be copied).
+        self.layout, self.params = pack(jax.device_put(params, self.replicated),
+                                        own=lambda x: tuple(x.shape) in stacks)
+        del params
+        gc.collect()  # the fused copy's concatenations, before the pools are allocated
+        zeros = lambda tree: jax.device_put(
+            jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), tree), self.replicated)
+        self.caches = zeros(cache_shapes)
+        if kv_scales is not None:
+            self.caches = with_kv_scales(self.caches, kv_scales)
+        self.ckpts = zeros(ckpt_shapes) if self.ckpt_ops else None
+        self.mtp_caches = zeros(mtp_shapes) if self.mtp_k else None
+
+    def _extra_buckets(self, spec_q: int, spec_max_seqs: int, multi_q: int, multi_max_seqs: int) -> None:
+        """The verification, multi-step and MTP buckets and their host layouts."""
         # Speculative decoding: verification buckets of b sequences x spec_q tokens, for
         # the decode ladder's sizes up to spec_max_seqs (speculation is off above it),
         # each compiled with and without the sampling filters.
@@ -211,15 +216,13 @@ class ModelRunner:
         self.multisteps: dict[tuple[Bucket, bool], Callable] = {}
         self.mtp_layouts: dict[Bucket, HostLayout] = {}
         self.mtp_steps: dict[Bucket, Callable] = {}
-        if mtp_k:
+        if self.mtp_k:
             g = mtp_group(self.cfg)
             for bk in [*self.buckets, *self.verify_buckets]:
                 batch, _ = self._dummy(bk)
                 batch = batch._replace(page_tables=(batch.page_tables[g],),
                                        slot_mappings=(batch.slot_mappings[g],))
                 self.mtp_layouts[bk] = host_layout((batch, np.full(bk.tokens, -1, np.int32)))
-        # The buffers the executables write their results into (serving/runner/result_buffers.py).
-        self.results = ResultBuffers(self.cfg.vocab_size, self.max_seqs, self.replicated)
 
     def _q_buckets(self, q: int, max_seqs: int, single_row: bool = False) -> list[Bucket]:
         """Buckets of b sequences x q tokens: the decode ladder's sizes up to max_seqs (the
@@ -250,61 +253,6 @@ class ModelRunner:
         for b in size:
             sampling = SamplingArrays.from_rows([{}] * b)
             self.sampler_layouts[b] = host_layout((sampling, np.zeros(b, np.int32))).padded(size[b])
-
-    def _place_sharded(self, model: CausalLM, cache_shapes, ckpt_shapes, mtp_shapes=None) -> None:
-        """Tensor parallelism: each device's parameter shard, packed on the host and put on
-        that device only; caches, checkpoints and the MTP head's K/V created sharded (by
-        head / channel)."""
-        n, mesh = self.mesh.size, self.mesh
-        tp.check_weights_shardable(model, n)
-        fp8 = tp.fp8_layout(model)  # FP8 kernels and their block scales split together
-        local = tp.local_abstract_model(self.cfg, n, model.dtype, fp8)
-        local_graph, local_state = nnx.split(local)
-        state = nnx.state(model)
-        per_device = []
-        for d, dev in enumerate(mesh.devices.flat):
-            leaves = tp.shard_params(self.cfg, state, n, d, local_state, fp8)
-            if fuse_projections_enabled():
-                leaves = self._fuse_local(local_graph, local_state, leaves)
-            else:
-                self.graphdef, self.layout = local_graph, plan_layout(local_state)
-            bufs = pack_host(self.layout, leaves)
-            per_device.append([jax.device_put(b, dev) for b in bufs])
-            del leaves, bufs
-        split = NamedSharding(mesh, PartitionSpec(tp.AXIS))
-        self.params = tuple(
-            jax.make_array_from_single_device_arrays((n * size,), split, [bufs[i] for bufs in per_device])
-            for i, size in enumerate(self.layout.sizes))
-
-        def sharded_zeros(shapes):
-            axes = tp.cache_axes(shapes)
-            def one(x, axis):
-                shape = tuple(s * n if i == axis else s for i, s in enumerate(x.shape))
-                spec = PartitionSpec(*([None] * axis), tp.AXIS)
-                return jnp.zeros(shape, x.dtype, device=NamedSharding(mesh, spec))
-            return jax.tree.map(one, shapes, axes)
-
-        self.caches = sharded_zeros(cache_shapes)
-        self.ckpts = sharded_zeros(ckpt_shapes) if ckpt_shapes is not None else None
-        sharding = lambda tree: None if tree is None else jax.tree.map(lambda x: x.sharding, tree)
-        if mtp_shapes is not None:
-            self.mtp_caches = sharded_zeros(mtp_shapes)
-            self.mtp_shardings = sharding(self.mtp_caches)
-        self.shardings = Shardings(mesh, split, sharding(self.caches), sharding(self.ckpts))
-
-    def _fuse_local(self, local_graph, local_state, leaves: list[np.ndarray]) -> list[np.ndarray]:
-        """One device's local model fused as the single-device path fuses the whole model
-        (hybrid_jax/fusion.py: fused input / output projections, transposed kernels, the
-        stacks the decode kernels read in place), built on the host; sets the fused
-        graphdef and layout (the same for every device) -> the fused leaves."""
-        with jax.default_device(tp.host_device()):
-            shard = nnx.merge(local_graph, jax.tree.unflatten(jax.tree.structure(local_state), leaves))
-            fused = fuse_projections(shard)
-            self.graphdef, fused_state = nnx.split(fused)
-            self.transposed = True
-            stacks = kernel_stacks(fused)
-            self.layout = plan_layout(fused_state, own=lambda x: tuple(x.shape) in stacks)
-            return [np.asarray(x) for x in jax.tree.leaves(fused_state)]
 
     @property
     def param_bytes_per_device(self) -> int:
@@ -339,7 +287,6 @@ class ModelRunner:
         from serving.runner.exec_store import default_store, describe_args
 
         opts = (compile_options() if jax.default_backend() == "gpu" else {}) or None
-        rep = self.replicated if self.shardings is not None else None
         store = default_store(list(self.mesh.devices.flat))
         model_key = (config_key, repr(self.cfg), repr(self.fp8_blocks), str(self.layout.dtypes),
                      repr(self.layout.leaves), str(self.layout.treedef), repr(self.shardings),
@@ -351,49 +298,7 @@ class ModelRunner:
             skey = store.key(model_key, desc, describe_args(args)) if store is not None else None
             todo.append((key, lambda: fn.lower(*args), skey, args))
 
-        for bucket in self.buckets:
-            host = self.host_layouts[bucket]
-            ckpt = bool(self.ckpt_ops) and not bucket.decode
-            hidden = bool(self.mtp_k)
-            fwd = _forward_fn(self.graphdef, self.layout, bucket.decode, host, ckpt, self.shardings,
-                              max_seqs=self.max_seqs, hidden=hidden)
-            extra = (self.ckpts,) if ckpt else ()
-            buf = jax.ShapeDtypeStruct((host.size,), jnp.int32)
-            outs = self.results.forward_shapes(bucket.seqs)
-            add(bucket, fwd, (self.params, self.caches, self.stats, buf, self.last_tokens, *extra, outs),
-                # max_seqs: the samples' padding; hidden: the MTP step's variant
-                ("forward", bucket, ckpt, self.max_seqs, repr(host), hidden))
-        for bucket in self.verify_buckets:
-            host = self.verify_layouts[bucket]
-            buf = jax.ShapeDtypeStruct((host.size,), jnp.int32)
-            outs = self.results.sync_shapes("verify", bucket)
-            for filters in (False, True):
-                fn = _verify_fn(self.graphdef, self.layout, self.spec_q, host, filters, bool(self.mtp_k),
-                                self.shardings)
-                add((bucket, filters), fn, (self.params, self.caches, buf, outs),
-                    ("verify", bucket, filters, self.spec_q, repr(host), bool(self.mtp_k)))
-        for bucket, host in self.mtp_layouts.items():
-            buf = jax.ShapeDtypeStruct((host.size,), jnp.int32)
-            hid = jax.ShapeDtypeStruct((bucket.tokens, self.cfg.hidden_size), self.dtype)
-            add(("mtp", bucket), _mtp_fn(self.graphdef, self.layout, self.mtp_k, host, bucket.decode,
-                                         self.shardings, self.mtp_shardings),
-                (self.params, self.mtp_caches, hid, buf, self.last_tokens),
-                ("mtp", bucket, self.mtp_k, repr(host)))
-        for bucket in self.multi_buckets:
-            host = self.multi_layouts[bucket]
-            buf = jax.ShapeDtypeStruct((host.size,), jnp.int32)
-            outs = self.results.sync_shapes("multi", bucket)
-            for filters in (False, True):
-                fn = _multi_fn(self.graphdef, self.layout, self.multi_q, host, filters)
-                add(("multi", bucket, filters), fn, (self.params, self.caches, self.stats, buf, outs),
-                    ("multi", bucket, filters, self.multi_q, repr(host)))
-        for b in sorted({bk.seqs for bk in self.buckets}):
-            logits = jax.ShapeDtypeStruct((b, self.cfg.vocab_size), jnp.float32, sharding=rep)
-            host = self.sampler_layouts[b]
-            buf = jax.ShapeDtypeStruct((host.size,), jnp.int32)
-            # The plain sampler runs inside each forward executable (`_forward_fn`).
-            add(b, _sampler_fn(self.max_seqs, host, rep), (logits, self.stats, buf),
-                ("sampler", b, self.max_seqs, repr(host)))
+        add_executables(self, add)
         n = len(todo)
         built = 0
 
@@ -460,8 +365,8 @@ class ModelRunner:
         bucket = self.pick(arrays)
         t, bs = bucket.tokens, bucket.seqs
         batch = self._pad(arrays, bucket)
-        feed = np.full(t, -1, np.int32) if feed is None else _pad_rows(feed.astype(np.int32), t, -1)
-        samp = SamplingArrays(*(_pad_rows(np.asarray(x), bs) for x in sampling))
+        feed = np.full(t, -1, np.int32) if feed is None else pad_rows(feed.astype(np.int32), t, -1)
+        samp = SamplingArrays(*(pad_rows(np.asarray(x), bs) for x in sampling))
         ckpt = bool(self.ckpt_ops) and not bucket.decode
         if not ckpt and (arrays.restore_slot.size or arrays.save_slot.size):
             raise ValueError("checkpoint copies in a step without them (decode or caching off)")
@@ -528,10 +433,10 @@ class ModelRunner:
         recurrent path on their padded tokens in the dummy slot 0.
         """
         b = len(arrays.slot_ids)
-        bucket = _q_bucket(self.verify_buckets, self.spec_q, arrays, "verification step")
+        bucket = q_bucket(self.verify_buckets, self.spec_q, arrays, "verification step")
         bs = bucket.seqs
-        samp = SamplingArrays(*(_pad_rows(np.asarray(x), bs) for x in sampling))
-        tree = (self._pad(arrays, bucket), _pad_rows(num_drafts.astype(np.int32), bs), samp)
+        samp = SamplingArrays(*(pad_rows(np.asarray(x), bs) for x in sampling))
+        tree = (self._pad(arrays, bucket), pad_rows(num_drafts.astype(np.int32), bs), samp)
         buf = self._host_put(self.verify_layouts[bucket].pack(tree))
         outs = self.results.take_sync("verify", bucket)
         self.caches, out, accepted, *hidden = self.verifiers[(bucket, filters)](self.params, self.caches,
@@ -552,10 +457,10 @@ class ModelRunner:
         g = mtp_group(self.cfg)
         batch = self._pad(arrays, bucket)
         t, bs = bucket.tokens, bucket.seqs
-        batch = batch._replace(tokens=_pad_rows(np.maximum(tokens, 0).astype(np.int32), t),
+        batch = batch._replace(tokens=pad_rows(np.maximum(tokens, 0).astype(np.int32), t),
                                page_tables=(batch.page_tables[g],), slot_mappings=(batch.slot_mappings[g],),
-                               last_token=_pad_rows(last.astype(np.int32), bs))
-        feed = np.full(t, -1, np.int32) if feed is None else _pad_rows(feed.astype(np.int32), t, -1)
+                               last_token=pad_rows(last.astype(np.int32), bs))
+        feed = np.full(t, -1, np.int32) if feed is None else pad_rows(feed.astype(np.int32), t, -1)
         buf = self._host_put(self.mtp_layouts[bucket].pack((batch, feed)))
         self.mtp_caches, drafts = self.mtp_steps[bucket](self.params, self.mtp_caches, hidden, buf,
                                                          self.last_tokens)
@@ -567,12 +472,12 @@ class ModelRunner:
         """Run a multi-step decode call and wait: (tokens [b, q], logprobs [b, q]).
 
         Every sequence of `arrays` has multi_q tokens: its last sampled token, then
-        placeholders for the q - 1 tokens the loop samples (see `_multi_fn`).
+        placeholders for the q - 1 tokens the loop samples (see step_fns.py `_multi_fn`).
         `filters`: some row uses top-k / top-p / min-p.
         """
         b = len(arrays.slot_ids)
-        bucket = _q_bucket(self.multi_buckets, self.multi_q, arrays, "multi-step call")
-        samp = SamplingArrays(*(_pad_rows(np.asarray(x), bucket.seqs) for x in sampling))
+        bucket = q_bucket(self.multi_buckets, self.multi_q, arrays, "multi-step call")
+        samp = SamplingArrays(*(pad_rows(np.asarray(x), bucket.seqs) for x in sampling))
         buf = self._host_put(self.multi_layouts[bucket].pack((samp, self._pad(arrays, bucket))))
         exe = self.multisteps[(bucket, filters)]
         outs = self.results.take_sync("multi", bucket)
@@ -609,67 +514,15 @@ class ModelRunner:
         except Exception:  # the device itself is unusable
             return True
 
-    def _check_indices(self, a: StepArrays) -> None:
-        """Every index is checked on the host: on device, JAX clamps out-of-range silently."""
-        _within("token_ids", a.token_ids, self.cfg.vocab_size, lo=PENDING)
-        _within("slot_ids", a.slot_ids, self.num_slots)
-        for g, n in enumerate(self.num_pages):
-            _within(f"page_tables[{g}]", a.page_tables[g], n)
-            _within(f"slot_mappings[{g}]", a.slot_mappings[g], n * self.page_size)
-
     def _ops(self, a: StepArrays | None) -> CkptOps:
         """A step's checkpoint copies padded to `ckpt_ops` rows (dummy slot and checkpoint 0)."""
-        k = self.ckpt_ops
-        if a is None:
-            return CkptOps(*(np.zeros(k, np.int32) for _ in range(4)))
-        rows = (a.restore_ckpt, a.restore_slot, a.save_slot, a.save_ckpt)
-        hi = (max(self.num_checkpoints, 1), self.num_slots, self.num_slots, max(self.num_checkpoints, 1))
-        for name, x, h in zip(CkptOps._fields, rows, hi, strict=True):
-            _within(name, x, h)
-        return CkptOps(*(_pad_rows(x.astype(np.int32), k) for x in rows))
+        return pad_ckpt_ops(a, self.ckpt_ops, num_checkpoints=self.num_checkpoints, num_slots=self.num_slots)
 
     def _pad(self, a: StepArrays, bucket: Bucket) -> RaggedBatch:
-        self._check_indices(a)
-        t, bs = bucket.tokens, bucket.seqs
-        b = len(a.slot_ids)
-        cu = np.concatenate([a.cu_seqlens, np.full(bs - b, a.cu_seqlens[-1], np.int32)])
-        return RaggedBatch(
-            tokens=_pad_rows(np.maximum(a.token_ids, 0), t), positions=_pad_rows(a.positions, t),
-            cu_seqlens=cu, lengths=_pad_rows(a.seq_lens, bs), slot_ids=_pad_rows(a.slot_ids, bs),
-            has_initial=_pad_rows(a.has_initial, bs),
-            page_tables=tuple(_pad_rows(p, bs) for p in a.page_tables),
-            slot_mappings=tuple(_pad_rows(m, t) for m in a.slot_mappings),
-            last_token=_pad_rows(a.logits_indices, bs))
+        check_indices(a, vocab_size=self.cfg.vocab_size, num_slots=self.num_slots,
+                      num_pages=self.num_pages, page_size=self.page_size)
+        return pad_batch(a, bucket)
 
     def _dummy(self, bucket: Bucket) -> tuple[RaggedBatch, SamplingArrays]:
-        t, b = bucket.tokens, bucket.seqs
-        z = lambda n: np.zeros(n, np.int32)
-        batch = RaggedBatch(z(t), z(t), z(b + 1), z(b), z(b), np.zeros(b, bool),
-                            tuple(np.zeros((b, w), np.int32) for w in self.ring_widths),
-                            tuple(z(t) for _ in self.ring_widths), z(b))
-        return batch, SamplingArrays.from_rows([{}] * b)
+        return dummy_batch(bucket, self.ring_widths)
 
-
-def _within(name: str, x: np.ndarray, hi: int, lo: int = 0) -> None:
-    if x.size and not (x.min() >= lo and x.max() < hi):
-        raise AssertionError(f"{name} outside [{lo}, {hi}): {x.min()}..{x.max()}")
-
-
-def _q_bucket(buckets: list[Bucket], q: int, arrays: StepArrays, what: str) -> Bucket:
-    """The smallest bucket of q tokens per sequence that holds the step's sequences."""
-    b = len(arrays.slot_ids)
-    bucket = next((bk for bk in buckets if bk.seqs >= b), None)
-    if bucket is None:
-        raise ValueError(f"no {what} bucket holds {b} sequences")
-    if not np.all(arrays.query_lens == q):
-        raise ValueError(f"a {what} needs {q} tokens per sequence")
-    return bucket
-
-
-def _pad_rows(x: np.ndarray, n: int, fill: int = 0) -> np.ndarray:
-    """Pad the leading axis to n rows (zeros = dummy slot/page 0, greedy, empty)."""
-    if len(x) > n:
-        raise ValueError(f"{len(x)} rows do not fit a bucket of {n}")
-    if len(x) == n:  # a full bucket: nothing to add (the caller packs it, a copy)
-        return x
-    return np.concatenate([x, np.full((n - len(x), *x.shape[1:]), fill, x.dtype)])

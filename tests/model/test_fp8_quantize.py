@@ -15,7 +15,7 @@ from hybrid_jax.layers.fp8 import FP8_MAX
 from hybrid_jax.layers.linear import Linear
 from hybrid_jax.loading import load_model
 from serving.engine.engine_config import EngineConfig
-from serving.engine.llm_engine import _quantized, _tp_aligned
+from serving.engine.startup import _quantized, _tp_aligned
 
 
 def _linears(model) -> dict[str, Linear]:

@@ -67,7 +67,7 @@ def test_rows_equal_the_per_row_build_as_the_batch_changes():
 
 def test_columns_are_kept_while_the_batch_is_unchanged():
     """The same sequences in the same order reuse the columns (the runner's padding
-    copies them: serving/runner/runner.py `_pad_rows`); the per-step fields are new."""
+    copies them: serving/runner/padding.py `pad_rows`); the per-step fields are new."""
     req = _request("a", SamplingParams(temperature=0.7, max_tokens=5), 1, 3)
     rows = SamplingRows()
     first, _ = rows.arrays((req.seq,), {"a": req}, np.zeros(1, np.int32))
