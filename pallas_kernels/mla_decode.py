@@ -66,6 +66,7 @@ from pallas_kernels.paged_tiles import (
     TileConfig,
     finish,
     init_carry,
+    softmax_tile,
     tile_pages,
     tile_span,
     visible,
@@ -156,12 +157,7 @@ def _step(qc, qr, qpos, pages_ref, pt_ref, seq, k_lo, k_hi, cfg: TileConfig, mas
             # Unwritten slots and page 0 hold garbage (NaN in tests): 0 * NaN is NaN.
             in_span = (kpos >= k_lo) & (kpos < k_hi)
             kc = jnp.where(in_span[:, None], kc, jnp.zeros_like(kc))
-        m_new = jnp.maximum(m, jnp.max(s, axis=1))
-        alpha = jnp.exp2(m - m_new)
-        p = jnp.exp2(s - m_new[:, None])
-        l = l * alpha + jnp.sum(p, axis=1)
-        o = o * alpha[:, None] + dot(p.astype(kc.dtype), kc)
-        return o, m_new, l
+        return softmax_tile((o, m, l), s, kc)
 
     return step
 

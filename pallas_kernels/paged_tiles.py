@@ -126,14 +126,21 @@ def _make_step(q, qpos, k_ref, v_ref, pt_ref, seq, k_lo, k_hi, cfg: TileConfig, 
             s = jnp.where(visible(qpos, kpos, cfg), s, -jnp.inf)
             in_span = (kpos >= k_lo) & (kpos < k_hi)
             v = jnp.where(in_span[:, None], v, jnp.zeros_like(v))
-        m_new = jnp.maximum(m, jnp.max(s, axis=1))
-        alpha = jnp.exp2(m - m_new)
-        p = jnp.exp2(s - m_new[:, None])
-        l = l * alpha + jnp.sum(p, axis=1)
-        o = o * alpha[:, None] + _dot_nn(p.astype(v.dtype), v)
-        return o, m_new, l
+        return softmax_tile((o, m, l), s, v)
 
     return step
+
+
+def softmax_tile(carry, s: jax.Array, v: jax.Array):
+    """The online softmax over one more tile: base-2 logits s [r, kb] (masked ones -inf),
+    values v [kb, ev]; p is rounded to v's dtype for the dot (f32 accumulation)."""
+    o, m, l = carry
+    m_new = jnp.maximum(m, jnp.max(s, axis=1))
+    alpha = jnp.exp2(m - m_new)
+    p = jnp.exp2(s - m_new[:, None])
+    l = l * alpha + jnp.sum(p, axis=1)
+    o = o * alpha[:, None] + _dot_nn(p.astype(v.dtype), v)
+    return o, m_new, l
 
 
 def init_carry(rows: int, head_dim: int):
