@@ -106,9 +106,7 @@ def weight_map(cfg: ModelConfig) -> names.WeightMap:
     out = names.trunk("model.embed_tokens.weight", "model.norm.weight", cfg)
     for i, spec in enumerate(cfg.layers):
         p = f"model.layers.{i}"
-        out |= names.vector(f"{p}.input_layernorm.weight", names.layer_path(i, "temporal_norm", "weight"))
-        out |= names.vector(f"{p}.post_attention_layernorm.weight",
-                            names.layer_path(i, "mlp_norm", "weight"))
+        out |= names.pre_norms(p, i)
         if spec.kind.has_attention:
             att = cfg.attention
             out |= names.attention(f"{p}.self_attn", names.layer_path(i, "attention"),

@@ -37,8 +37,7 @@ def weight_map(cfg: ModelConfig) -> names.WeightMap:
     out = names.trunk("model.embed_tokens.weight", "model.norm.weight", cfg)
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}"
-        out |= names.vector(f"{p}.input_layernorm.weight", names.layer_path(i, "temporal_norm", "weight"))
-        out |= names.vector(f"{p}.post_attention_layernorm.weight", names.layer_path(i, "mlp_norm", "weight"))
+        out |= names.pre_norms(p, i)
         out |= names.attention(f"{p}.self_attn", names.layer_path(i, "attention"), qkv_bias=False,
                                o_bias=False)
         out |= names.gated_mlp(f"{p}.mlp", names.layer_path(i, "mlp"), bias=False)

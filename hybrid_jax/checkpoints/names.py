@@ -45,6 +45,13 @@ def vector(hf: str, path: Path) -> WeightMap:
     return {hf: Target(path, "same")}
 
 
+def pre_norms(layer: str, i: int) -> WeightMap:
+    """A pre-norm block's two norms: `{layer}.input_layernorm` (before the mixer) and
+    `{layer}.post_attention_layernorm` (before the MLP) -> layer i's temporal_norm, mlp_norm."""
+    return (vector(f"{layer}.input_layernorm.weight", layer_path(i, "temporal_norm", "weight"))
+            | vector(f"{layer}.post_attention_layernorm.weight", layer_path(i, "mlp_norm", "weight")))
+
+
 def trunk(embed: str, final_norm: str, cfg) -> WeightMap:
     """The embedding, the final norm and (untied) the LM head `lm_head.weight`."""
     out = vector(embed, ("embed", "embedding")) | vector(final_norm, ("final_norm", "weight"))

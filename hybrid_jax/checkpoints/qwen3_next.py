@@ -198,8 +198,7 @@ def weight_map(cfg: ModelConfig, stored: set[str] | None = None) -> names.Weight
     out = names.trunk("model.embed_tokens.weight", "model.norm.weight", cfg)
     for i, spec in enumerate(cfg.layers):
         p = f"model.layers.{i}"
-        out |= names.vector(f"{p}.input_layernorm.weight", names.layer_path(i, "temporal_norm", "weight"))
-        out |= names.vector(f"{p}.post_attention_layernorm.weight", names.layer_path(i, "mlp_norm", "weight"))
+        out |= names.pre_norms(p, i)
         if spec.kind == LayerKind.ATTENTION:
             a, bias = names.layer_path(i, "attention"), cfg.attention.qkv_bias
             out |= names.attention(f"{p}.self_attn", a, qkv_bias=bias, o_bias=bias)
