@@ -10,8 +10,9 @@ routing, each token's experts drawn uniformly without repetition (benchmarks/moe
 `routing`). Tokens: prefill 4096, decode batch 1 / 16 / 64.
 
 Variants: `bf16` and `fp8` run `hybrid_jax.layers.moe.routed_experts` with the Pallas kernel
-at the engine's tiles (`moe_config`); `fp8_scale_weights` the same tiles with each block's
-scale applied to the weight tile, not the partial product (`GroupedConfig.fp8_scale`);
+at the engine's tiles (`moe_config`: decode tiles scale each partial product by its block's
+scale, prefill tiles scale the weight tile); `fp8_scale_other` the same tiles with the
+other choice (`GroupedConfig.fp8_scale`);
 `fp8[bm,bn,bk,warps,stages]` other tiles. Times are
 GPU kernel time per call from a profiler trace (`us`: the whole routed sum; `gemm_us`: the
 two grouped GEMM launches), the floor = bytes of the touched experts' weights (bf16: 2 B per
@@ -87,9 +88,12 @@ def run_case(t: int, s: dict, stacks: dict, bw: float, reps: int, smoke: bool, t
     want_fp8 = jax.jit(lambda x, w, ex, gu, dn, sgu, sdn: routed_reference(
         x, w, ex, gu, dn, activation="silu", gated=True, fp8=(sgu, sdn, BLOCK)))(*args["fp8"])
     variants = {"bf16": (bf16(None), want_bf16, "bf16"), "fp8": (fp8(None), want_fp8, "fp8"),
-                # the engine's tiles, the scale on the weight tile (GroupedConfig.fp8_scale)
-                "fp8_scale_weights": (fp8(dataclasses.replace(moe_config(t * k), fp8_scale="weights")),
-                                      want_fp8, "fp8")}
+                # the engine's tiles, each block's scale applied the other way than the engine's
+                # choice for this row count (GroupedConfig.fp8_scale): on the weight tile or
+                # on each partial product
+                "fp8_scale_other": (fp8(dataclasses.replace(
+                    moe_config(t * k), fp8_scale="output" if moe_config(t * k).fp8_scale == "weights"
+                    else "weights")), want_fp8, "fp8")}
     if not smoke and tries:
         for c in DECODE_TRIES if t <= 64 else PREFILL_TRIES:
             variants[f"fp8{list(c[:5])}".replace(" ", "")] = (fp8(GroupedConfig(*c)), want_fp8, "fp8")

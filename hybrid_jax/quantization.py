@@ -12,6 +12,7 @@ choice of unquantized modules stands. Knows nothing of serving.
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 from flax import nnx
 
 from hybrid_jax.layers.fp8 import quantize, quantize_stack
@@ -54,6 +55,19 @@ def quantize_model(model: nnx.Module, quantization: str | None, block: int = FP8
         elif isinstance(lin, MoE) and path and path[0] == "layers":
             for name in MoE.STACKS:
                 if getattr(lin, name) is not None:
-                    kernel, scale = quantize_stack(getattr(lin, name)[...], block, glu=name == "gate_up")
+                    kernel, scale = _quantize_experts(getattr(lin, name)[...], block, glu=name == "gate_up")
                     lin.set_fp8(name, kernel, scale, block)
     return model
+
+
+def _quantize_experts(w, block: int, glu: bool, chunk_bytes: int = 1 << 28):
+    """`quantize_stack` over slices of at most `chunk_bytes` of experts, concatenated: the
+    same values (each expert is quantized on its own), but the f32 temporaries of a slice
+    instead of the whole stack's (a 35B-A3B layer's gate/up stack is 1 GiB in bf16, its f32
+    temporaries several GiB: next to the rest of the bf16 model they do not fit one 80 GB GPU)."""
+    per_expert = max(1, w[0].size * w.dtype.itemsize)
+    step = max(1, chunk_bytes // per_expert)
+    if step >= w.shape[0]:
+        return quantize_stack(w, block, glu=glu)
+    parts = [quantize_stack(w[i:i + step], block, glu=glu) for i in range(0, w.shape[0], step)]
+    return jnp.concatenate([q for q, _ in parts]), jnp.concatenate([s for _, s in parts])

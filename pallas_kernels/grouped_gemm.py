@@ -89,7 +89,12 @@ class GroupedConfig:
 
 # Measured on an H100 at Granite-4.0-H-Small's expert shapes (docs/benchmarks.md, MoE).
 DECODE = GroupedConfig(bm=16, bn=128, bk=128, num_warps=4, num_stages=3)
-PREFILL = GroupedConfig(bm=128, bn=128, bk=64, num_warps=8, num_stages=4, cols_major=True)
+# FP8 stacks (H100, 2026-12-06, qwen3.5-35b-a3b's expert shapes, benchmarks/moe_fp8.py): at
+# 4096 tokens scaling the weight tile beats scaling each partial product (1183 vs 1558 us),
+# at decode sizes it loses (87 vs 78 us at 1 token, 367 vs 344 us at 64): prefill tiles scale
+# the weights, decode tiles the output.
+PREFILL = GroupedConfig(bm=128, bn=128, bk=64, num_warps=8, num_stages=4, cols_major=True,
+                        fp8_scale="weights")
 # Sorted rows up to which decode tiles win (moe_config). H100, Granite-4.0-H-Small shapes:
 # 1280 rows 0.52 vs 0.55 ms (decode tiles better), 2560 rows 0.61 vs 0.56 ms (prefill's).
 DECODE_ROWS = 2048

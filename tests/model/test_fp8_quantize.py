@@ -89,6 +89,22 @@ def test_cli_subcommands_take_quantization():
         assert _parser().parse_args([command, *rest]).quantization is None
 
 
+def test_expert_stacks_quantize_in_slices_as_a_whole():
+    """quantize_model quantizes an expert stack a few experts at a time (bounded f32
+    temporaries, so a 35B-A3B's bf16 layers fit one GPU while being quantized): the same
+    kernels and scales as the whole stack at once, an uneven last slice included."""
+    from hybrid_jax.layers.fp8 import quantize_stack
+    from hybrid_jax.quantization import _quantize_experts
+
+    w = jnp.asarray(np.random.default_rng(1).normal(size=(7, 64, 96)).astype(np.float32))
+    for glu in (False, True):
+        whole = quantize_stack(w, 32, glu=glu)
+        sliced = _quantize_experts(w, 32, glu=glu, chunk_bytes=3 * 64 * 96 * 4)  # slices of 3, 3, 1
+        for a, b in zip(whole, sliced, strict=True):
+            assert a.shape == b.shape and a.dtype == b.dtype
+            np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
 def test_expert_stacks_quantize_per_expert_and_gated_half():
     """quantize_stack (quantization="fp8" of MoE layers): each expert's gate and up halves
     block-wise on their own grids (40 columns per half, blocks of 32: edge blocks), every

@@ -152,6 +152,26 @@ def test_router_matches_float64_numpy(kw):
         np.testing.assert_allclose([got[k] for k in want], list(want.values()), rtol=1e-5)
 
 
+def test_router_logits_of_bf16_tokens_keep_f32_precision():
+    """router_logits for bf16 tokens (one bf16 GEMM over the f32 router split in three
+    bf16 terms) against float64: errors of f32's size, like the f32 GEMM's, where a router
+    rounded to bf16 would be off by ~2^-9 relative and flip near-ties."""
+    from hybrid_jax.layers.moe import router_logits
+
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.normal(size=(64, 384)), jnp.bfloat16)
+    router = rng.normal(size=(384, 48)) / 20
+    r32 = jnp.asarray(router, jnp.float32)
+    want = np.asarray(x, np.float64) @ np.asarray(r32, np.float64)
+    scale = np.abs(np.asarray(x, np.float64)) @ np.abs(np.asarray(r32, np.float64))
+    got = np.asarray(router_logits(x, r32), np.float64)
+    f32_gemm = np.asarray(router_logits(x.astype(jnp.float32), r32), np.float64)
+    assert np.abs(got - want).max() <= 1e-6 * scale.max()
+    assert np.abs(got - want).max() <= 4 * np.abs(f32_gemm - want).max() + 1e-7
+    rounded = np.asarray(x, np.float64) @ np.asarray(r32.astype(jnp.bfloat16), np.float64)
+    assert np.abs(rounded - want).max() > 100 * np.abs(got - want).max()  # what the split avoids
+
+
 def test_gated_shared_expert_adds_sigmoid_gated_mlp():
     """A Qwen-style shared expert: y = routed(x) + sigmoid(x @ w) * shared(x)."""
     from flax import nnx

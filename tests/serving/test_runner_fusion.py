@@ -65,3 +65,28 @@ def test_runner_gives_kernel_stacks_their_own_buffers(monkeypatch):
     (b,) = [b for b, _, s in runner.layout.leaves if s == shape]
     assert [s for bj, _, s in runner.layout.leaves if bj == b] == [shape]
     assert runner.layout.sizes[b] == int(np.prod(shape)) == runner.params[b].size
+
+
+def test_runner_gives_expert_stacks_their_own_buffers():
+    """The grouped GEMM reads each MoE layer's expert stacks in place: each stack is packed
+    alone in a buffer exactly its size (a slice of a shared buffer would be copied out
+    before the kernel on every step), and the numbers are the model's."""
+    from hybrid_jax.layers.moe import MoE
+    from hybrid_jax.presets import load_preset
+
+    model = CausalLM(load_preset("qwen3.5-moe-tiny"), rngs=nnx.Rngs(0))
+    moes = [m for _, m in nnx.iter_graph(model) if isinstance(m, MoE)]
+    stacks = [getattr(m, n)[...] for m in moes for n in MoE.STACKS if getattr(m, n) is not None]
+    assert len(stacks) >= 4
+    runner = _runner(model)
+    shapes = {tuple(s.shape) for s in stacks}
+    own = [(b, s) for b, _, s in runner.layout.leaves if s in shapes]
+    assert len(own) == len(stacks)
+    for b, s in own:
+        assert [x for bj, _, x in runner.layout.leaves if bj == b] == [s]
+        assert runner.layout.sizes[b] == int(np.prod(s)) == runner.params[b].size
+    served = nnx.merge(runner.graphdef, unpack(runner.layout, runner.params))
+    got = [getattr(m, n)[...] for _, m in nnx.iter_graph(served) if isinstance(m, MoE)
+           for n in MoE.STACKS if getattr(m, n) is not None]
+    for a, b in zip(stacks, got, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
