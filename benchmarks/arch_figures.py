@@ -65,7 +65,10 @@ def measure_prefill(engine: LLMEngine, requests: int, length: int) -> float:
 
 def measure_decode(engine: LLMEngine, batch: int, context: int, steps: int) -> tuple[float, int]:
     """(median step seconds over full-batch decode steps, batch actually run)."""
-    with decoding_batch(engine, batch, context, max_tokens=steps + 64) as full:
+    # Sequences admitted first decode while the last ones prefill (a step takes at most
+    # max_num_batched_tokens): they must still be running when the whole batch decodes.
+    fill = -(-batch * context // engine.scheduler.config.max_num_batched_tokens)
+    with decoding_batch(engine, batch, context, max_tokens=steps + 64 + fill) as full:
         times = []
         for _ in range(steps):
             t = time.perf_counter()
@@ -82,8 +85,10 @@ def run_preset(name: str, a: argparse.Namespace, bw: float, mm: float) -> None:
     lm = load_model(name, dtype=a.dtype)
     big = max(a.batch)
     cfg = EngineConfig(max_num_seqs=big, max_num_batched_tokens=a.chunk, max_prefill_chunk=a.chunk,
-                       max_model_len=max(a.context, a.prompt_len) + a.steps + 128, dtype=a.dtype,
-                       seq_buckets=tuple(sorted(set(a.batch))), token_buckets=(a.chunk,))
+                       max_model_len=max(a.context, a.prompt_len) + a.steps + 128
+                       + -(-big * a.context // a.chunk), dtype=a.dtype,
+                       seq_buckets=tuple(sorted(set(a.batch))), token_buckets=(a.chunk,),
+                       **({"memory_fraction": a.memory_fraction} if a.memory_fraction else {}))
     t0 = time.perf_counter()
     engine = LLMEngine(lm, cfg, show_progress=False)
     startup = time.perf_counter() - t0
@@ -133,6 +138,9 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=8)
     p.add_argument("--prompt-len", type=int, default=2048)
     p.add_argument("--long", default="4096,32768", help="Gemma contexts for batch-1 decode ('' = none)")
+    p.add_argument("--memory-fraction", type=float, default=None,
+                   help="EngineConfig.memory_fraction (default: the engine's): more pages and slots, "
+                        "for batches the default plan cannot hold (granite-4.0-h-tiny at 256)")
     p.add_argument("--out", default=None)
     p.add_argument("--smoke", action="store_true", help="tiny CPU run (native-tiny, small shapes)")
     a = p.parse_args()
