@@ -81,9 +81,11 @@ DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32
 
 @dataclasses.dataclass(frozen=True)
 class MLATuning:
-    """A launch's tuning; 0 fields are chosen by `mla_tuning` from the shapes. Not yet
-    measured on a GPU: the defaults follow the paged decode kernel's (16 KiB tiles, no
-    cp.async stages, splits only while b x row blocks cannot fill the GPU twice)."""
+    """A launch's tuning; 0 fields are chosen by `mla_tuning` from the shapes: ~32 KiB tiles
+    (H100, 2026-12-06, Kimi Linear's 576-wide latent at 32k context: 32-token tiles took 155
+    / 776 us at batch 1 / 16 against 249 / 1,294 us for 16-token ones;
+    docs/bench/h100-2026-12-06/mla_sweep.txt), no cp.async stages (2 stages: 1.5-2.4x
+    slower), splits only while b x row blocks cannot fill the GPU twice."""
 
     rows: int = 0  # query rows per program, a power of two >= 16
     tile_tokens: int = 0  # tokens per tile (whole pages), a power of two
@@ -119,8 +121,8 @@ def mla_tuning(b: int, queries: int, heads: int, rank: int, pages, page_table,
     t = tuning or MLATuning()
     _, _, s, width = pages.shape
     rows = t.rows or min(MAX_ROWS, max(MIN_ROWS, pl.next_power_of_2(queries * heads)))
-    # ~16 KiB of latent rows per tile (16 tokens of Kimi Linear's 576 bf16 values).
-    fit = pl.next_power_of_2(max(1, 16384 // (width * pages.dtype.itemsize)))
+    # ~32 KiB of latent rows per tile (32 tokens of Kimi Linear's 576 bf16 values).
+    fit = pl.next_power_of_2(max(1, 32768 // (width * pages.dtype.itemsize)))
     tile = t.tile_tokens or max(s, MIN_ROWS, min(64, fit))
     blocks = -(-queries * heads // rows)
     splits = t.splits or default_splits(b, blocks, -(-page_table.shape[1] * s // tile))
