@@ -288,16 +288,19 @@ def _stack_linears(linears: list[Linear]) -> None:
 
 def kernel_stacks(model: CausalLM) -> set[tuple[int, ...]]:
     """The shapes of the arrays a Pallas kernel reads whole: the Linears' kernel stacks
-    (`_stack_linears`; the stream GEMM) and the MoE layers' expert stacks (the grouped
-    GEMM reads each touched expert in place). The serving runner gives each its own
-    parameter buffer: a slice of a shared buffer passed to a kernel is copied out first, on
-    every step (granite-4.0-h-tiny on an H100: 80 copies of its expert stacks, ~7.5 ms of a
-    batch-1 step whose kernels took 3.7 ms)."""
+    (`_stack_linears`; the stream GEMM) and the MoE layers' expert stacks and, for FP8
+    stacks, their block scales (the grouped GEMM reads each touched expert in place). The
+    serving runner gives each its own parameter buffer: a slice of a shared buffer passed
+    to a kernel is copied out first, on every step (granite-4.0-h-tiny on an H100: its
+    batch-1 step went from 11.1 to 3.2 ms when its 80 expert stacks got buffers of their
+    own; docs/benchmarks.md)."""
     shapes = {tuple(lin.kernel[...].shape) for _, lin in nnx.iter_graph(model)
               if isinstance(lin, Linear) and lin.stack_row is not None}
     for _, m in nnx.iter_graph(model):
-        if isinstance(m, MoE):
-            shapes |= {tuple(getattr(m, n)[...].shape) for n in MoE.STACKS if getattr(m, n) is not None}
+        if isinstance(m, MoE):  # the stacks, and an FP8 layer's block scales beside them
+            names = [n for n in MoE.STACKS if getattr(m, n) is not None]
+            names += [f"{n}_scale" for n in names if getattr(m, f"{n}_scale") is not None]
+            shapes |= {tuple(getattr(m, n)[...].shape) for n in names}
     return shapes
 
 

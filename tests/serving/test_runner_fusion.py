@@ -67,17 +67,25 @@ def test_runner_gives_kernel_stacks_their_own_buffers(monkeypatch):
     assert runner.layout.sizes[b] == int(np.prod(shape)) == runner.params[b].size
 
 
-def test_runner_gives_expert_stacks_their_own_buffers():
-    """The grouped GEMM reads each MoE layer's expert stacks in place: each stack is packed
-    alone in a buffer exactly its size (a slice of a shared buffer would be copied out
-    before the kernel on every step), and the numbers are the model's."""
+@pytest.mark.parametrize("fp8", [False, True])
+def test_runner_gives_expert_stacks_their_own_buffers(fp8):
+    """The grouped GEMM reads each MoE layer's expert stacks (and FP8 stacks' block scales)
+    in place: each is packed alone in a buffer exactly its size (a slice of a shared buffer
+    would be copied out before the kernel on every step), and the numbers are the model's."""
     from hybrid_jax.layers.moe import MoE
     from hybrid_jax.presets import load_preset
+    from hybrid_jax.quantization import quantize_model
 
-    model = CausalLM(load_preset("qwen3.5-moe-tiny"), rngs=nnx.Rngs(0))
+    model = CausalLM(load_preset("qwen3.5-moe-tiny"), dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    if fp8:
+        quantize_model(model, "fp8")
+    def held(moe):  # its stacks, and their scales where FP8 (the MTP head's MoE stays bf16)
+        names = [n for n in MoE.STACKS if getattr(moe, n) is not None]
+        return names + [f"{n}_scale" for n in names if getattr(moe, f"{n}_scale") is not None]
+
     moes = [m for _, m in nnx.iter_graph(model) if isinstance(m, MoE)]
-    stacks = [getattr(m, n)[...] for m in moes for n in MoE.STACKS if getattr(m, n) is not None]
-    assert len(stacks) >= 4
+    stacks = [getattr(m, n)[...] for m in moes for n in held(m)]
+    assert sum(len(held(m)) == 4 for m in moes) == (len(moes) - 1 if fp8 else 0)
     runner = _runner(model)
     shapes = {tuple(s.shape) for s in stacks}
     own = [(b, s) for b, _, s in runner.layout.leaves if s in shapes]
@@ -86,7 +94,6 @@ def test_runner_gives_expert_stacks_their_own_buffers():
         assert [x for bj, _, x in runner.layout.leaves if bj == b] == [s]
         assert runner.layout.sizes[b] == int(np.prod(s)) == runner.params[b].size
     served = nnx.merge(runner.graphdef, unpack(runner.layout, runner.params))
-    got = [getattr(m, n)[...] for _, m in nnx.iter_graph(served) if isinstance(m, MoE)
-           for n in MoE.STACKS if getattr(m, n) is not None]
+    got = [getattr(m, n)[...] for _, m in nnx.iter_graph(served) if isinstance(m, MoE) for n in held(m)]
     for a, b in zip(stacks, got, strict=True):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
