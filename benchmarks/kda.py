@@ -2,9 +2,10 @@
 
 Rows (Kimi-Linear-48B-A3B's heads: 32 heads, dk = dv = 128; bf16 q, k, v; g float32 per
 channel; beta the float32 value of a bf16 sigmoid):
-- prefill `gated_delta_ragged` with g [t, h, dk] (the pure-JAX chunk form of
-  pallas_kernels/kda_chunked.py: what the engine runs today on every backend) at 4 x 4096
-  and 1 x 16384 tokens from f32 slot states; tok/s;
+- prefill `gated_delta_ragged` with g [t, h, dk]: the pure-JAX chunk form of
+  pallas_kernels/kda_chunked.py (impl="reference": what the engine runs by default) and the
+  Pallas pipeline of pallas_kernels/kda_prefill.py (what HYBRID_JAX_KDA_KERNEL=1 runs; its
+  error against the chunked form) at 4 x 4096 and 1 x 16384 tokens from f32 slot states; tok/s;
 - decode `gated_delta_step` with g [b, 1, h, dk] (the Pallas step kernel), f32 state pool,
   batch 64 and 256, and the 3-token candidates form; bytes = states read + written, against
   the device copy bandwidth measured at start;
@@ -83,15 +84,23 @@ def _prefill_one(rows, cfg, anchor, ops, args, lens):
     init = jnp.ones((b,), bool)
     pool = jax.random.normal(jax.random.PRNGKey(2), (b + 1, h, d, d), F32) * 0.1
     common = (q, k, v, g, beta, cu, slots, init)
-    fn = jax.jit(lambda st, *a: gated_delta_ragged(*a[:6], st, *a[6:], scale=scale,
-                                                    chunk_size=l), donate_argnums=0)
-    sec, _, _ = timeit(lambda st, *a: (lambda r: (r, r[1]))(fn(st, *a)), pool.copy(), common,
-                       args.reps, args.inner)
-    o, s = fn(pool.copy(), *common)
     shape = f"{b}x{lens[0]} h{h} d{d} l{l}"
-    rows.append(dict(kernel="kda_prefill", shape=shape, impl="pure-JAX chunked", us=sec * 1e6,
-                     Mtok_s=t / sec / 1e6))
-    print(rows[-1], flush=True)
+    for impl, name in (("reference", "pure-JAX chunked"), (cfg["impl"], "Pallas kda_prefill")):
+        fn = jax.jit(lambda st, *a, impl=impl: gated_delta_ragged(*a[:6], st, *a[6:], scale=scale,
+                                                                  chunk_size=l, impl=impl),
+                     donate_argnums=0)
+        sec, _, _ = timeit(lambda st, *a, fn=fn: (lambda r: (r, r[1]))(fn(st, *a)), pool.copy(),
+                           common, args.reps, args.inner)
+        got_o, got_s = fn(pool.copy(), *common)
+        if impl == "reference":
+            o, s = got_o, got_s
+            rows.append(dict(kernel="kda_prefill", shape=shape, impl=name, us=sec * 1e6,
+                             Mtok_s=t / sec / 1e6))
+        else:  # the kernel against the chunked form
+            rows.append(dict(kernel="kda_prefill", shape=shape, impl=name, us=sec * 1e6,
+                             Mtok_s=t / sec / 1e6, err_o=err(np.asarray(got_o), o),
+                             err_state=err(np.asarray(got_s[slots]), s[slots])))
+        print(rows[-1], flush=True)
     if ops is not None:
         torch = anchor.torch
         tq = lambda x, dt=torch.bfloat16: anchor.tensor(x, dt)[None]  # noqa: E731

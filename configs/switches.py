@@ -65,7 +65,12 @@ SWITCHES: tuple[Switch, ...] = (
     Switch("HYBRID_JAX_MLA_KERNEL", "0",
            "1 runs MLA's latent decode (and verification) attention through the Pallas "
            "`mla_decode` kernel where the Pallas backend is used, instead of the XLA paged "
-           "reference (off until the kernel is compiled and timed on a GPU)"),
+           "reference (off until the kernel beats the reference at every batch: on an H100 it wins at "
+           "batch 16, loses at batch 1; docs/benchmarks.md)"),
+    Switch("HYBRID_JAX_KDA_KERNEL", "0",
+           "1 runs KDA's prefill (the gated delta rule with a per-channel decay) through the "
+           "Pallas `kda_prefill` pipeline where the Pallas backend is used, instead of the "
+           "pure-JAX chunked form (off until the kernel is compiled and timed on a GPU)"),
     Switch("HYBRID_JAX_XLA_OPTIONS", "unset",
            "JSON object of XLA compile options added to, or overriding, the step executables' own"),
     Switch("HYBRID_JAX_SHARDED_RUNNER", "0",
@@ -153,8 +158,13 @@ def fp8_gemv() -> bool:
 
 
 def mla_kernel() -> bool:
-    """Default off: the kernel is checked in interpret mode only (docs/kernels.md)."""
+    """Default off: on an H100 the kernel loses to the reference at batch 1 (docs/benchmarks.md)."""
     return (_get("HYBRID_JAX_MLA_KERNEL") or "0") == "1"
+
+
+def kda_kernel() -> bool:
+    """Default off: the kernel is checked in interpret mode only (docs/kernels.md)."""
+    return (_get("HYBRID_JAX_KDA_KERNEL") or "0") == "1"
 
 
 def stream_gemm_config() -> tuple[int, int, int, int] | None:

@@ -37,7 +37,7 @@ from hybrid_jax.cache import (
     RGLRUState,
     ShortConvState,
 )
-from hybrid_jax.layers.gated_deltanet import GatedDeltaNet
+from hybrid_jax.layers.gated_deltanet import GatedDeltaNet, prefill_impl
 from hybrid_jax.layers.mamba1 import Mamba1Mixer
 from hybrid_jax.layers.mamba2 import Mamba2Mixer
 from hybrid_jax.layers.rglru import RecurrentBlock
@@ -336,7 +336,8 @@ def gated_deltanet(layer: GatedDeltaNet, x: jax.Array, batch: RaggedBatch, st: G
     qh, kh, vh = layer.split_qkv(qkv)
     if not (q or decode):
         o, ssm = gated_delta_ragged(qh, kh, vh, g, beta, batch.cu_seqlens, st.ssm, batch.slot_ids,
-                                    batch.has_initial, scale=layer.scale, chunk_size=cfg.chunk_size)
+                                    batch.has_initial, scale=layer.scale, chunk_size=cfg.chunk_size,
+                                    impl=prefill_impl(g, cfg.head_k_dim, cfg.head_v_dim))
         return layer.output(o, z), GDNState(conv, ssm)
     n, nb = max(q, 1), batch.slot_ids.shape[0]  # tokens are sequence-major: t = b * n
     seq = lambda y: y.reshape(nb, n, *y.shape[1:])  # noqa: E731

@@ -22,16 +22,17 @@ where a token-by-token decode stores it, so a verified candidate equals a plain 
 Kimi Delta Attention (KDA) is the same rule with a per-channel decay: g [..., hv, dk]
 instead of [..., hv], S_t = diag(exp(g_t)) S_{t-1} then the same write. Both entry
 points take either form (the sequential references broadcast a scalar decay over dk);
-a per-channel decay runs prefill through the pure-JAX chunked form of `kda_chunked.py`
-whatever the switch says (no Pallas prefill kernel for it yet: docs/kernels.md); its
-decode / verification step takes the switch like the per-head one (the step kernel
+with a per-channel decay, prefill runs the pure-JAX chunked form of `kda_chunked.py` for
+`impl="reference"` and the Pallas pipeline of `kda_prefill.py` for "pallas" / "interpret"
+(the model asks for it on a GPU only with HYBRID_JAX_KDA_KERNEL=1: layers/gated_deltanet.py);
+the decode / verification step takes the switch like the per-head one (the step kernel
 takes either decay).
 
 Both dispatch on the kernel switch. The references here are sequential scans (the
 contract and the tests' oracle). `impl="reference"` runs the pure-JAX chunk (WY) form
-for prefill (`gated_delta_chunked.py`: t / 64 sequential steps instead of t) and the
-sequential step; "pallas" / "interpret" run the Pallas kernels
-(`gated_delta_prefill.py`, `gated_delta_decode.py`).
+for prefill (`gated_delta_chunked.py`, `kda_chunked.py`: t / 64 sequential steps instead
+of t) and the sequential step; "pallas" / "interpret" run the Pallas kernels
+(`gated_delta_prefill.py`, `kda_prefill.py`, `gated_delta_decode.py`).
 This module knows nothing of models or of how slots are allocated (slot 0 is the dummy).
 """
 
@@ -47,6 +48,7 @@ from pallas_kernels.gated_delta_chunked import gated_delta_ragged_chunked
 from pallas_kernels.gated_delta_decode import gated_delta_step_pallas
 from pallas_kernels.gated_delta_prefill import gated_delta_prefill_pallas
 from pallas_kernels.kda_chunked import kda_ragged_chunked
+from pallas_kernels.kda_prefill import kda_prefill_pallas
 from pallas_kernels.launch import is_pow2
 from pallas_kernels.ragged import segments
 from pallas_kernels.ssm_common import check_ragged
@@ -111,13 +113,15 @@ def gated_delta_ragged(q, k, v, g, beta, cu_seqlens, states, slot_ids, has_initi
         raise ValueError(f"q {q.shape} must be [t, hk, dk]")
     if not (is_pow2(chunk_size) and chunk_size >= 16):
         raise ValueError(f"{chunk_size=} must be a power of 2 >= 16")
-    if g.ndim == 3:  # per-channel decay (KDA): the pure-JAX chunk form on every backend
-        return kda_ragged_chunked(q, k, v, g, beta, cu_seqlens, states, slot_ids, has_initial,
-                                  scale=float(scale), chunk_size=chunk_size)
+    per_channel = g.ndim == 3  # KDA
     if impl == "reference":
-        return gated_delta_ragged_chunked(q, k, v, g, beta, cu_seqlens, states, slot_ids,
-                                          has_initial, scale=float(scale), chunk_size=chunk_size)
+        chunked = kda_ragged_chunked if per_channel else gated_delta_ragged_chunked
+        return chunked(q, k, v, g, beta, cu_seqlens, states, slot_ids, has_initial,
+                       scale=float(scale), chunk_size=chunk_size)
     _check_kernel_dims(q, v)
+    if per_channel:
+        return kda_prefill_pallas(q, k, v, g, beta, cu_seqlens, states, slot_ids, has_initial,
+                                  scale=float(scale), chunk_size=chunk_size, impl=impl)
     return gated_delta_prefill_pallas(q, k, v, g, beta, cu_seqlens, states, slot_ids,
                                       has_initial, scale=float(scale), chunk_size=chunk_size,
                                       impl=impl)

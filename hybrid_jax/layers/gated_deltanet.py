@@ -24,13 +24,33 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from configs import switches
 from hybrid_jax.config import GatedDeltaNetConfig
 from hybrid_jax.layers.linear import Linear
 from hybrid_jax.recurrence import causal_conv1d
+from pallas_kernels.backend import Impl
 from pallas_kernels.gated_delta import gated_delta_ragged
+from pallas_kernels.launch import is_pow2
 
 F32 = jnp.float32
 L2_EPS = 1e-6  # transformers' / FLA's l2norm: x * rsqrt(sum x^2 + eps)
+
+
+# KDA's prefill (a per-channel g) runs the Pallas `kda_prefill` pipeline where the process
+# runs kernels (a GPU, or HYBRID_JAX_KERNELS=interpret) only with HYBRID_JAX_KDA_KERNEL=1
+# (default: the pure-JAX `kda_chunked`, until the kernel is compiled and timed on a GPU;
+# it is checked in interpret mode only). Gated DeltaNet's per-head prefill is not affected.
+KDA_KERNEL = switches.kda_kernel()
+
+
+def prefill_impl(g: jax.Array, dk: int, dv: int) -> Impl | None:
+    """The `impl` of the rule's ragged prefill for a decay g [t, h] or [t, h, dk]: None (the
+    process default) per head, and per channel with KDA_KERNEL and head dims the kernel
+    tiles (powers of 2 >= 16); else "reference" (kda_chunked)."""
+    if g.ndim == 2:
+        return None
+    fits = all(is_pow2(d) and d >= 16 for d in (dk, dv))
+    return None if KDA_KERNEL and fits else "reference"
 
 
 def l2_normalize(x: jax.Array) -> jax.Array:
@@ -124,5 +144,6 @@ class GatedDeltaNet(nnx.Module):
         cu = jnp.arange(bsz + 1, dtype=jnp.int32) * t
         slots = jnp.arange(1, bsz + 1, dtype=jnp.int32)
         o, _ = gated_delta_ragged(flat(q), flat(k), flat(v), flat(g), flat(beta), cu, states, slots,
-                                  jnp.zeros((bsz,), bool), scale=self.scale, chunk_size=cfg.chunk_size)
+                                  jnp.zeros((bsz,), bool), scale=self.scale, chunk_size=cfg.chunk_size,
+                                  impl=prefill_impl(flat(g), cfg.head_k_dim, cfg.head_v_dim))
         return self.output(o.reshape(bsz, t, *o.shape[1:]), z)

@@ -1,7 +1,8 @@
 """Kimi Delta Attention (the gated delta rule with a per-channel decay) against float64 numpy.
 
 The oracle is a token-sequential float64 numpy scan written here from the rule, not from
-the module. Checked: the chunked prefill (`kda_chunked.py` through `gated_delta_ragged`)
+the module. Checked: the chunked prefill (`kda_chunked.py` through `gated_delta_ragged`,
+impl="reference"; the Pallas pipeline is tests/kernels/test_kda_prefill.py)
 over a ragged batch with initial states, empty and one-token sequences, chunk-straddling
 lengths and strong decays (per-token log decays down to -30 on some channels, so
 e^{G} of a 64-token chunk is far below f32's range while the pairwise decays stay
@@ -76,7 +77,7 @@ def batch():
 def test_chunked_prefill_matches_float64(batch, chunk):
     x, cu, states, slots, has, want_o, want_s = batch
     args = [jnp.asarray(a) for a in (*x, cu, states, slots, has)]
-    o, s = gated_delta_ragged(*args, scale=SCALE, chunk_size=chunk)
+    o, s = gated_delta_ragged(*args, scale=SCALE, chunk_size=chunk, impl="reference")
     np.testing.assert_allclose(np.asarray(o), want_o, atol=2e-4, rtol=1e-4)
     np.testing.assert_allclose(np.asarray(s), want_s, atol=2e-4, rtol=1e-4)
     assert np.isfinite(np.asarray(o)).all()
@@ -112,6 +113,6 @@ def test_per_head_decay_is_the_broadcast_case(batch):
     per_head = gated_delta_ragged(*map(jnp.asarray, (q, k, v, g_head, beta)), *common,
                                   scale=SCALE, impl="reference")
     per_chan = gated_delta_ragged(*map(jnp.asarray, (q, k, v, np.repeat(g_head[..., None], DK, -1),
-                                                     beta)), *common, scale=SCALE)
+                                                     beta)), *common, scale=SCALE, impl="reference")
     for a, b in zip(per_head, per_chan, strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5, rtol=1e-5)
