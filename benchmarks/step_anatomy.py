@@ -15,7 +15,10 @@ every sequence decodes, then measures on steps where the WHOLE batch decodes:
                read and written) over the device-to-device copy bandwidth measured here;
                K/V at each sequence's real context in the measured steps (`context` is
                their mean, with context_min / context_max: sequences admitted early have
-               decoded while later ones prefilled, so contexts exceed the prompt length)
+               decoded while later ones prefilled, so contexts exceed the prompt length);
+               of a mixture of experts, the experts its steps touched, counted from the
+               model's own routing over these sequences (`touched_experts`;
+               floor_uniform_routing_ms: the floor if routing were uniform)
 
 Prints one table row per configuration; `--out FILE` writes JSON with the top kernels.
 
@@ -38,7 +41,7 @@ from configs import switches
 from hybrid_jax.loading import load_model
 from serving.engine.engine_config import EngineConfig
 from serving.engine.llm_engine import LLMEngine, freeze_heap
-from serving.entrypoints.bench.floor import copy_bandwidth, engine_floor_bytes
+from serving.entrypoints.bench.floor import copy_bandwidth, engine_floor_bytes, measured_touched_experts
 from serving.entrypoints.bench.probe import step_until_whole_batch, whole_batch_steps
 from serving.entrypoints.bench.trace_report import (
     gpu_kernel_events,
@@ -288,8 +291,16 @@ def run(a: argparse.Namespace) -> dict:
     bw = copy_bandwidth()
     # The measured steps' real contexts (the floor of their mean step), not the prompt length.
     ctx = np.stack(measured_lengths)  # [steps, b]
-    per_step = [engine_floor_bytes(engine, x) for x in ctx]
+    # A mixture of experts: the experts its steps touched, from the model's own routing
+    # over these sequences (a random-weight router can be far from uniform: floor.py).
+    touched = None
+    if lm.config.moe is not None and any(s.moe for s in lm.config.layers):
+        seqs = [seq.token_ids for seq in engine.scheduler.running]
+        touched = measured_touched_experts(lm.model, seqs, a.steps)
+    uniform = [engine_floor_bytes(engine, x) for x in ctx]
+    per_step = [engine_floor_bytes(engine, x, touched) for x in ctx]
     fb = {k: sum(f[k] for f in per_step) // len(per_step) for k in per_step[0]}
+    fb_uniform = sum(f["total"] for f in uniform) // len(uniform)
     context = round(float(ctx.mean()), 1)
     res = {
         "model": a.model, "dtype": a.dtype, "state_dtype": a.state_dtype or "float32",
@@ -303,6 +314,7 @@ def run(a: argparse.Namespace) -> dict:
         "compiled_ms": 1e3 * statistics.median(per), "enqueue_ms": 1e3 * statistics.median(enq),
         "kernel_ms": kernel_ms, "kernels_per_step": kernels, "copy_TBps": bw / 1e12,
         "floor_bytes": fb, "floor_ms": 1e3 * fb["total"] / bw, "top_kernels": top,
+        "touched_experts": touched, "floor_uniform_routing_ms": 1e3 * fb_uniform / bw,
         "gemm_kernel_details": dict(KERNEL_DETAILS),
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "xla_options": switches.xla_options(), "hlo": hlo,

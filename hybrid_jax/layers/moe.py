@@ -32,8 +32,12 @@ partial sum, added over the mesh axis `reduce_axis`.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from hybrid_jax.config import MoEConfig
@@ -50,6 +54,29 @@ from pallas_kernels.grouped_gemm import (
 )
 
 F32 = jnp.float32
+
+
+_ROUTING_TAPS: list[list[np.ndarray]] = []  # `record_routing`'s open records
+
+
+@contextlib.contextmanager
+def record_routing() -> Iterator[list[np.ndarray]]:
+    """Record the experts every `route` call chooses while this block is open: one [t, k]
+    int array per call, appended in call order (a model's MoE layers in depth order), from
+    functions traced inside such a block (a compiled function traced outside one, such as
+    the engine's executables, carries no callback). For benchmarks that count the experts
+    a batch really touches (the decode floor)."""
+    rec: list[np.ndarray] = []
+    _ROUTING_TAPS.append(rec)
+    try:
+        yield rec
+    finally:
+        _ROUTING_TAPS.remove(rec)
+
+
+def _tap(experts) -> None:
+    if _ROUTING_TAPS:
+        _ROUTING_TAPS[-1].append(np.asarray(experts))
 
 
 def router_logits(x: jax.Array, router: jax.Array) -> jax.Array:
@@ -92,6 +119,8 @@ def route(x: jax.Array, router: jax.Array, bias: jax.Array | None,
             weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + cfg.norm_eps)
     if cfg.routed_scaling != 1.0:
         weights = weights * cfg.routed_scaling
+    if _ROUTING_TAPS:  # traced inside record_routing: report to the record open at run time
+        jax.debug.callback(_tap, experts, ordered=True)
     return weights, experts.astype(jnp.int32)
 
 

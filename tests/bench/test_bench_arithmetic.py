@@ -149,3 +149,53 @@ def test_mla_kv_bytes_are_the_latent_rows():
     assert got["kv"] == 7 * b * (ctx + 1) * 576 * 2
     assert page_bytes(cfg, 16, "bfloat16") == (7 * 16 * 576 * 2,)
     assert cache_bytes(cfg, page_size=16, dtype=jnp.bfloat16)[0] == (7 * 16 * 576 * 2,)
+
+
+def test_measured_touched_experts_counts_the_models_own_routing():
+    """The decode floor's experts from the model's routing (record_routing over a forward):
+    a router that sends every token to the same experts touches top_k of them at any batch,
+    a random one touches what a direct count of its `route` choices on the same hidden
+    states gives, and the count is the same whatever the grouping of sequences."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from hybrid_jax.layers.moe import MoE
+    from hybrid_jax.model import CausalLM
+    from serving.entrypoints.bench.floor import measured_touched_experts
+
+    cfg = load_preset("qwen3.5-moe-tiny")
+    rng = np.random.default_rng(0)
+    seqs = [rng.integers(3, cfg.vocab_size, n).tolist() for n in (9, 14, 6, 11, 12)]
+    model = CausalLM(cfg, rngs=nnx.Rngs(0))
+    moes = [m for _, m in nnx.iter_graph(model) if isinstance(m, MoE)]
+    k, e = cfg.moe.top_k, cfg.moe.num_experts
+    got = measured_touched_experts(model, seqs, steps=3, group=2)
+    assert got == measured_touched_experts(model, seqs, steps=3, group=8)
+    # Direct count: hidden states before each trunk MoE layer's call, routed by hand.
+    seen: list[np.ndarray] = []
+
+    def recording(route):
+        def wrapped(x):
+            weights, experts = route(x)
+            seen.append(np.asarray(experts))
+            return weights, experts
+        return wrapped
+
+    trunk = [m for p, m in nnx.iter_graph(model) if isinstance(m, MoE) and p[0] == "layers"]
+    for m in trunk:
+        m.route = recording(m.route)
+    lens = np.array([len(s) for s in seqs])
+    tokens = np.zeros((len(seqs), lens.max()), np.int32)
+    for i, s in enumerate(seqs):
+        tokens[i, :len(s)] = s
+    model.hidden(jnp.asarray(tokens))
+    for m in trunk:
+        del m.route
+    rows = np.arange(len(seqs))
+    counts = [len(np.unique(x.reshape(len(seqs), lens.max(), k)[rows, lens - j]))
+              for x in seen for j in (1, 2, 3)]
+    assert got == pytest.approx(np.mean(counts))
+    assert k <= got <= min(e, k * len(seqs))
+    for m in moes:  # every token to experts 0..k-1 (equal logits: top_k takes the lowest)
+        m.router[...] = jnp.zeros_like(m.router[...])
+    assert measured_touched_experts(model, seqs, steps=3) == k

@@ -121,13 +121,47 @@ def floor_report(cfg: ModelConfig, *, batch: int, context: int, weight_bytes: in
             "floor_state_bytes": b["state"], "floor_ms": 1e3 * floor_s, "gap_x": step_s / floor_s}
 
 
-def engine_floor_bytes(engine, lengths: np.ndarray) -> dict[str, int]:
+def measured_touched_experts(model, token_ids: list[list[int]], steps: int, group: int = 16) -> float:
+    """Experts per MoE layer that a decode step of these sequences touches, counted from
+    the model's own routing (`moe.record_routing` over full-sequence forwards of `group`
+    sequences at a time, right-padded): for each of the last `steps` positions of every
+    sequence (a decode step reads one position of each), the distinct experts the batch's
+    tokens at that step chose, per layer; the mean over steps and layers. The floor of a
+    random-weight MoE preset needs it: its router can be far from uniform (`touched_experts`)."""
+    from flax import nnx
+
+    from hybrid_jax.layers.moe import record_routing
+
+    graphdef, state = nnx.split(model)
+    hidden = jax.jit(lambda st, x: nnx.merge(graphdef, st).hidden(x))
+    chosen: dict[tuple[int, int], set[int]] = {}  # (layer, step) -> experts
+    for g in range(0, len(token_ids), group):
+        part = token_ids[g:g + group]
+        lens = np.array([len(t) for t in part])
+        tokens = np.zeros((group, int(max(len(t) for t in token_ids))), np.int32)  # one shape
+        for i, t in enumerate(part):
+            tokens[i, :len(t)] = t
+        with record_routing() as rec:
+            jax.block_until_ready(hidden(state, jnp.asarray(tokens)))
+            jax.effects_barrier()
+        if not rec:
+            raise ValueError("measured_touched_experts: the model has no MoE layer")
+        for layer, experts in enumerate(rec):  # one MoE layer: [group * t, k]
+            experts = experts.reshape(group, tokens.shape[1], -1)[:len(part)]
+            for j in range(1, steps + 1):  # the step that read position len - j of each
+                at = experts[np.arange(len(part)), np.maximum(lens - j, 0)]
+                chosen.setdefault((layer, j), set()).update(at.ravel().tolist())
+    return float(np.mean([len(v) for v in chosen.values()]))
+
+
+def engine_floor_bytes(engine, lengths: np.ndarray, touched: float | None = None) -> dict[str, int]:
     """Weights once (of a mixture of experts, the share its touched experts hold), each
     sequence's in-window K/V once, recurrent state read + written, from the engine's own
     parameters and caches.
 
     lengths [b]: each sequence's keys in cache in the step (its context). They differ:
-    sequences admitted early have decoded while later ones still prefilled.
+    sequences admitted early have decoded while later ones still prefilled. `touched`:
+    experts touched per MoE layer (`measured_touched_experts`); default: uniform routing's.
     """
     cfg, runner = engine.model_config, engine.runner
     weights = sum(x.nbytes for x in jax.tree.leaves(runner.params))
@@ -137,7 +171,8 @@ def engine_floor_bytes(engine, lengths: np.ndarray) -> dict[str, int]:
         e, lay = cfg.moe.num_experts, runner.layout  # params are packed: the layout's leaves
         expert = sum(int(np.prod(shape)) * jnp.dtype(lay.dtypes[buf]).itemsize
                      for buf, _, shape in lay.leaves if len(shape) >= 3 and shape[0] == e)
-        weights -= int(expert * (1.0 - touched_experts(cfg, batch) / e))
+        touched = touched_experts(cfg, batch) if touched is None else touched
+        weights -= int(expert * (1.0 - touched / e))
     kv = state = 0
     for window, cache in zip(cfg.windows, runner.caches.kv, strict=True):
         # K and V [k, layers, pages, s, e]; an MLA model's V is empty (its latent cache)
