@@ -20,7 +20,7 @@ from hybrid_jax.checkpoints.native import is_native_dir, load_native
 from hybrid_jax.config import ModelConfig
 from hybrid_jax.model import CausalLM
 from hybrid_jax.presets import load_preset, preset_names
-from hybrid_jax.quantization import check_quantization, quantize_model
+from hybrid_jax.quantization import FP8_BLOCK, check_quantization, quantize_model
 from hybrid_jax.tokenizer import Tokenizer
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -63,23 +63,26 @@ def load_model(model: str = DEFAULT_MODEL, *, dtype: str = "float32", seed: int 
 
     `device`: where the parameters are created (default: JAX's default device). Tensor
     parallelism loads on the host CPU, then puts each device's shard on that device only.
-    `quantization`: "fp8" quantizes the decoder Linears block-wise as they load
-    (hybrid_jax/quantization.py); an FP8 checkpoint loads FP8 either way.
+    `quantization`: "fp8" quantizes the decoder Linears and MoE expert stacks block-wise as
+    they load (hybrid_jax/quantization.py): a preset's expert stacks as they are drawn, an
+    HF checkpoint's tensors as they are read, so the whole model is never held in `dtype`;
+    an FP8 checkpoint loads FP8 either way.
     """
     check_quantization(quantization)
     if device is not None:
-        maker = _preset_maker(model, dtype, device)
+        maker = _preset_maker(model, dtype, device, quantization)
         if maker is not None:  # a preset for the host: drawn on an accelerator, then moved
             return _moved(load_model(model, dtype=dtype, seed=seed, device=maker,
                                      quantization=quantization), device)
         with jax.default_device(device):
             return load_model(model, dtype=dtype, seed=seed, quantization=quantization)
-    lm = _load(model, dtype, seed)
-    quantize_model(lm.model, quantization)
+    lm = _load(model, dtype, seed, quantization)
+    quantize_model(lm.model, quantization)  # what is left: a preset's Linears (or nothing)
     return lm
 
 
-def _preset_maker(model: str, dtype: str, device: jax.Device) -> jax.Device | None:
+def _preset_maker(model: str, dtype: str, device: jax.Device,
+                  quantization: str | None = None) -> jax.Device | None:
     """The accelerator that draws a preset's random weights asked for on the host (tensor
     parallelism loads there): drawing 35B values on a host CPU takes minutes, on a GPU
     seconds, and the values are the ones a single-device engine draws on that GPU (the
@@ -93,7 +96,8 @@ def _preset_maker(model: str, dtype: str, device: jax.Device) -> jax.Device | No
     stats = accel[0].memory_stats() or {}
     free = stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)
     cfg = load_preset(resolve_model_name(model))
-    shapes = nnx.eval_shape(lambda: CausalLM(cfg, dtype=_dtype(dtype), rngs=nnx.Rngs(0)))
+    shapes = nnx.eval_shape(lambda: CausalLM(cfg, dtype=_dtype(dtype), rngs=nnx.Rngs(0),
+                                             fp8_experts=_fp8_experts(quantization)))
     need = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(shapes)))
     return accel[0] if need * 1.25 < free else None
 
@@ -111,7 +115,12 @@ def _moved(lm: LoadedModel, device: jax.Device) -> LoadedModel:
     return lm
 
 
-def _load(model: str, dtype: str, seed: int) -> LoadedModel:
+def _fp8_experts(quantization: str | None) -> int | None:
+    """The block a preset's expert stacks are quantized with as they are drawn."""
+    return FP8_BLOCK if quantization == "fp8" else None
+
+
+def _load(model: str, dtype: str, seed: int, quantization: str | None = None) -> LoadedModel:
     dt = _dtype(dtype)
     model = resolve_model_name(model)
     path = Path(model)
@@ -119,11 +128,13 @@ def _load(model: str, dtype: str, seed: int) -> LoadedModel:
         m, cfg = load_native(path, dtype=dt)
         return LoadedModel(m, cfg, _tokenizer_in(path, cfg) or _maybe_bytes(cfg), "native")
     if path.is_dir() and (path / "config.json").is_file():
-        m, cfg = load_hf(path, dtype=dt)
+        m, cfg = load_hf(path, dtype=dt, quantization=quantization)
         return LoadedModel(m, cfg, _tokenizer_in(path, cfg), "hf")
     if model in preset_names():
         cfg = load_preset(model)
-        m = CausalLM(cfg, dtype=dt, rngs=nnx.Rngs(seed))
+        # quantization="fp8": the expert stacks (most of a MoE's bytes) quantized as drawn,
+        # one stack at a time in `dt`; the same draws and values as quantizing afterwards.
+        m = CausalLM(cfg, dtype=dt, rngs=nnx.Rngs(seed), fp8_experts=_fp8_experts(quantization))
         return LoadedModel(m, cfg, _maybe_bytes(cfg), "preset")
     raise ValueError(f"model={model!r} is neither a model directory, {DEFAULT_MODEL!r} nor a preset "
                      f"({', '.join(preset_names())})")

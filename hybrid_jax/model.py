@@ -39,7 +39,7 @@ class Block(nnx.Module):
     """One residual layer.  h [b, t, d] (+ positions [b, t]) -> [b, t, d]."""
 
     def __init__(self, cfg: ModelConfig, spec: LayerSpec, *, dtype: jnp.dtype, rngs: nnx.Rngs,
-                 shared_ordinal: int | None = None):
+                 shared_ordinal: int | None = None, fp8_experts: int | None = None):
         d = cfg.hidden_size
 
         def norm() -> RMSNorm:
@@ -76,7 +76,7 @@ class Block(nnx.Module):
         has_mlp = dense or moe
         self.mlp_norm = norm() if has_mlp else None
         self.mlp = GatedMLP(d, cfg.mlp, dtype=dtype, rngs=rngs) if dense else None
-        self.moe = MoE(d, cfg.moe, dtype=dtype, rngs=rngs) if moe else None
+        self.moe = MoE(d, cfg.moe, dtype=dtype, rngs=rngs, fp8_block=fp8_experts) if moe else None
         sandwich = cfg.sandwich_norm
         self.post_temporal_norm = norm() if sandwich and self.temporal_norm is not None else None
         self.post_mlp_norm = norm() if sandwich and has_mlp else None
@@ -144,11 +144,17 @@ def _scale(x: jax.Array, m: float) -> jax.Array:
 
 
 class CausalLM(nnx.Module):
-    """tokens [b, t] int32 -> logits [b, t, v] f32."""
+    """tokens [b, t] int32 -> logits [b, t, v] f32.
 
-    def __init__(self, cfg: ModelConfig, *, dtype: jnp.dtype = jnp.float32, rngs: nnx.Rngs):
+    `fp8_experts`: the decoder layers' MoE expert stacks are quantized to FP8 with this
+    block as they are drawn (layers/moe.py; quantization="fp8" of a preset: the rest is
+    quantized after construction, hybrid_jax/quantization.py). The MTP head's stay in `dtype`."""
+
+    def __init__(self, cfg: ModelConfig, *, dtype: jnp.dtype = jnp.float32, rngs: nnx.Rngs,
+                 fp8_experts: int | None = None):
         self.embed = Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
-        self.layers = nnx.List([Block(cfg, spec, dtype=dtype, rngs=rngs, shared_ordinal=j)
+        self.layers = nnx.List([Block(cfg, spec, dtype=dtype, rngs=rngs, shared_ordinal=j,
+                                      fp8_experts=fp8_experts)
                                 for spec, j in zip(cfg.layers, shared_ordinals(cfg), strict=True)])
         sb = cfg.shared_block
         self.shared_blocks = None if sb is None else nnx.List([

@@ -7,15 +7,20 @@ by the same code. So do the MoE layers' stacked experts (each expert block-wise,
 device that holds them: `quantize_stack`). Embeddings, norms, the LM head, the routers
 and shared-expert gates (tiny) and the recurrent layers' own parameters stay as they are.
 A model that already holds FP8 weights (an FP8 checkpoint) is left as loaded: its own
-choice of unquantized modules stands. Knows nothing of serving.
+choice of unquantized modules stands (`left_as_loaded`).
+
+When: a preset's expert stacks are quantized as they are drawn (`CausalLM(fp8_experts=)`,
+layers/moe.py), its Linears after construction (`quantize_model`); an HF checkpoint's
+tensors as they are read (`load_hf(quantization=)`); so the whole model is never held in
+the load dtype. Knows nothing of serving.
 """
 
 from __future__ import annotations
 
-import jax.numpy as jnp
+import jax
 from flax import nnx
 
-from hybrid_jax.layers.fp8 import quantize, quantize_stack
+from hybrid_jax.layers.fp8 import quantize, quantize_experts, quantize_stack
 from hybrid_jax.layers.linear import Linear
 from hybrid_jax.layers.moe import MoE
 
@@ -34,40 +39,52 @@ def fp8_linears(model: nnx.Module) -> list[str]:
             if isinstance(m, Linear | MoE) and m.quantized]
 
 
+def left_as_loaded(model: nnx.Module) -> bool:
+    """Whether `model` holds FP8 weights that quantization="fp8" leaves as they are: an FP8
+    checkpoint's (its own choice of unquantized modules stands), or a quantization already
+    done (`quantize_model`, or `load_hf(quantization=...)` as it read). MoE stacks quantized
+    as they were drawn (`MoE.fp8_at_draw`: a preset loaded with quantization="fp8") do not
+    count: the model's Linears are still to be quantized."""
+    return any(isinstance(m, Linear | MoE) and m.quantized and not getattr(m, "fp8_at_draw", False)
+               for _, m in nnx.iter_graph(model))
+
+
+def quantizes(path: tuple, module: nnx.Module) -> bool:
+    """Whether quantization="fp8" quantizes `module` at `path` (module doc): a decoder
+    layer's (or shared block's) plain Linear, or a decoder layer's MoE stacks; not the MTP
+    head's (speculative drafts keep the load dtype)."""
+    if isinstance(module, Linear):
+        return (bool(path) and path[0] in ("layers", "shared_blocks") and module.stack_row is None
+                and not module.transposed)
+    return isinstance(module, MoE) and bool(path) and path[0] == "layers"
+
+
+def quantize_kernel(w: jax.Array, block: int = FP8_BLOCK) -> tuple[jax.Array, jax.Array]:
+    """A Linear's kernel [in, out] -> (e4m3 kernel, f32 block scales), where it lives."""
+    if _on_accelerator(w):  # quantized on the device (a real-size model's 2 GB of Linears)
+        return tuple(a[0] for a in quantize_stack(w[None], block))
+    return quantize(w, block)  # host numpy: no compilation per weight shape
+
+
 def _on_accelerator(x) -> bool:
     return all(d.platform != "cpu" for d in getattr(x, "devices", lambda: set())())
 
 
 def quantize_model(model: nnx.Module, quantization: str | None, block: int = FP8_BLOCK) -> nnx.Module:
-    """`model` with its decoder Linears quantized (module doc), in place; returned."""
+    """`model` with its decoder Linears and MoE stacks quantized (module doc), in place;
+    returned. A model `left_as_loaded` is returned as it is; MoE layers quantized as drawn
+    keep their stacks."""
     check_quantization(quantization)
-    if quantization is None or fp8_linears(model):
+    if quantization is None or left_as_loaded(model):
         return model
-    for path, lin in list(nnx.iter_graph(model)):
-        if (isinstance(lin, Linear) and path and path[0] in ("layers", "shared_blocks")
-                and lin.stack_row is None and not lin.transposed):
-            w = lin.kernel[...]
-            if _on_accelerator(w):  # quantized where it lives (a real-size model's 2 GB of
-                kernel, scale = (a[0] for a in quantize_stack(w[None], block))  # Linears)
-            else:  # host numpy: no compilation per weight shape
-                kernel, scale = quantize(w, block)
-            lin.set_fp8(kernel, scale, block)
-        elif isinstance(lin, MoE) and path and path[0] == "layers":
+    for path, m in list(nnx.iter_graph(model)):
+        if not quantizes(path, m):
+            continue
+        if isinstance(m, Linear):
+            m.set_fp8(*quantize_kernel(m.kernel[...], block), block)
+        elif not m.quantized:
             for name in MoE.STACKS:
-                if getattr(lin, name) is not None:
-                    kernel, scale = _quantize_experts(getattr(lin, name)[...], block, glu=name == "gate_up")
-                    lin.set_fp8(name, kernel, scale, block)
+                if getattr(m, name) is not None:
+                    m.set_fp8(name, *quantize_experts(getattr(m, name)[...], block, glu=name == "gate_up"),
+                              block)
     return model
-
-
-def _quantize_experts(w, block: int, glu: bool, chunk_bytes: int = 1 << 28):
-    """`quantize_stack` over slices of at most `chunk_bytes` of experts, concatenated: the
-    same values (each expert is quantized on its own), but the f32 temporaries of a slice
-    instead of the whole stack's (a 35B-A3B layer's gate/up stack is 1 GiB in bf16, its f32
-    temporaries several GiB: next to the rest of the bf16 model they do not fit one 80 GB GPU)."""
-    per_expert = max(1, w[0].size * w.dtype.itemsize)
-    step = max(1, chunk_bytes // per_expert)
-    if step >= w.shape[0]:
-        return quantize_stack(w, block, glu=glu)
-    parts = [quantize_stack(w[i:i + step], block, glu=glu) for i in range(0, w.shape[0], step)]
-    return jnp.concatenate([q for q, _ in parts]), jnp.concatenate([s for _, s in parts])

@@ -15,7 +15,10 @@ This module knows nothing of serving.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
+from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -52,10 +55,11 @@ from hybrid_jax.checkpoints.mtp import PREFIX as MTP_PREFIX
 from hybrid_jax.checkpoints.mtp import mtp_weight_map
 from hybrid_jax.checkpoints.names import Target
 from hybrid_jax.config import ModelConfig
-from hybrid_jax.layers.fp8 import dequantize
+from hybrid_jax.layers.fp8 import dequantize, quantize_experts
 from hybrid_jax.layers.linear import Linear
 from hybrid_jax.layers.moe import MoE
 from hybrid_jax.model import CausalLM
+from hybrid_jax.quantization import FP8_BLOCK, check_quantization, quantize_kernel, quantizes
 from pallas_kernels.grouped_gemm import scale_blocks
 
 _MODULES: tuple[ModuleType, ...] = (mamba2, mistral, recurrent_gemma, falcon_h1, zamba2, lfm2,
@@ -191,10 +195,16 @@ def _plan(path: Path, files: dict[str, Path], wmap: dict[str, Target], aliases: 
     return present, fp8.scales, None if fmt is None else fmt.block
 
 
-def load_hf(path: str | Path, *, dtype: jnp.dtype = jnp.float32) -> tuple[CausalLM, ModelConfig]:
+def load_hf(path: str | Path, *, dtype: jnp.dtype = jnp.float32,
+            quantization: str | None = None) -> tuple[CausalLM, ModelConfig]:
     """Load an HF directory into a `CausalLM` with parameters in `dtype` (bf16 or f32).
 
     Parameters the model keeps in f32 whatever `dtype` (A_log, D, dt_bias) stay f32.
+    `quantization="fp8"` of a checkpoint that is not FP8: each weight that
+    hybrid_jax/quantization.py quantizes (`quantizes`) is quantized as soon as it is read
+    (a stack filled piece by piece once complete), so the model is never on the device
+    whole in `dtype`; the values `quantize_model` gives the loaded model. An FP8
+    checkpoint loads as it is stored either way.
     """
     path = Path(path)
     hf = read_hf_config(path)
@@ -236,7 +246,17 @@ def load_hf(path: str | Path, *, dtype: jnp.dtype = jnp.float32) -> tuple[Causal
     values: dict[tuple, jax.Array] = {}
     fp8: dict[tuple, tuple[jax.Array, jax.Array]] = {}
     parts: dict[tuple, np.ndarray] = {}  # parameters filled piece by piece (Target.index)
+    pieces_left = Counter(t.path for t in wmap.values() if t.index is not None)
     stacks = _fp8_stacks(abstract, wmap, scales, expected, block)
+    quantize = _quantizer(abstract, expected, quantization if block is None else None)
+    quantized: dict[tuple, tuple[jax.Array, jax.Array]] = {}  # quantized as read (FP8_BLOCK)
+
+    def place(where: tuple, x: jax.Array) -> None:
+        if where in quantize:
+            quantized[where] = quantize[where](x)  # x (in `dtype`) freed when the caller drops it
+        else:
+            values[where] = x
+
     for name, target in wmap.items():
         stored = present[name]
         want = expected[target.path]
@@ -261,12 +281,15 @@ def load_hf(path: str | Path, *, dtype: jnp.dtype = jnp.float32) -> tuple[Causal
             with safe_open(files[stored], framework="flax") as f:
                 x = _apply(target.transform, f.get_tensor(stored))
         if target.index is None:
-            values[target.path] = jnp.asarray(x, want.dtype)
+            place(target.path, jnp.asarray(x, want.dtype))
         else:
             if target.path not in parts:
                 parts[target.path] = np.zeros(want.shape, np.dtype(want.dtype))
             parts[target.path][target.index] = np.asarray(x.astype(want.dtype))
-    values |= {p: jnp.asarray(x) for p, x in parts.items()}
+            pieces_left[target.path] -= 1
+            if not pieces_left[target.path]:  # complete: to the device (host copy freed)
+                place(target.path, jnp.asarray(parts.pop(target.path)))
+    assert not parts, f"pieces left unfilled: {sorted(parts)}"
     pure = _nest(values)
     nnx.replace_by_pure_dict(state, pure)
     model = nnx.merge(graphdef, state)
@@ -275,7 +298,32 @@ def load_hf(path: str | Path, *, dtype: jnp.dtype = jnp.float32) -> tuple[Causal
     for where, (q, s, dtypes) in stacks.items():  # bf16 scales stay bf16 (exact either way)
         sdt = dtypes.pop() if len(dtypes) == 1 else jnp.float32
         _module_at(model, where[:-1]).set_fp8(where[-1], jnp.asarray(q), jnp.asarray(s, sdt), block)
+    for where, (kernel, scale) in quantized.items():
+        module = _module_at(model, where[:-1])
+        if isinstance(module, Linear):
+            module.set_fp8(kernel, scale, FP8_BLOCK)
+        else:
+            module.set_fp8(where[-1], kernel, scale, FP8_BLOCK)
     return model, cfg
+
+
+def _quantizer(abstract: CausalLM, expected: dict[tuple, jax.ShapeDtypeStruct],
+               quantization: str | None) -> dict[tuple, Callable[[jax.Array], tuple[jax.Array, jax.Array]]]:
+    """Parameter path -> how quantization="fp8" quantizes it (hybrid_jax/quantization.py's
+    rule and quantizers): the kernels of the Linears and the MoE stacks it quantizes."""
+    check_quantization(quantization)
+    if quantization is None:
+        return {}
+    out = {}
+    for path in expected:
+        module = _module_at(abstract, path[:-1])
+        if not quantizes(path[:-1], module):
+            continue
+        if isinstance(module, Linear) and path[-1] == "kernel":
+            out[path] = functools.partial(quantize_kernel, block=FP8_BLOCK)
+        elif isinstance(module, MoE) and path[-1] in MoE.STACKS:
+            out[path] = functools.partial(quantize_experts, block=FP8_BLOCK, glu=path[-1] == "gate_up")
+    return out
 
 
 def _scale_index(target: Target, shape: tuple[int, ...], block: int) -> tuple | None:

@@ -13,8 +13,8 @@ rounding, as transformers' own dequantization does), then cast to the compute dt
 few rows where the kernel switch picks Pallas (Mosaic GPU on Hopper, else Triton), else
 the dequantized kernel multiplied in the compute dtype (docs/kernels.md "FP8").
 `quantize` makes the format from a float kernel (quantization at load); `quantize_stack`
-does the same for a MoE layer's stacked experts, on their device. This module knows
-nothing of checkpoints or serving.
+does the same for a MoE layer's stacked experts, on their device (`quantize_experts`: in
+slices of experts). This module knows nothing of checkpoints or serving.
 """
 
 from __future__ import annotations
@@ -142,3 +142,17 @@ def quantize_stack(w: jax.Array, block: int, glu: bool = False) -> tuple[jax.Arr
     n = w.shape[2] // 2
     (qg, sg), (qu, su) = _quantize_blocks(w[..., :n], block), _quantize_blocks(w[..., n:], block)
     return jnp.concatenate([qg, qu], axis=2), jnp.concatenate([sg, su], axis=2)
+
+
+def quantize_experts(w: jax.Array, block: int, glu: bool, chunk_bytes: int = 1 << 28
+                     ) -> tuple[jax.Array, jax.Array]:
+    """`quantize_stack` over slices of at most `chunk_bytes` of experts, concatenated: the
+    same values (each expert is quantized on its own), but the f32 temporaries of a slice
+    instead of the whole stack's (a 35B-A3B layer's gate/up stack is 1 GiB in bf16, its f32
+    temporaries several GiB)."""
+    per_expert = max(1, w[0].size * w.dtype.itemsize)
+    step = max(1, chunk_bytes // per_expert)
+    if step >= w.shape[0]:
+        return quantize_stack(w, block, glu=glu)
+    parts = [quantize_stack(w[i:i + step], block, glu=glu) for i in range(0, w.shape[0], step)]
+    return jnp.concatenate([q for q, _ in parts]), jnp.concatenate([s for _, s in parts])

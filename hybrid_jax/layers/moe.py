@@ -41,6 +41,7 @@ import numpy as np
 from flax import nnx
 
 from hybrid_jax.config import MoEConfig
+from hybrid_jax.layers.fp8 import quantize_experts
 from hybrid_jax.layers.mlp import ACTIVATIONS, GatedMLP
 from pallas_kernels.backend import Impl, resolve_impl
 from pallas_kernels.grouped_gemm import (
@@ -187,27 +188,41 @@ def routed_reference(x: jax.Array, weights: jax.Array, experts: jax.Array, gate_
 class MoE(nnx.Module):
     """x [..., d] -> [..., d]: routed experts plus the optional shared expert (module doc)."""
 
-    def __init__(self, dim: int, cfg: MoEConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs):
+    def __init__(self, dim: int, cfg: MoEConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs,
+                 fp8_block: int | None = None):
+        """`fp8_block`: each expert stack quantized to FP8 with this block (`set_fp8`,
+        layers/fp8.quantize_experts) right after it is drawn, so only one stack is ever held
+        in `dtype` (quantization="fp8" of a preset's random weights: the same draws and the
+        same values as quantizing the drawn model, without the whole bf16 model's memory)."""
         e, f = cfg.num_experts, cfg.intermediate_size
         normal = lambda shape, fan_in, dt: nnx.Param(
             fan_in**-0.5 * jax.random.normal(rngs.params(), shape, dt))
+        # FP8 stacks (`set_fp8`): their block scales [e, ceil(in/B), nb] and the block B.
+        self.gate_up_scale: nnx.Param | None = nnx.data(None)
+        self.up_scale: nnx.Param | None = nnx.data(None)
+        self.down_scale: nnx.Param | None = nnx.data(None)
+        self.block: int | None = None
+        # Whether the stacks were quantized as drawn (not an FP8 checkpoint's own choice:
+        # hybrid_jax/quantization.py still quantizes such a model's Linears).
+        self.fp8_at_draw = fp8_block is not None
         # The router and expert bias stay f32 whatever the dtype (Nemotron-H keeps them so).
         self.router = normal((dim, e), dim, F32)
         self.expert_bias = nnx.Param(jnp.zeros((e,), F32)) if cfg.expert_bias else None
-        self.gate_up = normal((e, dim, 2 * f), dim, dtype) if cfg.gated else None
-        self.up = None if cfg.gated else normal((e, dim, f), dim, dtype)
-        self.down = normal((e, f, dim), f, dtype)
+        first = ("gate_up", (e, dim, 2 * f), dim) if cfg.gated else ("up", (e, dim, f), dim)
+        setattr(self, "up" if cfg.gated else "gate_up", None)
+        for name, shape, fan_in in (first, ("down", (e, f, dim), f)):
+            w = fan_in**-0.5 * jax.random.normal(rngs.params(), shape, dtype)
+            setattr(self, name, nnx.Param(w))
+            if fp8_block is not None:
+                kernel, scale = quantize_experts(w, fp8_block, glu=name == "gate_up")
+                del w  # the stack in `dtype` freed before the next is drawn
+                self.set_fp8(name, kernel, scale, fp8_block)
         self.shared_expert = (None if cfg.shared_expert is None else
                               GatedMLP(dim, cfg.shared_expert, dtype=dtype, rngs=rngs))
         self.shared_gate = normal((dim, 1), dim, dtype) if cfg.shared_expert_gate else None
         self.reduce_axis: str | None = None  # tensor parallel: routed partial sums added over it
         self.cfg = cfg
         self.dtype = jnp.dtype(dtype)  # the compute dtype (FP8 stacks' products run in it)
-        # FP8 stacks (`set_fp8`): their block scales [e, ceil(in/B), nb] and the block B.
-        self.gate_up_scale: nnx.Param | None = nnx.data(None)
-        self.up_scale: nnx.Param | None = nnx.data(None)
-        self.down_scale: nnx.Param | None = nnx.data(None)
-        self.block: int | None = None
 
     STACKS = ("gate_up", "up", "down")
 

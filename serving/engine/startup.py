@@ -24,7 +24,7 @@ from jax.sharding import Mesh
 from hybrid_jax import tensor_parallel as tp
 from hybrid_jax.kv_quant import kv_dtype
 from hybrid_jax.loading import DTYPES, LoadedModel, load_model
-from hybrid_jax.quantization import fp8_linears, quantize_model
+from hybrid_jax.quantization import left_as_loaded, quantize_model
 from serving.core.block_table import ring_width
 from serving.core.scheduler_config import SchedulerConfig
 from serving.engine.engine_config import EngineConfig
@@ -81,7 +81,7 @@ def describe_bytes(by_dtype: dict[str, int]) -> str:
 def _quantized(lm: LoadedModel, quantization: str | None) -> LoadedModel:
     """`lm` with its model quantized as EngineConfig.quantization asks: a copy (the caller's
     model is left as it was), or `lm` itself when there is nothing to do."""
-    if quantization is None or fp8_linears(lm.model):
+    if quantization is None or left_as_loaded(lm.model):
         return lm
     copy = nnx.merge(*nnx.split(lm.model))
     return dataclasses.replace(lm, model=quantize_model(copy, quantization))

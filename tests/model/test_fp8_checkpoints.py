@@ -173,6 +173,22 @@ def test_fused_fp8_projections_equal_the_separate_ones(falcon):
                                rtol=1e-5, atol=1e-5)
 
 
+def test_fp8_checkpoint_with_quantization_fp8_loads_as_stored(falcon):
+    """quantization="fp8" of an FP8 checkpoint: the checkpoint's own choice stands (its
+    block of 32, its not-converted out_proj in the load dtype), nothing is re-quantized."""
+    path = str(falcon[0])
+    stored, asked = (load_model(path, quantization=q).model for q in (None, "fp8"))
+    a, b = (nnx.to_flat_state(nnx.state(m)) for m in (stored, asked))
+    assert [p for p, _ in a] == [p for p, _ in b]
+    for (p, x), (_, y) in zip(a, b, strict=True):
+        assert x.get_value().dtype == y.get_value().dtype, p
+        np.testing.assert_array_equal(np.asarray(x.get_value(), np.float32),
+                                      np.asarray(y.get_value(), np.float32))
+    lins = _linears(asked)
+    assert not lins["layers.1.mamba.out_proj"].quantized
+    assert lins["layers.0.mamba.out_proj"].quantized and lins["layers.0.mamba.out_proj"].block == BLOCK
+
+
 def test_unsupported_quantization_configs_are_refused_by_field():
     good = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
             "weight_block_size": [128, 128]}

@@ -93,8 +93,8 @@ def test_expert_stacks_quantize_in_slices_as_a_whole():
     """quantize_model quantizes an expert stack a few experts at a time (bounded f32
     temporaries, so a 35B-A3B's bf16 layers fit one GPU while being quantized): the same
     kernels and scales as the whole stack at once, an uneven last slice included."""
+    from hybrid_jax.layers.fp8 import quantize_experts as _quantize_experts
     from hybrid_jax.layers.fp8 import quantize_stack
-    from hybrid_jax.quantization import _quantize_experts
 
     w = jnp.asarray(np.random.default_rng(1).normal(size=(7, 64, 96)).astype(np.float32))
     for glu in (False, True):
