@@ -78,7 +78,7 @@ def describe_bytes(by_dtype: dict[str, int]) -> str:
     return ", ".join(f"{name} {n / 2**20:.1f} MiB" for name, n in sorted(by_dtype.items()))
 
 
-def _quantized(lm: LoadedModel, quantization: str | None) -> LoadedModel:
+def quantized_copy(lm: LoadedModel, quantization: str | None) -> LoadedModel:
     """`lm` with its model quantized as EngineConfig.quantization asks: a copy (the caller's
     model is left as it was), or `lm` itself when there is nothing to do."""
     if quantization is None or left_as_loaded(lm.model):
@@ -87,7 +87,7 @@ def _quantized(lm: LoadedModel, quantization: str | None) -> LoadedModel:
     return dataclasses.replace(lm, model=quantize_model(copy, quantization))
 
 
-def _tp_aligned(lm: LoadedModel, n: int, copy: bool) -> LoadedModel:
+def tp_aligned(lm: LoadedModel, n: int, copy: bool) -> LoadedModel:
     """`lm` with the FP8 Linears that n devices cannot split on whole scale blocks held in
     the compute dtype (tensor_parallel.dequantize_unaligned: same outputs); on a copy when
     `copy` (the caller's model), `lm` itself when every FP8 Linear splits."""
@@ -108,13 +108,13 @@ def load_for_engine(model: str | LoadedModel, cfg: EngineConfig, n: int) -> Load
     its FP8 Linears that n devices cannot split held dense; ValueError naming
     `tensor_parallel_size` if it cannot be split."""
     if isinstance(model, LoadedModel):
-        lm = _quantized(model, cfg.quantization)
+        lm = quantized_copy(model, cfg.quantization)
     else:  # tensor parallel: load on the host, each device then receives only its shard
         lm = load_model(model, dtype=cfg.dtype, device=tp.host_device() if n > 1 else None,
                         quantization=cfg.quantization)
     tp.check_shardable(lm.config, n)
     if n > 1:
-        lm = _tp_aligned(lm, n, copy=lm is model)
+        lm = tp_aligned(lm, n, copy=lm is model)
         tp.check_weights_shardable(lm.model, n)
     return lm
 

@@ -15,7 +15,7 @@ from hybrid_jax.layers.fp8 import FP8_MAX
 from hybrid_jax.layers.linear import Linear
 from hybrid_jax.loading import load_model
 from serving.engine.engine_config import EngineConfig
-from serving.engine.startup import _quantized, _tp_aligned
+from serving.engine.startup import quantized_copy, tp_aligned
 
 
 def _linears(model) -> dict[str, Linear]:
@@ -26,7 +26,7 @@ def test_quantized_model_is_fp8_in_memory_and_close_to_the_original():
     # The shipped default model (trained: logits with structure, unlike a random model's),
     # quantized as the engine does it (a copy).
     base = load_model("default")
-    quant = _quantized(base, "fp8")
+    quant = quantized_copy(base, "fp8")
     lins, base_lins = _linears(quant.model), _linears(base.model)
     assert lins and all(lin.quantized and lin.block == 128 for lin in lins.values())
     for name, lin in lins.items():
@@ -55,23 +55,23 @@ def test_load_and_engine_quantize_and_refuse_unknown_quantization():
     quant = load_model("default", quantization="fp8")
     assert all(lin.quantized for lin in _linears(quant.model).values())
     lm = load_model("default")
-    copy = _quantized(lm, "fp8")  # the engine quantizes a copy of a LoadedModel it is given
+    copy = quantized_copy(lm, "fp8")  # the engine quantizes a copy of a LoadedModel it is given
     assert all(lin.quantized for lin in _linears(copy.model).values())
     assert not any(lin.quantized for lin in _linears(lm.model).values())  # the caller's model as it was
-    assert _quantized(copy, "fp8") is copy and _quantized(lm, None) is lm
+    assert quantized_copy(copy, "fp8") is copy and quantized_copy(lm, None) is lm
     # the default model's k_proj has 64 outputs (one KV head): halves of one 128-block cannot split
     with pytest.raises(ValueError, match="tensor_parallel_size=2: the FP8 weight .*k_proj .* scale blocks"):
         tp.check_weights_shardable(quant.model, 2)
     tp.check_weights_shardable(lm.model, 2)
     # ... so the engine holds those in the compute dtype at tensor_parallel_size=2 (the values
     # the FP8 product computes with: same logits), on a copy of a caller's model
-    at_tp = _tp_aligned(quant, 2, copy=True)
+    at_tp = tp_aligned(quant, 2, copy=True)
     dense = {p for p, lin in _linears(at_tp.model).items() if not lin.quantized}
     assert "layers.0.attention.k_proj" in dense
     assert dense == {p for p, _ in tp.unaligned_fp8_linears(quant.model, 2)}
     assert all(lin.quantized for lin in _linears(quant.model).values())
     tp.check_weights_shardable(at_tp.model, 2)
-    assert _tp_aligned(at_tp, 2, copy=True) is at_tp
+    assert tp_aligned(at_tp, 2, copy=True) is at_tp
     ids = jnp.asarray([[5, 9, 200, 17, 3, 99]], jnp.int32)
     before, after = (np.asarray(jax.jit(lambda x, m=m: m(x))(ids)) for m in (quant.model, at_tp.model))
     np.testing.assert_allclose(after, before, rtol=1e-6, atol=1e-6)

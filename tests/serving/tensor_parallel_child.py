@@ -269,7 +269,7 @@ def check_fp8(results: dict) -> None:
     e4m3 with per-head scales): greedy at tp=2 equals tp=1, both engines calibrate the same
     scales and each device's pages hold the scales of its own KV head, the shards hold FP8;
     with 16 x 16 blocks (which the Mamba2 in_proj's dt columns cut) the Linears that would
-    split a block are held dense at tp=2 (startup._tp_aligned) and the engine serves
+    split a block are held dense at tp=2 (startup.tp_aligned) and the engine serves
     the tp=1 16-block engine's tokens."""
     import numpy as np
 
