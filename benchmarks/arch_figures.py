@@ -35,7 +35,13 @@ from hybrid_jax.loading import load_model
 from serving.engine.engine_config import EngineConfig
 from serving.engine.llm_engine import LLMEngine
 from serving.entrypoints.bench.common import emit
-from serving.entrypoints.bench.floor import copy_bandwidth, decode_floor_bytes, matmul_rate, model_flops
+from serving.entrypoints.bench.floor import (
+    copy_bandwidth,
+    decode_floor_bytes,
+    matmul_rate,
+    measured_touched_experts,
+    model_flops,
+)
 from serving.entrypoints.bench.probe import decoding_batch
 from serving.sample.sampling_params import SamplingParams
 
@@ -63,8 +69,10 @@ def measure_prefill(engine: LLMEngine, requests: int, length: int) -> float:
     return requests * length / (time.perf_counter() - t)
 
 
-def measure_decode(engine: LLMEngine, batch: int, context: int, steps: int) -> tuple[float, int]:
-    """(median step seconds over full-batch decode steps, batch actually run)."""
+def measure_decode(engine: LLMEngine, batch: int, context: int,
+                   steps: int) -> tuple[float, int, list[list[int]]]:
+    """(median step seconds over full-batch decode steps, batch actually run, the
+    sequences' tokens after the measured steps)."""
     # Sequences admitted first decode while the last ones prefill (a step takes at most
     # max_num_batched_tokens): they must still be running when the whole batch decodes.
     fill = -(-batch * context // engine.scheduler.config.max_num_batched_tokens)
@@ -78,7 +86,8 @@ def measure_decode(engine: LLMEngine, batch: int, context: int, steps: int) -> t
         if ok != steps or len(full) != steps:
             raise RuntimeError(f"{ok} of {steps} measured steps decoded the whole batch of {batch} "
                                f"(max_num_seqs={engine.scheduler.config.max_num_seqs} after the memory plan)")
-    return statistics.median(times), batch
+        seqs = [list(seq.token_ids) for seq in engine.scheduler.running]
+    return statistics.median(times), batch, seqs
 
 
 def run_preset(name: str, a: argparse.Namespace, bw: float, mm: float) -> None:
@@ -103,13 +112,17 @@ def run_preset(name: str, a: argparse.Namespace, bw: float, mm: float) -> None:
                  "chunk": a.chunk, "tok_s": rate, "model_TFLOPs": flops / 1e12, "of_matmul": flops / mm})
     for b in sorted(a.batch, reverse=True):
         print(f"{name}: decode batch {b}", flush=True)
-        step_s, ran = measure_decode(engine, b, a.context, a.steps)
+        step_s, ran, seqs = measure_decode(engine, b, a.context, a.steps)
+        # A mixture of experts: the experts these steps touched, from the model's routing
+        # (random-weight routers can be far from uniform: serving/entrypoints/bench/floor.py).
+        moe = lm.config.moe is not None and any(s.moe for s in lm.config.layers)
+        touched = measured_touched_experts(lm.model, seqs, a.steps) if moe else None
         fb = decode_floor_bytes(lm.config, batch=ran, context=a.context + a.steps // 2,
-                                weight_bytes=wbytes, dtype=a.dtype)
+                                weight_bytes=wbytes, dtype=a.dtype, touched=touched)
         floor = fb["total"] / bw
         emit(a.out, {**base, "figure": "decode", "batch_run": ran, "context": a.context,
                      "step_ms": 1e3 * step_s, "tok_s": ran / step_s, "floor_ms": 1e3 * floor,
-                     "floor_bytes": fb, "over_floor": step_s / floor})
+                     "floor_bytes": fb, "over_floor": step_s / floor, "touched_experts": touched})
     del engine
     if name.startswith("gemma") and a.long:
         longest = max(a.long)
@@ -118,7 +131,7 @@ def run_preset(name: str, a: argparse.Namespace, bw: float, mm: float) -> None:
                            seq_buckets=(1,), token_buckets=(a.chunk,))
         engine = LLMEngine(lm, cfg, show_progress=False)
         for c in a.long:
-            step_s, ran = measure_decode(engine, 1, c, a.steps)
+            step_s, ran, _ = measure_decode(engine, 1, c, a.steps)
             fb = decode_floor_bytes(lm.config, batch=1, context=c + a.steps // 2, weight_bytes=wbytes,
                                     dtype=a.dtype)
             emit(a.out, {**base, "figure": "decode_long", "batch_run": ran, "context": c,

@@ -55,7 +55,7 @@ from hybrid_jax.model import CausalLM
 from serving.engine.engine_config import EngineConfig
 from serving.engine.llm_engine import LLMEngine
 from serving.entrypoints.bench.common import emit
-from serving.entrypoints.bench.floor import copy_bandwidth, decode_floor_bytes
+from serving.entrypoints.bench.floor import copy_bandwidth, decode_floor_bytes, measured_touched_experts
 from serving.entrypoints.bench.probe import decoding_batch
 from serving.entrypoints.bench.trace_report import trace_calls
 from serving.entrypoints.llm import LLM
@@ -195,22 +195,34 @@ def _run(name: str, lm, spec: str, n: int, a: argparse.Namespace, bw: float, bas
         else:
             base[(name, "greedy")] = got
     for b in sorted(a.batch, reverse=True):
-        step_s, ran = measure_decode(engine, b, a.context, a.steps)
+        step_s, ran, seqs = measure_decode(engine, b, a.context, a.steps)
+        # A mixture of experts: the experts these steps touched, from the model's routing
+        # where the model is on an accelerator (a full forward of a host copy would take
+        # minutes); else uniform routing's (floor.touched_experts: it flatters the step).
+        touched = (measured_touched_experts(lm.model, seqs, a.steps)
+                   if local.moe is not None and _on_accelerator(lm.model) else None)
         fb = decode_floor_bytes(local, batch=ran, context=a.context + a.steps // 2,
-                                weight_bytes=per_device, dtype=a.dtype, expert_itemsize=itemsize)
+                                weight_bytes=per_device, dtype=a.dtype, expert_itemsize=itemsize,
+                                touched=touched)
         prof = _traced(engine, b, a) if a.trace_steps else {}
         row = {"model": name, "tp": spec, "batch_run": ran, "context": a.context, "dtype": a.dtype,
                "device": str(jax.devices()[0]), "devices": n, "date": time.strftime("%Y-%m-%d"),
                "startup_s": round(startup, 1), "param_bytes_per_device": per_device,
                "step_ms": 1e3 * step_s, "tok_s": ran / step_s, "floor_ms": 1e3 * fb["total"] / bw,
                "floor_bytes_per_device": fb, "over_floor": step_s / (fb["total"] / bw),
-               "copy_TBps": bw / 1e12, "profile": prof, "greedy_vs_first": check}
+               "copy_TBps": bw / 1e12, "profile": prof, "greedy_vs_first": check,
+               "touched_experts": touched}
         if (name, 1, b) in base:
             row["vs_tp1"] = step_s / base[(name, 1, b)]
         elif n == 1:
             base[(name, 1, b)] = step_s
         emit(a.out, row)
     del engine
+
+
+def _on_accelerator(model) -> bool:
+    leaf = jax.tree.leaves(nnx.state(model))[0]
+    return all(d.platform != "cpu" for d in leaf.devices())
 
 
 def _traced(engine: LLMEngine, batch: int, a: argparse.Namespace) -> dict:

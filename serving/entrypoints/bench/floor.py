@@ -48,17 +48,18 @@ def touched_experts(cfg: ModelConfig, batch: int) -> float:
 
 def decode_floor_bytes(cfg: ModelConfig, *, batch: int, context: int, weight_bytes: int,
                        dtype: str, state_dtype: str = "float32",
-                       expert_itemsize: float | None = None) -> dict[str, int]:
+                       expert_itemsize: float | None = None, touched: float | None = None) -> dict[str, int]:
     """Bytes one decode step of `batch` sequences at `context` cached tokens must move.
 
-    A mixture-of-experts layer reads only the experts its tokens touch (`touched_experts`);
+    A mixture-of-experts layer reads only the experts its tokens touch (`touched`, measured
+    by `measured_touched_experts`; default: uniform routing's `touched_experts`);
     `expert_itemsize` is the bytes per expert weight as held (default: `dtype`'s; 1 + the
     scales' share for FP8 experts)."""
     kv_b, st_b = DTYPE_BYTES[dtype], DTYPE_BYTES[state_dtype]
     weights = weight_bytes
     moe_layers = sum(1 for s in cfg.layers if s.moe) if cfg.moe is not None else 0
     if moe_layers:  # weight_bytes holds every expert: drop the untouched ones' share
-        untouched = cfg.moe.num_experts - touched_experts(cfg, batch)
+        untouched = cfg.moe.num_experts - (touched_experts(cfg, batch) if touched is None else touched)
         item = expert_itemsize if expert_itemsize is not None else kv_b
         weights -= int(moe_layers * untouched * expert_params(cfg) * item)
     if not cfg.tie_embeddings:  # the input table is gathered, not read whole
