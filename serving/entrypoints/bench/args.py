@@ -57,6 +57,9 @@ def _serving_mode(p: argparse.ArgumentParser) -> None:
     g.add_argument("--vocab-size", type=int, default=None,
                    help="openai: vocabulary of the random prompts when /v1/models does not report it")
     g.add_argument("--api-key", default=None, help="openai: sent as 'Authorization: Bearer KEY'")
+    g.add_argument("--data-parallel-size", type=int, default=1, metavar="N",
+                   help="the child server's --data-parallel-size: N engine replicas, one per device "
+                        "(default 1)")
     g.add_argument("--in-process", action="store_true",
                    help="run the server inside this process instead (smoke tests only: client and "
                         "server share one Python process, which inflates latencies many times)")
