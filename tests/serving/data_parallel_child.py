@@ -20,7 +20,7 @@ import jax
 
 from serving.engine.data_parallel import DataParallelCore, build_engines
 from serving.engine.engine_config import EngineConfig
-from serving.engine.engine_core import EngineCore, EngineStopped
+from serving.engine.engine_core import EngineCore, EngineStopped, QueueFull
 from serving.engine.llm_engine import LLMEngine
 from serving.sample.sampling_params import SamplingParams
 
@@ -117,6 +117,7 @@ def main() -> None:
     check("abort of an unknown id is False", core.abort("no-such-request") is False)
     core.shutdown()
 
+    queue_checks(engines)
     t0 = time.perf_counter()
     server_checks(engines, ref)
     health_checks(engines)
@@ -140,6 +141,30 @@ def main_tp() -> None:
     check("dp=2 x tp=2 tokens == one tp=2 engine", got == ref and min(per) >= 2, (got, ref, per))
     check("dp=2 x tp=2 replicas on devices 0-1 and 2-3",
           [devices_of(e) for e in engines] == [{0, 1}, {2, 3}], [devices_of(e) for e in engines])
+
+
+def queue_checks(engines: list[LLMEngine]) -> None:
+    """A full replica passes a request on; QueueFull only when every replica is full. A
+    request id live on one replica is refused on the other. (The loops are not started:
+    every submitted request waits.)"""
+    core = DataParallelCore(engines, max_waiting=1)
+    a = core.submit(params=GREEDY, prompt_token_ids=PROMPTS[0], request_id="a")
+    try:
+        core.submit(params=GREEDY, prompt_token_ids=PROMPTS[1], request_id="a")
+        duplicate = "accepted"
+    except ValueError as err:
+        duplicate = str(err)
+    b = core.submit(params=GREEDY, prompt_token_ids=PROMPTS[1])
+    try:
+        core.submit(params=GREEDY, prompt_token_ids=PROMPTS[2])
+        full = "accepted"
+    except QueueFull as err:
+        full = str(err)
+    where = [[r.holds(s.request_id) for r in core.replicas] for s in (a, b)]
+    core.shutdown()
+    check("queue full on every replica, duplicate id refused",
+          where == [[True, False], [False, True]] and "every replica's waiting queue is full" in full
+          and "request_id='a' is already in use" in duplicate, (where, full, duplicate))
 
 
 def health_checks(engines: list[LLMEngine]) -> None:
