@@ -7,8 +7,9 @@ and 1 serve greedy prompts with replica 0's tokens alone, each holding its array
 its own device (no device-to-device copy while building or serving), the requests
 spread over both; an abort on replica 1, the gRPC server over two replicas, the
 health rules (degraded while any replica is; one replica's fatal fault is the
-server's); and, slow, dp=2 x tp=2 on 4 devices. Here, in-process: the refusals, the
-stats merge, the executable-store key shared by the replicas.
+server's); and dp=2 x tp=2 on 4 devices. In another child, `hybrid-jax serve
+--data-parallel-size 2` under `bench serving`'s load. Here, in-process: the refusals,
+the stats merge, the executable-store key shared by the replicas.
 """
 
 from __future__ import annotations
@@ -51,11 +52,31 @@ def test_two_replicas_serve_what_one_engine_serves():
     assert not _failed(results), _failed(results)
 
 
-@pytest.mark.slow
 def test_two_tensor_parallel_replicas_on_four_devices():
     results = _child("tp")
     assert len([k for k in results if not k.startswith("seconds")]) == 2, results
     assert not _failed(results), _failed(results)
+
+
+def test_serve_cli_with_two_replicas_under_the_load_generator(tmp_path):
+    """`hybrid-jax serve --data-parallel-size 2` (the child server of `bench serving`) on 2
+    CPU devices: every request answered as by one engine (the too long ones refused)."""
+    env = dict(os.environ, XLA_FLAGS=FLAGS.replace("count=4", "count=2"), JAX_PLATFORMS="cpu",
+               PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    proc = subprocess.run([sys.executable, "-m", "serving.entrypoints.cli", "bench", "serving", "--smoke",
+                           "--data-parallel-size", "2", "--out", str(tmp_path)],
+                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads((tmp_path / "serving.json").read_text())
+    log = (tmp_path / "serving_server.log").read_text()
+    assert "data-parallel replica 2 of 2 on devices 1..1" in log
+    too_long = [p + m > res["max_model_len"]
+                for p, m in zip(res["input_lens"], res["max_tokens"], strict=True)]
+    assert res["sent"] == 12 and 0 < sum(too_long) < 12
+    assert res["failures_by_code"] == {"INVALID_ARGUMENT": sum(too_long)}
+    assert [o for o, bad in zip(res["output_lens"], too_long, strict=True) if not bad] == \
+        [m for m, bad in zip(res["max_tokens"], too_long, strict=True) if not bad]
+    assert res["server_counted"]["finished_length"] == res["completed"] == 12 - sum(too_long)
 
 
 def test_refusals_name_the_setting():
