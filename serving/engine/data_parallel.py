@@ -60,10 +60,12 @@ def check_devices(cfg: EngineConfig, num_devices: int | None = None) -> None:
 
 
 def replica_configs(cfg: EngineConfig) -> list[EngineConfig]:
-    """One config per replica: replica i on devices [offset + i * tp, offset + (i + 1) * tp)."""
+    """One config per replica: replica i on devices [offset + i * tp, offset + (i + 1) * tp),
+    each one engine (data_parallel_size 1)."""
     check_devices(cfg)
     n = cfg.tensor_parallel_size
-    return [replace(cfg, device_offset=cfg.device_offset + i * n) for i in range(cfg.data_parallel_size)]
+    return [replace(cfg, device_offset=cfg.device_offset + i * n, data_parallel_size=1)
+            for i in range(cfg.data_parallel_size)]
 
 
 def build_engines(model: str | LoadedModel | Callable[[EngineConfig], str | LoadedModel],

@@ -118,8 +118,8 @@ class EngineConfig:
     # tensor_parallel_size). A data-parallel replica's group (serving/engine/data_parallel.py).
     device_offset: int = 0
     # Data parallelism (docs/serving.md): N engine replicas, each on its own group of
-    # tensor_parallel_size devices, behind one server. An engine itself is one replica:
-    # this is read by whoever builds the replicas (`data_parallel.build_engines`).
+    # tensor_parallel_size devices, behind one server. An engine itself is one replica
+    # (LLMEngine refuses more): `data_parallel.build_engines` builds them.
     data_parallel_size: int = 1
     # Multi-step decoding (docs/engine.md), as vLLM's num_scheduler_steps: while at most
     # multi_step_max_seqs sequences run and all of them decode (no penalties, no top-n

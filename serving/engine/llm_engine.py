@@ -74,6 +74,10 @@ class LLMEngine:
     def __init__(self, model: str | LoadedModel, config: EngineConfig | None = None, *,
                  seed: int = 0, show_progress: bool = True):
         config = config or EngineConfig()
+        if config.data_parallel_size > 1:  # not silently one replica of N
+            raise ValueError(f"data_parallel_size={config.data_parallel_size}: an LLMEngine is one replica; "
+                             "build the replicas with serving.engine.data_parallel.build_engines "
+                             "(`hybrid-jax serve --data-parallel-size N`)")
         # Devices [device_offset, device_offset + n): refused before loading if the host
         # has too few. Sizing, memory planning, loading and the runner all use this group,
         # and start-up's eager work (loading, fusion, calibration) runs on its first device:

@@ -94,7 +94,7 @@ def test_refusals_name_the_setting():
         replica_configs(EngineConfig(data_parallel_size=2))  # this process sees one device
 
 
-def test_engine_refuses_a_device_offset_beyond_the_host_before_loading(monkeypatch):
+def test_engine_refuses_a_device_offset_beyond_the_host_and_several_replicas_before_loading(monkeypatch):
     import hybrid_jax.loading
     import serving.engine.startup
     from serving.engine.llm_engine import LLMEngine
@@ -107,6 +107,8 @@ def test_engine_refuses_a_device_offset_beyond_the_host_before_loading(monkeypat
     with pytest.raises(ValueError, match=r"device_offset=1 with tensor_parallel_size=1 needs devices 1..1, "
                                          r"but this host has 1 cpu device\(s\): lower device_offset"):
         LLMEngine("native-tiny", EngineConfig(device_offset=1), show_progress=False)
+    with pytest.raises(ValueError, match="data_parallel_size=2: an LLMEngine is one replica"):
+        LLMEngine("native-tiny", EngineConfig(data_parallel_size=2), show_progress=False)
 
 
 def test_cli_refuses_more_replicas_than_devices_before_loading(capsys):
