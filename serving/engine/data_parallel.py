@@ -37,7 +37,7 @@ import jax
 
 from hybrid_jax.loading import LoadedModel
 from serving.engine.engine_config import EngineConfig
-from serving.engine.engine_core import EngineCore, EngineStopped, QueueFull, RequestStream
+from serving.engine.engine_core import EngineCore, EngineStopped, QueueFull, RequestStream, SelfTestFailed
 from serving.engine.llm_engine import LLMEngine
 from serving.sample.sampling_params import SamplingParams
 
@@ -119,9 +119,13 @@ class DataParallelCore:
     # -- life cycle --------------------------------------------------------------------
 
     def self_test(self) -> None:
-        """Every replica's start-up request (EngineCore.self_test); the first failure raises."""
-        for r in self.replicas:
-            r.self_test()
+        """Every replica's start-up request (EngineCore.self_test); the first failure raises,
+        naming the replica."""
+        for i, r in enumerate(self.replicas):
+            try:
+                r.self_test()
+            except SelfTestFailed as err:
+                raise SelfTestFailed(f"data-parallel replica {i}: {err}") from err
 
     def start(self) -> DataParallelCore:
         for r in self.replicas:

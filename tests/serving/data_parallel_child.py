@@ -20,7 +20,7 @@ import jax
 
 from serving.engine.data_parallel import DataParallelCore, build_engines
 from serving.engine.engine_config import EngineConfig
-from serving.engine.engine_core import EngineCore, EngineStopped, QueueFull
+from serving.engine.engine_core import EngineCore, EngineStopped, QueueFull, SelfTestFailed
 from serving.engine.llm_engine import LLMEngine
 from serving.sample.sampling_params import SamplingParams
 
@@ -168,7 +168,18 @@ def queue_checks(engines: list[LLMEngine]) -> None:
 
 
 def health_checks(engines: list[LLMEngine]) -> None:
-    """Degraded while any replica is; a fatal fault in one replica is fatal for the server."""
+    """Degraded while any replica is; a fatal fault in one replica is fatal for the server;
+    a replica's failed self-test fails the start, naming it."""
+    undo = poison(engines[1])
+    try:
+        DataParallelCore(engines).self_test()
+        self_test = "passed"
+    except SelfTestFailed as err:
+        self_test = str(err)
+    finally:
+        undo()
+    check("a replica's failed self-test fails the start",
+          self_test.startswith("data-parallel replica 1: start-up self-test request failed"), self_test)
     core = DataParallelCore(engines, unhealthy_after=1, probe_interval_s=3600)
     heard: list[bool] = []
     fatal: list[BaseException] = []

@@ -48,7 +48,7 @@ def _failed(results: dict[str, object]) -> dict[str, object]:
 def test_two_replicas_serve_what_one_engine_serves():
     results = _child()
     checks = {k for k in results if not k.startswith("seconds")}
-    assert len(checks) == 12, sorted(checks)
+    assert len(checks) == 13, sorted(checks)
     assert not _failed(results), _failed(results)
 
 
