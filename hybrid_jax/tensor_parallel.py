@@ -257,18 +257,25 @@ def shard_kv_scales(cfg: ModelConfig, scales: tuple[tuple[np.ndarray, np.ndarray
 
 # -- devices ---------------------------------------------------------------------------------
 
-def make_mesh(n: int):
-    """A 1-D mesh over the first n local devices; ValueError naming the setting if too few."""
+def make_mesh(n: int, offset: int = 0):
+    """A 1-D mesh over local devices [offset, offset + n) (a data-parallel replica's group);
+    ValueError naming the setting if the host has too few."""
     from jax.sharding import Mesh
 
     if n < 1:
         raise ValueError(f"tensor_parallel_size={n} must be >= 1")
+    if offset < 0:
+        raise ValueError(f"device_offset={offset} must be >= 0")
     devices = jax.local_devices()
     if n > len(devices):
         raise ValueError(f"tensor_parallel_size={n} needs {n} devices, but this host has "
                          f"{len(devices)} {devices[0].platform} device(s) (more hosts, see "
                          "docs/tensor_parallel.md): lower tensor_parallel_size")
-    return Mesh(np.asarray(devices[:n]), (AXIS,))
+    if offset + n > len(devices):
+        raise ValueError(f"device_offset={offset} with tensor_parallel_size={n} needs devices "
+                         f"{offset}..{offset + n - 1}, but this host has {len(devices)} "
+                         f"{devices[0].platform} device(s): lower device_offset")
+    return Mesh(np.asarray(devices[offset:offset + n]), (AXIS,))
 
 
 def host_device():

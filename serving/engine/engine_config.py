@@ -114,6 +114,13 @@ class EngineConfig:
     # Tensor parallelism (docs/tensor_parallel.md): parameters, KV pages and states split
     # by heads over the first N local devices; pools are planned per device.
     tensor_parallel_size: int = 1
+    # Which local devices this engine runs on: [device_offset, device_offset +
+    # tensor_parallel_size). A data-parallel replica's group (serving/engine/data_parallel.py).
+    device_offset: int = 0
+    # Data parallelism (docs/serving.md): N engine replicas, each on its own group of
+    # tensor_parallel_size devices, behind one server. An engine itself is one replica
+    # (LLMEngine refuses more): `data_parallel.build_engines` builds them.
+    data_parallel_size: int = 1
     # Multi-step decoding (docs/engine.md), as vLLM's num_scheduler_steps: while at most
     # multi_step_max_seqs sequences run and all of them decode (no penalties, no top-n
     # logprobs, no min_tokens pending), one executable call runs num_scheduler_steps
@@ -136,9 +143,11 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_prefill_chunk", "page_size",
-                     "tensor_parallel_size", "admission_interval_steps"):
+                     "tensor_parallel_size", "data_parallel_size", "admission_interval_steps"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.device_offset < 0:
+            raise ValueError(f"device_offset={self.device_offset} must be >= 0")
         if self.tensor_parallel_size > 1 and self.speculative_method == "draft":
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} with speculative_method="
                              "'draft': the draft model's runner does not run tensor-parallel yet; "
@@ -228,8 +237,10 @@ class EngineConfig:
     def store_key(self) -> str:
         """This configuration as a part of an executable store key (serving/runner/exec_store.py),
         less where the store lives."""
+        # Not the device group (the store keys on the devices themselves): every replica
+        # of a data-parallel server shares one configuration key.
         return repr(replace(self, compilation_cache_dir=None, compile_in_background=None,
-                            admission_interval_steps=1))
+                            admission_interval_steps=1, device_offset=0, data_parallel_size=1))
 
     @property
     def multi_q(self) -> int:

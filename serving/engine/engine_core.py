@@ -225,6 +225,16 @@ class EngineCore:
         with self._lock:
             return len(self._streams)
 
+    @property
+    def load(self) -> int:
+        """Live requests, read without the lock (a data-parallel server's routing: an
+        estimate that never waits for a step)."""
+        return len(self._streams)
+
+    def holds(self, request_id: str) -> bool:
+        """Whether `request_id` is live here, read without the lock (finding a request's replica)."""
+        return request_id in self._streams
+
     def shutdown(self, grace_s: float = 0.0) -> None:
         """Stop accepting; let live requests run for up to `grace_s`, abort the rest, stop."""
         self.stop_accepting()

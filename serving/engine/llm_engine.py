@@ -73,13 +73,26 @@ class _Launched:
 class LLMEngine:
     def __init__(self, model: str | LoadedModel, config: EngineConfig | None = None, *,
                  seed: int = 0, show_progress: bool = True):
-        dev = jax.devices()[0]
-        self.config = (config or EngineConfig()).with_device_sizing(
-            dev.platform, (dev.memory_stats() or {}).get("bytes_limit"))
+        config = config or EngineConfig()
+        if config.data_parallel_size > 1:  # not silently one replica of N
+            raise ValueError(f"data_parallel_size={config.data_parallel_size}: an LLMEngine is one replica; "
+                             "build the replicas with serving.engine.data_parallel.build_engines "
+                             "(`hybrid-jax serve --data-parallel-size N`)")
+        # Devices [device_offset, device_offset + n): refused before loading if the host
+        # has too few. Sizing, memory planning, loading and the runner all use this group,
+        # and start-up's eager work (loading, fusion, calibration) runs on its first device:
+        # a model loaded there is uncommitted, and would otherwise move to device 0 when used.
+        mesh = tp.make_mesh(config.tensor_parallel_size, config.device_offset)
+        with jax.default_device(mesh.devices.flat[0]):
+            self._start(model, config, mesh, seed, show_progress)
+
+    def _start(self, model: str | LoadedModel, config: EngineConfig, mesh, seed: int,
+               show_progress: bool) -> None:
+        n = config.tensor_parallel_size
+        dev = mesh.devices.flat[0]
+        self.config = config.with_device_sizing(dev.platform, (dev.memory_stats() or {}).get("bytes_limit"))
         use_compilation_cache(self.config.compilation_cache_dir)
-        n = self.config.tensor_parallel_size
-        mesh = tp.make_mesh(n)  # refuses more devices than the host has, before loading
-        lm = load_for_engine(model, self.config, n)
+        lm = load_for_engine(model, self.config, n, device=dev)
         self.model_config, self.tokenizer = lm.config, lm.tokenizer
         if self.config.speculative_method == "mtp" and getattr(lm.model, "mtp", None) is None:
             name = model if isinstance(model, str) else lm.source
@@ -90,7 +103,7 @@ class LLMEngine:
                    tp.param_bytes_per_device(lm.config, n, lm.model.dtype, tp.fp8_layout(lm.model)))
         self._draft_lm = None
         if self.config.speculative_method == "draft":  # loaded first: planned with the pools
-            self._draft_lm = load_model(self.config.speculative_model, dtype=self.config.dtype)
+            self._draft_lm = load_model(self.config.speculative_model, dtype=self.config.dtype, device=dev)
         draft = None if self._draft_lm is None else (
             self._draft_lm.config, sum(x.nbytes for x in jax.tree.leaves(self._draft_lm.model)))
         free = [device_free_bytes(d) for d in mesh.devices.flat]
@@ -212,7 +225,7 @@ class LLMEngine:
         else:
             from serving.spec_decode.draft_model import DraftModelDrafter
 
-            self.drafter = DraftModelDrafter(cfg, lm, self.plan, self._draft_lm)
+            self.drafter = DraftModelDrafter(cfg, lm, self.plan, self._draft_lm, mesh=self.runner.mesh)
             self._draft_lm = None  # its runner holds the packed weights; drop the unpacked ones
         return SpecPlan(cfg.spec_q, min(cfg.spec_max_seqs, self.plan.scheduler.max_num_seqs),
                         self._spec_eligible, self._propose)

@@ -102,15 +102,17 @@ def tp_aligned(lm: LoadedModel, n: int, copy: bool) -> LoadedModel:
     return lm
 
 
-def load_for_engine(model: str | LoadedModel, cfg: EngineConfig, n: int) -> LoadedModel:
+def load_for_engine(model: str | LoadedModel, cfg: EngineConfig, n: int,
+                    device: jax.Device | None = None) -> LoadedModel:
     """The model as an engine of `cfg` on n devices serves it: loaded (on the host when
-    n > 1: each device then receives only its shard) or a given one quantized on a copy,
-    its FP8 Linears that n devices cannot split held dense; ValueError naming
+    n > 1: each device then receives only its shard; else on `device`, the engine's own,
+    which for a data-parallel replica is not the first) or a given one quantized on a
+    copy, its FP8 Linears that n devices cannot split held dense; ValueError naming
     `tensor_parallel_size` if it cannot be split."""
     if isinstance(model, LoadedModel):
         lm = quantized_copy(model, cfg.quantization)
     else:  # tensor parallel: load on the host, each device then receives only its shard
-        lm = load_model(model, dtype=cfg.dtype, device=tp.host_device() if n > 1 else None,
+        lm = load_model(model, dtype=cfg.dtype, device=tp.host_device() if n > 1 else device,
                         quantization=cfg.quantization)
     tp.check_shardable(lm.config, n)
     if n > 1:

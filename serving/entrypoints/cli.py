@@ -263,8 +263,13 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--metrics-port", type=int, default=9464,
                        help="Prometheus /metrics HTTP port (default 9464; -1 = off)")
     _http_args(serve)
+    serve.add_argument("--data-parallel-size", type=int, default=1, metavar="N",
+                       help="N engine replicas, each on its own group of --tensor-parallel-size "
+                            "devices, behind this server; requests go to the least loaded (default 1; "
+                            "docs/serving.md)")
     serve.add_argument("--max-waiting", type=int, default=128,
-                       help="requests allowed to wait for a slot; beyond: RESOURCE_EXHAUSTED (default 128)")
+                       help="requests allowed to wait for a slot, per replica; beyond: RESOURCE_EXHAUSTED "
+                            "(default 128)")
     serve.add_argument("--shutdown-grace", type=float, default=30.0,
                        help="seconds in-flight requests get after SIGTERM (default 30)")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -438,6 +443,7 @@ def _serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--unhealthy-after={args.unhealthy_after} must be >= 0")
     _ints(args.seq_buckets, "--seq-buckets"), _ints(args.token_buckets, "--token-buckets")  # checked early
     http = _http_config(args)
+    _check_devices(args)  # before a model is fetched or loaded
     model = prepare_model(resolve_model_name(args.model), needs_tokenizer=False,
                           announce=lambda msg: log_event("server.loading", message=msg),
                           warn=lambda msg: log_event("server.model", logging.WARNING, message=msg))
@@ -470,14 +476,18 @@ def _serve_model(args: argparse.Namespace, model: str, tls, limits, http) -> int
                        enable_prefix_caching=args.enable_prefix_caching,
                        prefix_state_stride=args.prefix_state_stride,
                        prefix_state_checkpoints=args.prefix_state_checkpoints,
-                       tensor_parallel_size=args.tensor_parallel_size, seq_buckets=_ints(args.seq_buckets,
+                       tensor_parallel_size=args.tensor_parallel_size,
+                       data_parallel_size=args.data_parallel_size, seq_buckets=_ints(args.seq_buckets,
                        "--seq-buckets"), token_buckets=_ints(args.token_buckets, "--token-buckets"),
                        admission_interval_steps=args.admission_interval_steps,
                        compile_in_background=False if args.no_background_compile else None,
                        **_spec_kwargs(args))
-    host = _sharded_loading(args.tensor_parallel_size)
-    engine = LLMEngine(load_model(model, dtype=args.dtype, seed=args.weights_seed, device=host,
-                                  quantization=args.quantization), cfg)
+    if cfg.data_parallel_size > 1:
+        engine = _replicas(args, model, cfg)
+    else:
+        host = _sharded_loading(args.tensor_parallel_size)
+        engine = LLMEngine(load_model(model, dtype=args.dtype, seed=args.weights_seed, device=host,
+                                      quantization=args.quantization), cfg)
     freeze_heap()  # one engine for the process's life: no full GC walks of the start-up heap
     server = GenerationServer(engine, model_name=args.served_model_name or args.model, host=args.host,
                               port=args.port,
@@ -494,6 +504,36 @@ def _serve_model(args: argparse.Namespace, model: str, tls, limits, http) -> int
         logging.shutdown()
         os._exit(code)
     return code
+
+
+def _check_devices(args: argparse.Namespace) -> None:
+    """Refuse more devices than the host has (--tensor-parallel-size, --data-parallel-size)."""
+    from hybrid_jax import tensor_parallel as tp
+    from serving.engine.data_parallel import check_devices
+    from serving.engine.engine_config import EngineConfig
+
+    tp.make_mesh(args.tensor_parallel_size)
+    check_devices(EngineConfig(tensor_parallel_size=args.tensor_parallel_size,
+                               data_parallel_size=args.data_parallel_size))
+
+
+def _replicas(args: argparse.Namespace, model: str, cfg) -> list:
+    """--data-parallel-size N: N engines, each loading the weights onto its own device group
+    (the host when tensor-parallel); too few devices is refused before anything loads."""
+    import jax
+
+    from hybrid_jax import tensor_parallel as tp
+    from hybrid_jax.loading import load_model
+    from serving.engine.data_parallel import build_engines, check_devices
+
+    check_devices(cfg)
+
+    def load(rc):
+        device = tp.host_device() if rc.tensor_parallel_size > 1 else jax.local_devices()[rc.device_offset]
+        return load_model(model, dtype=args.dtype, seed=args.weights_seed, device=device,
+                          quantization=args.quantization)
+
+    return build_engines(load, cfg)
 
 
 def _ints(text: str | None, flag: str) -> tuple[int, ...] | None:

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import jax
 import numpy as np
+from jax.sharding import Mesh
 
 from hybrid_jax.cache import CacheStacks, states_of, with_states
 from hybrid_jax.loading import DTYPES, LoadedModel, load_model
@@ -57,10 +58,13 @@ def _copy_slots(caches: CacheStacks, src, dst) -> CacheStacks:
 
 class DraftModelDrafter:
     def __init__(self, cfg: EngineConfig, target: LoadedModel, plan: PoolPlan,
-                 draft: LoadedModel | None = None):
+                 draft: LoadedModel | None = None, mesh: Mesh | None = None):
         """`draft`: the draft model, if the engine loaded it already (to plan its memory
-        with the pools: engine_config.draft_bytes); else loaded here."""
-        lm = draft if draft is not None else load_model(cfg.speculative_model, dtype=cfg.dtype)
+        with the pools: engine_config.draft_bytes); else loaded here. `mesh`: the target
+        runner's (one device: a data-parallel replica's, not always the first)."""
+        device = None if mesh is None else mesh.devices.flat[0]
+        lm = draft if draft is not None else load_model(cfg.speculative_model, dtype=cfg.dtype,
+                                                        device=device)
         self._config_key = cfg.store_key()
         if lm.config.vocab_size != target.config.vocab_size:
             raise ValueError(f"speculative_model={cfg.speculative_model!r}: vocab_size "
@@ -88,7 +92,7 @@ class DraftModelDrafter:
             # k + 1 tokens per sequence, which a target-sized bucket (e.g. one 512-token
             # chunk) would pad to a prompt chunk's cost.
             seq_sizes=cfg.seq_buckets, token_sizes=None,
-            state_dtype=DTYPES[cfg.ssm_state_dtype])
+            state_dtype=DTYPES[cfg.ssm_state_dtype], mesh=mesh)
         self._copy = jax.jit(_copy_slots, donate_argnums=(0,))
         self.entries: dict[str, _Entry] = {}
         log.info("draft model %s: %d sequences, pages %s", cfg.speculative_model, self.max_seqs,

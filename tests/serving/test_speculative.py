@@ -324,8 +324,8 @@ def test_draft_model_greedy_equals_plain(native, monkeypatch):
     from serving.engine.engine_config import draft_bytes
 
     draft = perturbed(native)
-    monkeypatch.setattr(dm, "load_model", lambda name, dtype: draft)
-    monkeypatch.setattr(engine_mod, "load_model", lambda name, dtype: draft)
+    monkeypatch.setattr(dm, "load_model", lambda name, dtype, device=None: draft)
+    monkeypatch.setattr(engine_mod, "load_model", lambda name, dtype, device=None: draft)
     prompts = prompts_for(128, seed=21, lens=(30, 5))
     refs = [greedy_generate(native.model, p, NEW) for p in prompts]
     eng = spec_engine(native, 3, speculative_method="draft", speculative_model="perturbed")
@@ -348,7 +348,7 @@ def test_draft_model_greedy_equals_plain(native, monkeypatch):
         assert d == greedy_generate(draft.model, toks, len(d))
     with pytest.raises(ValueError, match="speculative_model"):
         bad = perturbed(native)
-        small = lambda name, dtype: dataclasses.replace(  # noqa: E731
+        small = lambda name, dtype, device=None: dataclasses.replace(  # noqa: E731
             bad, config=dataclasses.replace(bad.config, vocab_size=64))
         monkeypatch.setattr(dm, "load_model", small)
         monkeypatch.setattr(engine_mod, "load_model", small)

@@ -43,6 +43,11 @@ def main(args: argparse.Namespace) -> int:
         args.max_prefill_chunk, args.max_model_len = 32, 128
     if args.mode in ("throughput", "serving"):
         args.max_prefill_chunk = args.max_prefill_chunk or 512
+    elif args.data_parallel_size != 1:
+        raise ValueError(f"--data-parallel-size={args.data_parallel_size} applies to the throughput and "
+                         f"serving modes, not {args.mode}")
+    if args.data_parallel_size < 1:
+        raise ValueError(f"--data-parallel-size={args.data_parallel_size} must be >= 1")
     out = Path(args.out)
     # Only the chosen mode is imported: serving pulls in gRPC, the others JAX and the engine.
     module = {"throughput": "throughput", "serving": "serving_mode", "scaling": "scaling", "sweep": "sweep"}

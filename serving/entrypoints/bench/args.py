@@ -32,6 +32,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--memory-fraction", type=float, default=0.5)
     g.add_argument("--seq-buckets", default=None, help="throughput/serving: e.g. 64 (default: powers of 2)")
     g.add_argument("--token-buckets", default=None, help="throughput/serving: e.g. 2048")
+    g.add_argument("--data-parallel-size", type=int, default=1, metavar="N",
+                   help="throughput/serving: N engine replicas, one per device (serving: the child "
+                        "server's --data-parallel-size; default 1)")
     for mode_args in (_throughput, _serving_mode, _scaling, _sweep):
         mode_args(p)
 

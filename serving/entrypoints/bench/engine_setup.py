@@ -20,8 +20,8 @@ def weight_bytes(lm: LoadedModel) -> int:
     return int(sum(x.nbytes for x in jax.tree.leaves(nnx.state(lm.model))))
 
 
-def load(model: str, dtype: str, seed: int) -> tuple[LoadedModel, int]:
-    lm = load_model(model, dtype=dtype, seed=seed)
+def load(model: str, dtype: str, seed: int, device: jax.Device | None = None) -> tuple[LoadedModel, int]:
+    lm = load_model(model, dtype=dtype, seed=seed, device=device)
     return lm, weight_bytes(lm)
 
 

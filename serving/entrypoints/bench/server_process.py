@@ -40,6 +40,8 @@ def serve_command(args: argparse.Namespace, max_model_len: int) -> list[str]:
            "--max-prefill-chunk", str(args.max_prefill_chunk), "--max-model-len", str(max_model_len),
            "--page-size", str(args.page_size), "--memory-fraction", str(args.memory_fraction),
            "--no-background-compile"]  # measured from the first request with every executable
+    if getattr(args, "data_parallel_size", 1) > 1:
+        cmd += ["--data-parallel-size", str(args.data_parallel_size)]
     if args.smoke:  # one bucket of each kind, as the in-process smoke engine
         cmd += ["--seq-buckets", str(args.max_num_seqs), "--token-buckets", str(args.max_num_batched_tokens)]
     else:

@@ -38,6 +38,9 @@ def run(args: argparse.Namespace, out: Path) -> dict:
                     timeout_s=args.request_timeout, seed=args.seed)
     if args.server and args.in_process:
         raise ValueError("--server and --in-process exclude each other")
+    if args.data_parallel_size > 1 and (args.server or args.in_process):
+        raise ValueError(f"--data-parallel-size={args.data_parallel_size} sets the child server's "
+                         "replicas; it does not apply with --server or --in-process")
     if args.profile and args.in_process:
         raise ValueError("--profile traces a child server; it does not apply with --in-process")
     openai = args.backend == "openai"

@@ -5,7 +5,8 @@
     server.shutdown(grace_s=30)
 
 `GenerationServer` wires the parts together: an `EngineCore` (the engine loop
-thread), a `grpc.aio` server on its own asyncio event loop in one thread ("grpc-aio"),
+thread; given several engines, a `DataParallelCore` with one per replica), a
+`grpc.aio` server on its own asyncio event loop in one thread ("grpc-aio"),
 the `Generation` servicer (coroutines on that loop, fed one wake-up per engine step by an
 `AsyncEngineClient`, as the HTTP front is: no thread per stream, so the fronts' Python work
 does not fight the engine thread for the GIL at every token), the standard
@@ -48,7 +49,8 @@ import grpc.aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from serving.engine.engine_core import EngineCore, SelfTestFailed
+from serving.engine.data_parallel import make_core
+from serving.engine.engine_core import SelfTestFailed
 from serving.engine.llm_engine import LLMEngine
 from serving.entrypoints.async_engine import AsyncEngineClient
 from serving.entrypoints.grpc.grpc_service import SERVICE, GenerationServicer, add_to_server
@@ -81,19 +83,24 @@ class GenerationServer:
     every probe_interval_s. self_test: run the start-up request.
     """
 
-    def __init__(self, engine: LLMEngine, *, model_name: str, host: str = "127.0.0.1", port: int = 0,
+    def __init__(self, engine: LLMEngine | list[LLMEngine], *, model_name: str, host: str = "127.0.0.1",
+                 port: int = 0,
                  metrics_port: int | None = None, max_waiting: int = 128, max_streams: int | None = None,
                  limits: RequestLimits | None = None, tls: grpc.ServerCredentials | None = None,
                  api_key: str | None = None, unhealthy_after: int = UNHEALTHY_AFTER, self_test: bool = True,
                  probe_interval_s: float = 5.0, http: OpenAIConfig | None = None):
-        self.core = EngineCore(engine, max_waiting=max_waiting, unhealthy_after=unhealthy_after,
-                               probe_interval_s=probe_interval_s)
+        engines = engine if isinstance(engine, list) else [engine]
+        # Several engines (data_parallel_size > 1): one DataParallelCore over them
+        # (serving/engine/data_parallel.py); one: the plain EngineCore.
+        self.core = make_core(engines, max_waiting=max_waiting, unhealthy_after=unhealthy_after,
+                              probe_interval_s=probe_interval_s)
+        engine = engines[0]
         self._self_test = self_test
         self.metrics = ServerMetrics(self.core.stats)
         self.core.on_step.append(self.metrics.on_step)
         self.limits = limits or RequestLimits(
             max_request_bytes=default_request_bytes(engine.plan.scheduler.max_model_len))
-        streams = max_streams or engine.plan.scheduler.max_num_seqs + max_waiting
+        streams = max_streams or sum(e.plan.scheduler.max_num_seqs + max_waiting for e in engines)
         self._loop = _LoopThread("grpc-aio")  # the gRPC front's event loop, from here on
         self.client = AsyncEngineClient(self.core, name="grpc-engine")
         self.health = None
