@@ -23,6 +23,7 @@ from serving.engine.engine_config import EngineConfig
 from serving.engine.engine_core import EngineCore, EngineStopped, QueueFull, SelfTestFailed
 from serving.engine.llm_engine import LLMEngine
 from serving.sample.sampling_params import SamplingParams
+from tests.serving.server_helpers import poisoned
 
 CFG = EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, max_prefill_chunk=16, max_model_len=128,
                    page_size=8, seq_buckets=(1, 4), token_buckets=(32,))
@@ -53,22 +54,6 @@ def wait_for(cond, timeout: float = 30.0) -> bool:
             return False
         time.sleep(0.01)
     return True
-
-
-def poison(engine: LLMEngine, *, lose_state: bool = False):
-    """Every step of `engine` raises (recoverable unless lose_state); returns an undo."""
-    dispatch, lost = engine.runner.dispatch, engine.runner.state_lost
-
-    def faulty(*args, **kwargs):
-        raise RuntimeError("injected fault")
-
-    engine.runner.dispatch = faulty
-    if lose_state:
-        engine.runner.state_lost = lambda: True
-
-    def undo() -> None:
-        engine.runner.dispatch, engine.runner.state_lost = dispatch, lost
-    return undo
 
 
 def main() -> None:
@@ -170,7 +155,7 @@ def queue_checks(engines: list[LLMEngine]) -> None:
 def health_checks(engines: list[LLMEngine]) -> None:
     """Degraded while any replica is; a fatal fault in one replica is fatal for the server;
     a replica's failed self-test fails the start, naming it."""
-    undo = poison(engines[1])
+    undo = poisoned(engines[1], None)
     try:
         DataParallelCore(engines).self_test()
         self_test = "passed"
@@ -187,7 +172,7 @@ def health_checks(engines: list[LLMEngine]) -> None:
     core.on_fatal.append(fatal.append)
     core.start()
     busy = core.submit(params=LONG, prompt_token_ids=PROMPTS[0])  # replica 0
-    undo = poison(engines[1])
+    undo = poisoned(engines[1], None)
     failed = list(core.submit(params=GREEDY, prompt_token_ids=PROMPTS[1]))  # replica 1
     undo()
     degraded = (failed[-1].finish_reason, core.degraded, core.replicas[0].degraded, list(heard))
@@ -195,7 +180,7 @@ def health_checks(engines: list[LLMEngine]) -> None:
     check("degraded while one replica is, serving again after", degraded == ("error", True, False, [False])
           and heard == [False, True] and not core.degraded and len(recovered[0]) == GREEDY.max_tokens,
           (degraded, heard, recovered))
-    undo = poison(engines[1], lose_state=True)
+    undo = poisoned(engines[1], None, lose_state=True)
     try:
         doomed = core.submit(params=GREEDY, prompt_token_ids=PROMPTS[3])  # replica 1: it dies
         try:

@@ -103,3 +103,22 @@ def listening(port: int) -> list[str]:
             ip = ipaddress.ip_address(raw)
             out.append(str(ip.ipv4_mapped or ip) if ip.version == 6 else str(ip))
     return out
+
+
+def poisoned(engine, request_id: str | None, *, lose_state: bool = False):
+    """Make every step that holds `request_id` (None: every step) raise; returns an undo."""
+    dispatch, lost = engine.runner.dispatch, engine.runner.state_lost
+
+    def faulty(arrays, *args, **kwargs):
+        seq = engine.scheduler.get(request_id) if request_id else None
+        if request_id is None or (seq is not None and seq.slot in arrays.slot_ids.tolist()):
+            raise RuntimeError("injected fault")
+        return dispatch(arrays, *args, **kwargs)
+
+    engine.runner.dispatch = faulty
+    if lose_state:
+        engine.runner.state_lost = lambda: True
+
+    def undo() -> None:
+        engine.runner.dispatch, engine.runner.state_lost = dispatch, lost
+    return undo

@@ -18,29 +18,10 @@ from serving.entrypoints.grpc.server import EXIT_ENGINE_FAILED, GenerationServer
 from serving.entrypoints.llm import LLM
 from serving.proto.hybrid_jax.v1 import generation_pb2_grpc as pb_grpc
 from serving.sample.sampling_params import SamplingParams
-from tests.serving.server_helpers import collect, metric_samples, request_for, rpc_code, wait_for
+from tests.serving.server_helpers import collect, metric_samples, poisoned, request_for, rpc_code, wait_for
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 PROMPTS = ["First of all", "Second", "A third one", "Fourth"]
-
-
-def _poisoned(engine, request_id: str | None, *, lose_state: bool = False):
-    """Make every step that holds `request_id` (None: every step) raise; returns an undo."""
-    dispatch, lost = engine.runner.dispatch, engine.runner.state_lost
-
-    def faulty(arrays, *args, **kwargs):
-        seq = engine.scheduler.get(request_id) if request_id else None
-        if request_id is None or (seq is not None and seq.slot in arrays.slot_ids.tolist()):
-            raise RuntimeError("injected fault")
-        return dispatch(arrays, *args, **kwargs)
-
-    engine.runner.dispatch = faulty
-    if lose_state:
-        engine.runner.state_lost = lambda: True
-
-    def undo() -> None:
-        engine.runner.dispatch, engine.runner.state_lost = dispatch, lost
-    return undo
 
 
 def _health(port: int) -> int:
@@ -65,7 +46,7 @@ def server(server_engine, expected):
 def test_a_failed_request_gets_internal_and_the_others_their_output(server, server_engine, expected,
                                                                        caplog):
     before = metric_samples(server.metrics_port)
-    undo = _poisoned(server_engine, "bad")
+    undo = poisoned(server_engine, "bad")
     try:
         with grpc.insecure_channel(f"127.0.0.1:{server.port}") as ch, ThreadPoolExecutor(5) as pool, \
                 caplog.at_level(logging.INFO, logger="serving.requests"):
@@ -92,7 +73,7 @@ def test_a_failed_request_gets_internal_and_the_others_their_output(server, serv
 
 
 def test_an_unrecoverable_fault_turns_health_off_and_exits_non_zero(server, server_engine):
-    undo = _poisoned(server_engine, None, lose_state=True)
+    undo = poisoned(server_engine, None, lose_state=True)
     seen: dict[str, object] = {}
 
     def client() -> None:
@@ -140,7 +121,7 @@ def test_consecutive_failed_requests_turn_health_off_until_one_succeeds(server_e
     serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
     try:
         for recover_by_probe in (False, True):
-            undo = _poisoned(server_engine, None)  # every step fails (state kept: recoverable)
+            undo = poisoned(server_engine, None)  # every step fails (state kept: recoverable)
             try:
                 _fail_one(server.port, "First of all")
                 assert _health(server.port) == serving  # one failure is not a pattern
@@ -166,7 +147,7 @@ def test_consecutive_failed_requests_turn_health_off_until_one_succeeds(server_e
 def test_a_failing_self_test_fails_the_start(server_engine):
     from serving.engine.engine_core import SelfTestFailed
 
-    undo = _poisoned(server_engine, None)
+    undo = poisoned(server_engine, None)
     try:
         server = GenerationServer(server_engine, model_name="native-tiny", port=0)
         with pytest.raises(SelfTestFailed, match="self-test request failed: .*injected fault"):
@@ -189,7 +170,7 @@ def test_serve_exits_non_zero_with_one_line_when_the_self_test_fails(server_engi
     monkeypatch.setattr(serving.engine.llm_engine, "freeze_heap", lambda: None)  # a test process
     root = logging.getLogger()
     handlers, level = root.handlers[:], root.level  # `serve` sets up the process's logging
-    undo = _poisoned(server_engine, None)
+    undo = poisoned(server_engine, None)
     try:
         code = main(["serve", "--model", "native-tiny", "--port", "0", "--metrics-port", "-1",
                      "--log-level", "error"])
