@@ -52,6 +52,7 @@ from benchmarks.arch_figures import measure_decode
 from hybrid_jax import tensor_parallel as tp
 from hybrid_jax.loading import DTYPES, LoadedModel, load_model
 from hybrid_jax.model import CausalLM
+from hybrid_jax.quantization import on_accelerator
 from serving.engine.engine_config import EngineConfig
 from serving.engine.llm_engine import LLMEngine
 from serving.entrypoints.bench.common import emit
@@ -200,7 +201,8 @@ def _run(name: str, lm, spec: str, n: int, a: argparse.Namespace, bw: float, bas
         # where the model is on an accelerator (a full forward of a host copy would take
         # minutes); else uniform routing's (floor.touched_experts: it flatters the step).
         touched = (measured_touched_experts(lm.model, seqs, a.steps)
-                   if local.moe is not None and _on_accelerator(lm.model) else None)
+                   if local.moe is not None and on_accelerator(jax.tree.leaves(nnx.state(lm.model))[0])
+                   else None)
         fb = decode_floor_bytes(local, batch=ran, context=a.context + a.steps // 2,
                                 weight_bytes=per_device, dtype=a.dtype, expert_itemsize=itemsize,
                                 touched=touched)
@@ -218,11 +220,6 @@ def _run(name: str, lm, spec: str, n: int, a: argparse.Namespace, bw: float, bas
             base[(name, 1, b)] = step_s
         emit(a.out, row)
     del engine
-
-
-def _on_accelerator(model) -> bool:
-    leaf = jax.tree.leaves(nnx.state(model))[0]
-    return all(d.platform != "cpu" for d in leaf.devices())
 
 
 def _traced(engine: LLMEngine, batch: int, a: argparse.Namespace) -> dict:

@@ -61,12 +61,12 @@ def quantizes(path: tuple, module: nnx.Module) -> bool:
 
 def quantize_kernel(w: jax.Array, block: int = FP8_BLOCK) -> tuple[jax.Array, jax.Array]:
     """A Linear's kernel [in, out] -> (e4m3 kernel, f32 block scales), where it lives."""
-    if _on_accelerator(w):  # quantized on the device (a real-size model's 2 GB of Linears)
+    if on_accelerator(w):  # quantized on the device (a real-size model's 2 GB of Linears)
         return tuple(a[0] for a in quantize_stack(w[None], block))
     return quantize(w, block)  # host numpy: no compilation per weight shape
 
 
-def _on_accelerator(x) -> bool:
+def on_accelerator(x) -> bool:
     return all(d.platform != "cpu" for d in getattr(x, "devices", lambda: set())())
 
 

@@ -519,14 +519,13 @@ def _check_devices(args: argparse.Namespace) -> None:
 
 def _replicas(args: argparse.Namespace, model: str, cfg) -> list:
     """--data-parallel-size N: N engines, each loading the weights onto its own device group
-    (the host when tensor-parallel); too few devices is refused before anything loads."""
+    (the host when tensor-parallel); too few devices is refused before anything loads
+    (`build_engines` checks)."""
     import jax
 
     from hybrid_jax import tensor_parallel as tp
     from hybrid_jax.loading import load_model
-    from serving.engine.data_parallel import build_engines, check_devices
-
-    check_devices(cfg)
+    from serving.engine.data_parallel import build_engines
 
     def load(rc):
         device = tp.host_device() if rc.tensor_parallel_size > 1 else jax.local_devices()[rc.device_offset]

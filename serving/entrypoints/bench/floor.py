@@ -136,10 +136,11 @@ def measured_touched_experts(model, token_ids: list[list[int]], steps: int, grou
     graphdef, state = nnx.split(model)
     hidden = jax.jit(lambda st, x: nnx.merge(graphdef, st).hidden(x))
     chosen: dict[tuple[int, int], set[int]] = {}  # (layer, step) -> experts
+    width = max(len(t) for t in token_ids)  # one shape for every group: one compilation
     for g in range(0, len(token_ids), group):
         part = token_ids[g:g + group]
         lens = np.array([len(t) for t in part])
-        tokens = np.zeros((group, int(max(len(t) for t in token_ids))), np.int32)  # one shape
+        tokens = np.zeros((group, width), np.int32)
         for i, t in enumerate(part):
             tokens[i, :len(t)] = t
         with record_routing() as rec:
