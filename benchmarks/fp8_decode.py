@@ -7,6 +7,9 @@ dispatched back to back without a sync (so host dispatch overlaps the device), t
 product = wall / (reps x chain):
   bf16        XLA's dot, bf16 weight (the engine's bf16 path)
   fp8_deq     dequantize then the bf16 product (hybrid_jax.layers.fp8 reference path)
+  bf16_reduce the engine's bf16 one-row product (XLA row reduction; 1 row only)
+  reduce:2 / reduce:1  hybrid_jax.layers.fp8.row_reduce, two-stage / one reduction over k
+              (the engine's one-row FP8 product since HYBRID_JAX_FP8_REDUCE; 1 row only)
   gemv:...    pallas_kernels/fp8_gemv.py (Triton lowering), launch variants
   stream:...  pallas_kernels/fp8_stream.py (Mosaic GPU, TMA ring + wgmma), launch variants
 Shapes in `--sweep-shapes` try every launch
@@ -83,6 +86,7 @@ def decode(args, bw):
     import jax.numpy as jnp
     import numpy as np
 
+    from hybrid_jax.layers.fp8 import row_reduce
     from pallas_kernels.fp8_gemv import fp8_gemv
     from pallas_kernels.fp8_stream import (
         Fp8StreamConfig,
@@ -124,6 +128,14 @@ def decode(args, bw):
             variants += [("gemv:" + ",".join(f"{a}={b}" for a, b in g.items()),
                           lambda x, q, s, g=g: fp8_gemv(x, q, s, transposed=True, **g)) for g in gemv_cfgs]
             timed_keys = ["bf16", "fp8_deq"]
+            if rows == 1:
+                red = jax.jit(lambda x, ws: [jnp.sum(x[0].astype(jnp.float32) * w.astype(jnp.float32),
+                                                     axis=-1).astype(jnp.bfloat16) for w in ws])
+                res["bf16_reduce"] = timed(red, (x, [w for w, _, _ in ws]), args.reps) / chain
+                timed_keys.append("bf16_reduce")
+                variants = [(f"reduce:{2 if two else 1}",
+                             lambda x, q, s, two=two: row_reduce(x[0], q, s, BLOCK, two)[None].astype(jnp.bfloat16))
+                            for two in (True, False)] + variants
             for vname, f in variants:
                 if vname in broken:
                     continue
@@ -140,7 +152,7 @@ def decode(args, bw):
                     if "stream" in vname and rows == args.rows[0]:
                         traceback.print_exc(limit=3)
             for key in timed_keys:
-                b = 2 * n * k if key == "bf16" else wbytes
+                b = 2 * n * k if key.startswith("bf16") else wbytes
                 res[key + ":pct"] = round(100 * b / res[key] / bw, 1)
             res = {kk: (round(v * 1e6, 2) if isinstance(v, float) and not kk.endswith((":pct", ":err"))
                         and kk != "copy_bw" else v) for kk, v in res.items()}

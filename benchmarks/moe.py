@@ -29,6 +29,7 @@ weights at the copy bandwidth measured in the same process; TFLOP/s of the route
 
     PYTHONPATH=. python benchmarks/moe.py --vllm .anchors        # GPU: prefill 4096 + decode 1/8/64
     PYTHONPATH=. python benchmarks/moe.py --tokens 1 8 --reps 20
+    PYTHONPATH=. python benchmarks/moe.py --shape granite-tiny --tokens 1 8 64 --variants kernel
     PYTHONPATH=. python benchmarks/moe.py --smoke              # CPU: tiny shapes, wall time
 """
 
@@ -53,10 +54,12 @@ from serving.entrypoints.bench.trace_report import gpu_kernel_events
 from serving.runner.step_fns import compile_options
 
 GRANITE_SMALL = dict(d=4096, e=72, f=768, k=10)
+GRANITE_TINY = dict(d=1536, e=64, f=512, k=6)  # configs/models/granite-4.0-h-tiny.json
 SMOKE = dict(d=64, e=8, f=32, k=2)
 # Tile choices tried beside the engine's
 # (bm, bn, bk, warps, stages, cols_major)
-DECODE_TRIES = [(16, 128, 64, 4, 4, False), (16, 64, 128, 4, 4, False), (16, 256, 64, 8, 3, False)]
+DECODE_TRIES = [(16, 128, 64, 4, 4, False), (16, 64, 128, 4, 4, False), (16, 256, 64, 8, 3, False),
+                (16, 32, 128, 4, 4, False), (16, 64, 128, 4, 6, False), (16, 64, 64, 4, 6, False)]
 PREFILL_TRIES = [(128, 128, 64, 8, 4, False), (64, 128, 64, 4, 4, True)]
 # vLLM fused_moe_kernel configs tried beside its default (BLOCK_SIZE_M/N/K, GROUP_SIZE_M, warps, stages).
 VLLM_DECODE = [(16, 64, 128, 1, 4, 4), (16, 128, 64, 1, 4, 4)]
@@ -240,11 +243,13 @@ def main() -> None:
     p.add_argument("--tokens", type=int, nargs="+", default=[4096, 1, 8, 64])
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--smoke", action="store_true", help="tiny shapes (CPU check of the script)")
+    p.add_argument("--shape", choices=["granite-small", "granite-tiny"], default="granite-small",
+                   help="expert shapes (granite-tiny: d 1536, 64 experts of width 512, top 6)")
     p.add_argument("--vllm", metavar="DIR", help="folder of the local vLLM fused-MoE copy (torch, GPU)")
     p.add_argument("--out", help="also append each row as a JSON line here")
     p.add_argument("--variants", nargs="+", help="only the JAX variants whose names start so")
     a = p.parse_args()
-    shapes = SMOKE if a.smoke else GRANITE_SMALL
+    shapes = SMOKE if a.smoke else GRANITE_TINY if a.shape == "granite-tiny" else GRANITE_SMALL
     bw = copy_bandwidth(1 << 24 if a.smoke else 1 << 30)
     head = run_head(shapes, bw)
     print(json.dumps(head), flush=True)

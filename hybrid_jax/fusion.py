@@ -27,6 +27,9 @@ four (58 -> 81% of the copy-bandwidth floor at 8 rows, 57 -> 77% at 64).
   their weights stacked into one array per kind (`RMSNorm.stack_row`), which the decode
   step's norm kernels read in place (pallas_kernels/decode_glue.py).
 
+- a bf16 MoE layer's f32 router also as its three bf16 terms (`MoE.router_split`,
+  layers/moe.router_terms), so the step's exact-f32 routing GEMM does not split it anew.
+
 - every plain Linear of the layers (the fused ones and the rest, e.g. down_proj) with
   its kernel transposed, [out, in] (`Linear.transposed`): as fast for cuBLAS at 8-128
   rows, and at one row XLA's reduction over each kernel row streams the weights at
@@ -58,7 +61,7 @@ from flax import nnx
 from hybrid_jax.layers import linear
 from hybrid_jax.layers.attention import Attention
 from hybrid_jax.layers.linear import Linear
-from hybrid_jax.layers.moe import MoE
+from hybrid_jax.layers.moe import MoE, router_terms
 from hybrid_jax.model import Block, CausalLM
 from pallas_kernels.stream_gemm import load_runtime
 
@@ -209,6 +212,9 @@ def fuse_projections(model: CausalLM) -> CausalLM:
             mlp.gate_up_proj = nnx.data(_concat([mlp.gate_proj, mlp.up_proj], axis=1))
             mlp.gate_proj = mlp.up_proj = None
         _transpose_rest(block)
+        moe = block.moe
+        if moe is not None and moe.dtype == jnp.bfloat16:  # the router's bf16 terms, once
+            moe.router_split = nnx.data(nnx.Param(router_terms(moe.router[...])))
     # Small per-layer parameters that decode kernels take as one stack, read at each
     # layer's row in place (`stack_row`): a per-layer slice of the step's packed
     # parameters is copied before every custom call (a buffer of its own).

@@ -35,6 +35,7 @@ from pallas_kernels.fp8_stream import fits as stream_fits
 from pallas_kernels.fp8_stream import fp8_stream_matmul
 
 FP8_GEMV = switches.fp8_gemv()  # HYBRID_JAX_FP8_GEMV=0: the dequantize path at every row count
+FP8_REDUCE = switches.fp8_reduce()  # HYBRID_JAX_FP8_REDUCE=1: one-row products as XLA reductions
 FP8 = jnp.dtype(jnp.float8_e4m3fn)
 FP8_MAX = float(jnp.finfo(FP8).max)  # 448
 
@@ -78,9 +79,14 @@ def fp8_matmul(x: jax.Array, kernel: jax.Array, scale: jax.Array, *, block: int,
     apart before the GEMM (measured faster than XLA fusing it into the GEMM)."""
     from hybrid_jax.layers.linear import matmul
 
+    from hybrid_jax.layers.linear import reduction_gemv
+
     rows, k = math.prod(x.shape[:-1]), x.shape[-1]
     n = kernel.shape[0] if transposed else kernel.shape[1]
     impl = resolve_impl(impl)
+    if rows == 1 and transposed and FP8_REDUCE and impl != "reference" and reduction_gemv():
+        y = row_reduce(x.reshape(k), kernel, scale, block).astype(dtype)
+        return y.reshape(*x.shape[:-1], n)
     if (impl == "pallas" and FP8_GEMV and transposed and jnp.dtype(dtype) == jnp.bfloat16
             and stream_fits(rows, k, n, block) and _hopper()):
         y = fp8_stream_matmul(x.reshape(rows, k).astype(dtype), kernel, scale, out_dtype=dtype)
@@ -96,6 +102,27 @@ def fp8_matmul(x: jax.Array, kernel: jax.Array, scale: jax.Array, *, block: int,
         # 8192 rows: 513 vs 622 us at 11264 x 2048; bf16 464; docs/kernels.md "FP8").
         w = jax.lax.optimization_barrier(w)
     return matmul(x, w, transposed)
+
+
+def row_reduce(x: jax.Array, kernel: jax.Array, scale: jax.Array, block: int,
+               two_stage: bool = True) -> jax.Array:
+    """One row x [k] times the FP8 kernel [n, k] transposed -> y [n] f32, as XLA reductions
+    over the e4m3 weight read once (no kernel launch of our own: at one row a product is a
+    weight stream, and XLA's row reduction streams 1-byte elements well; the FP8 decode
+    kernels' fixed cost per launch is what one-row products lose, docs/kernels.md "FP8").
+
+    `two_stage` (k whole blocks): sum each 128-wide block of x * W in f32, then the block
+    sums times their scales; else one reduction over k of x * W * its expanded scale.
+    Both exact products in f32 (the dequantize path rounds W to the compute dtype first)."""
+    n, k = kernel.shape
+    xf = x.astype(jnp.float32)
+    if two_stage and k % block == 0:
+        kb = k // block
+        part = jnp.sum(kernel.reshape(n, kb, block).astype(jnp.float32) * xf.reshape(kb, block), axis=-1)
+        s = jnp.repeat(scale.astype(jnp.float32), block, axis=0)[:n]
+        return jnp.sum(part * s, axis=-1)
+    w = kernel.astype(jnp.float32) * expand_scale(scale, kernel.shape, block)
+    return jnp.sum(w * xf, axis=-1)
 
 
 def _hopper() -> bool:

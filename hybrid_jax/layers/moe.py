@@ -80,28 +80,36 @@ def _tap(experts) -> None:
         _ROUTING_TAPS[-1].append(np.asarray(experts))
 
 
-def router_logits(x: jax.Array, router: jax.Array) -> jax.Array:
-    """x [t, d] @ router [d, e] -> [t, e] f32 logits, to f32 precision: a TF32 logit can flip
-    a near-tie between two experts. For bf16 x, the f32 router is split into three bf16
-    terms (hi + mid + lo holds its 24-bit significand) and one bf16 GEMM with f32
-    accumulation takes all three: every product exact, as the f32 GEMM's, on tensor cores
-    (an f32 GEMM at 64 tokens ran on CUDA cores: 55 us a layer on an H100, granite-4.0-h-tiny)."""
-    if x.dtype != jnp.bfloat16:
-        return jnp.dot(x.astype(F32), router.astype(F32), precision=jax.lax.Precision.HIGHEST)
+def router_terms(router: jax.Array) -> jax.Array:
+    """The f32 router [d, e] as three bf16 terms side by side [d, 3e]: hi + mid + lo holds
+    its 24-bit significand exactly (`router_logits`). Computed once when the serving copy
+    is built (hybrid_jax/fusion.py), not in every step."""
     r = router.astype(F32)
     hi = r.astype(jnp.bfloat16)
     rest = r - hi.astype(F32)
     mid = rest.astype(jnp.bfloat16)
     lo = (rest - mid.astype(F32)).astype(jnp.bfloat16)
-    e = r.shape[1]
-    terms = jnp.dot(x, jnp.concatenate([hi, mid, lo], axis=1), preferred_element_type=F32)
-    return (terms[:, :e] + terms[:, e:2 * e]) + terms[:, 2 * e:]
+    return jnp.concatenate([hi, mid, lo], axis=1)
+
+
+def router_logits(x: jax.Array, router: jax.Array, terms: jax.Array | None = None) -> jax.Array:
+    """x [t, d] @ router [d, e] -> [t, e] f32 logits, to f32 precision: a TF32 logit can flip
+    a near-tie between two experts. For bf16 x, the f32 router is split into three bf16
+    terms (`router_terms`; `terms` if given, else split here) and one bf16 GEMM with f32
+    accumulation takes all three: every product exact, as the f32 GEMM's, on tensor cores
+    (an f32 GEMM at 64 tokens ran on CUDA cores: 55 us a layer on an H100, granite-4.0-h-tiny)."""
+    if x.dtype != jnp.bfloat16:
+        return jnp.dot(x.astype(F32), router.astype(F32), precision=jax.lax.Precision.HIGHEST)
+    e = router.shape[1]
+    out = jnp.dot(x, router_terms(router) if terms is None else terms, preferred_element_type=F32)
+    return (out[:, :e] + out[:, e:2 * e]) + out[:, 2 * e:]
 
 
 def route(x: jax.Array, router: jax.Array, bias: jax.Array | None,
-          cfg: MoEConfig) -> tuple[jax.Array, jax.Array]:
-    """x [t, d] -> (weights [t, k] f32, experts [t, k] int32); see `MoEConfig`."""
-    logits = router_logits(x, router)
+          cfg: MoEConfig, terms: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """x [t, d] -> (weights [t, k] f32, experts [t, k] int32); see `MoEConfig`. `terms`:
+    the router's bf16 terms (`router_terms`), when the serving copy holds them."""
+    logits = router_logits(x, router, terms)
     scores = jax.nn.softmax(logits, axis=-1) if cfg.scores == "softmax" else jax.nn.sigmoid(logits)
     choice = scores if bias is None else scores + bias.astype(F32)
     if cfg.n_group > 1:  # keep the topk_group groups with the best sum of their two best scores
@@ -207,6 +215,9 @@ class MoE(nnx.Module):
         self.fp8_at_draw = fp8_block is not None
         # The router and expert bias stay f32 whatever the dtype (Nemotron-H keeps them so).
         self.router = normal((dim, e), dim, F32)
+        # The serving copy's router as three bf16 terms [dim, 3e] (`router_terms`, set by
+        # hybrid_jax/fusion.py for bf16 compute): the split paid once, not per step.
+        self.router_split: nnx.Param | None = nnx.data(None)
         self.expert_bias = nnx.Param(jnp.zeros((e,), F32)) if cfg.expert_bias else None
         first = ("gate_up", (e, dim, 2 * f), dim) if cfg.gated else ("up", (e, dim, f), dim)
         setattr(self, "up" if cfg.gated else "gate_up", None)
@@ -259,7 +270,8 @@ class MoE(nnx.Module):
 
     def route(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         bias = None if self.expert_bias is None else self.expert_bias[...]
-        return route(x, self.router[...], bias, self.cfg)
+        terms = None if self.router_split is None else self.router_split[...]
+        return route(x, self.router[...], bias, self.cfg, terms)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         shape = x.shape

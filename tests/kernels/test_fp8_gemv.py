@@ -85,3 +85,40 @@ def test_fp8_stream_against_float64():
     assert not stream_fits(1, 300, 200, 128) and not stream_fits(1, 512, 200, 64)
     with pytest.raises(ValueError, match="scale must be"):
         fp8_stream_matmul(jnp.ones((1, 512), jnp.bfloat16), kernel, scale[:, :2])
+
+
+def test_fp8_row_reduce_against_float64(monkeypatch):
+    """The one-row FP8 product as XLA reductions (hybrid_jax.layers.fp8.row_reduce), both
+    forms, against float64: whole 128-blocks, and k with an edge block (one reduction);
+    `fp8_matmul` takes it for one row of an [out, in] kernel where one-row products are
+    reductions (a GPU; forced here), and not for two rows or the [in, out] layout."""
+    from hybrid_jax.layers import fp8, linear
+    from hybrid_jax.layers.fp8 import fp8_matmul, row_reduce
+
+    rng = np.random.default_rng(11)
+    for n, k in ((200, 512), (130, 300)):
+        w = rng.standard_normal((n, k)).astype(np.float32) * rng.uniform(0.01, 10, (n, 1))
+        kernel, scale = quantize(w, 128)
+        deq = np.asarray(kernel, np.float64) * np.kron(np.asarray(scale, np.float64),
+                                                       np.ones((128, 128)))[:n, :k]
+        x = rng.standard_normal(k).astype(np.float32)
+        want = deq @ x.astype(np.float64)
+        for two in (True, False):
+            got = np.asarray(row_reduce(jnp.asarray(x), kernel, scale, 128, two_stage=two))
+            assert got.shape == (n,) and got.dtype == np.float32
+            np.testing.assert_allclose(got, want, atol=1e-5 * np.abs(want).max(), err_msg=f"{n}x{k} {two}")
+    monkeypatch.setattr(linear, "reduction_gemv", lambda: True)
+    monkeypatch.setattr(fp8, "FP8_REDUCE", True)
+    kw = dict(block=128, dtype=jnp.float32)
+    for shape, transposed, taken in (((1, 1, 300), True, True), ((2, 300), True, False),
+                                     ((1, 300), False, False)):
+        held = kernel if transposed else kernel.T
+        sc = scale if transposed else scale.T
+        xs = jnp.asarray(rng.standard_normal(shape), jnp.float32)
+        jaxpr = str(jax.make_jaxpr(lambda a: fp8_matmul(a, held, sc, **kw, transposed=transposed,
+                                                        impl="interpret"))(xs))
+        assert ("dot_general" not in jaxpr) == taken, (shape, transposed)
+        got = fp8_matmul(xs, held, sc, **kw, transposed=transposed, impl="interpret")
+        ref = fp8_matmul(xs, held, sc, **kw, transposed=transposed, impl="reference")
+        assert got.shape == (*shape[:-1], 130)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-5, atol=1e-5)
