@@ -17,7 +17,8 @@ import pytest
 
 from hybrid_jax.presets import load_preset
 from serving.engine.engine_config import EngineConfig, plan_pools
-from serving.entrypoints.cli import _parser, main
+from serving.entrypoints.cli import main
+from serving.entrypoints.cli_args import build_parser
 from serving.entrypoints.cli_support import user_message
 from serving.entrypoints.hub import resolve_model
 
@@ -75,10 +76,10 @@ def test_http_flags_are_checked_before_anything_loads(free_port, tmp_path):
     line = _one_error_line(out.stderr, "serve")
     assert out.returncode == 2 and f"--http-port {free_port}" in line and "in use" in line
     assert seconds < 15
-    from serving.entrypoints.cli import _http_config
+    from serving.entrypoints.cli_commands import http_config
 
     def check(*flags: str) -> None:
-        _http_config(_parser().parse_args(["serve", *flags]))
+        http_config(build_parser().parse_args(["serve", *flags]))
 
     with pytest.raises(ValueError, match="--chat-template needs --http-port"):
         check("--chat-template", str(tmp_path / "t.jinja"))
@@ -89,9 +90,9 @@ def test_http_flags_are_checked_before_anything_loads(free_port, tmp_path):
     with pytest.raises(FileNotFoundError, match="missing.jinja: no such file"):
         check("--http-port", "0", "--chat-template", str(tmp_path / "missing.jinja"))
     (tmp_path / "t.jinja").write_text("{{ messages }}")
-    config = _http_config(_parser().parse_args(["serve", "--model", "native-tiny", "--http-port", "0",
-                                                "--chat-template", str(tmp_path / "t.jinja"),
-                                                "--default-chat-template-kwargs", '{"a": false}']))
+    config = http_config(build_parser().parse_args(["serve", "--model", "native-tiny", "--http-port", "0",
+                                                    "--chat-template", str(tmp_path / "t.jinja"),
+                                                    "--default-chat-template-kwargs", '{"a": false}']))
     assert config.model_name == "native-tiny" and config.default_chat_template_kwargs == {"a": False}
 
 
@@ -123,7 +124,7 @@ def test_debug_env_keeps_the_traceback(monkeypatch):
 
 
 def test_multi_line_errors_become_one_line():
-    args = _parser().parse_args(["generate", "x"])
+    args = build_parser().parse_args(["generate", "x"])
     assert user_message(ValueError("missing:\n  a.b\n  c.d"), args) == "missing:; a.b; c.d"
 
 
@@ -139,7 +140,7 @@ def _budget_refusal() -> str:
     ("serve", "lower --max-model-len or --max-prefill-chunk, or raise --memory-fraction", "max_model_len or"),
 ])
 def test_memory_refusal_names_flags_the_subcommand_has(command, want, absent):
-    args = _parser().parse_args([command, "x"] if command == "generate" else [command])
+    args = build_parser().parse_args([command, "x"] if command == "generate" else [command])
     message = user_message(ValueError(_budget_refusal()), args)
     assert want in message and absent not in message.split(": ")[-1]
 

@@ -32,15 +32,10 @@ id, stop string) seen one step late discards the extra step's sample. Freed page
 and slots are only reused by steps dispatched later, which the device runs after
 the in-flight ones, so an early free never corrupts a running step.
 
-Speculative decoding (`schedule(spec)`, serving/spec_decode/speculative.py): when every running
-sequence decodes, is eligible, nothing waiting can be admitted, at most `spec.max_seqs`
-run and the pages for q = k + 1 tokens of each are free, the step is a verification
-step (unless nothing at all was proposed: then the plain decode step runs): each
-sequence computes its last token plus up to k drafts (`num_drafts`), and
-`update` takes the accepted drafts and the next token (a list per entry), rewinding
-`num_computed_tokens` to the last accepted position. K/V written for rejected drafts
-stay in held pages and are overwritten later. Otherwise the step is planned as usual.
-Verification needs the synchronous loop (no schedule in flight).
+Speculative decoding (`schedule(spec)`): when at most `spec.max_seqs` sequences run, every
+one decodes, may verify and has the pages for q = k + 1 tokens, nothing waiting can be
+admitted and nothing is in flight, the step is a verification step. Which sequences may
+verify, their entries, and what `update` keeps of them: serving/core/verify_step.py.
 
 Prefix caching (`config.prefix_caching`, serving/core/prefix_cache.py): a sequence admitted
 with nothing computed starts at the longest cached prefix where every layer group can
@@ -56,12 +51,11 @@ from __future__ import annotations
 import bisect
 import itertools
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
-from serving.core import decode_block
+from serving.core import decode_block, verify_step
 from serving.core.block_table import KVGroup
 from serving.core.decode_block import DecodeBlock
 from serving.core.pools import DUMMY_INDEX, SlotPool
@@ -69,6 +63,7 @@ from serving.core.prefix_cache import PrefixCache
 from serving.core.schedule import PENDING, Schedule, ScheduledSeq, StepOutput
 from serving.core.scheduler_config import SchedulerConfig
 from serving.core.sequence import FinishReason, Sequence, SequenceStatus, check_stop
+from serving.core.verify_step import SpecPlan
 
 RUNNING = SequenceStatus.RUNNING
 FINISHED = SequenceStatus.FINISHED
@@ -105,16 +100,6 @@ class _Step:
         (self.decodes if decode else self.prefills).append(entry)
         self.scheduled.add(entry.seq.request_id)
         self.budget -= entry.num_tokens
-
-
-class SpecPlan(NamedTuple):
-    """What the engine offers for a verification step (see the module docstring)."""
-
-    q: int  # tokens per sequence: 1 + k
-    max_seqs: int  # speculate only while at most this many sequences run
-    eligible: Callable[[Sequence], bool]  # the sequence may be verified (its sampling allows it)
-    # (sequence, n) pairs -> up to n drafts following each sequence's token_ids
-    propose: Callable[[list[tuple[Sequence, int]]], list[list[int]]]
 
 
 class Scheduler:
@@ -230,13 +215,11 @@ class Scheduler:
             self._release_window(seq)
         q = 0
         if spec is not None and self._can_verify(spec):
-            work = [(seq, max(0, min(spec.q - 1, seq.params.max_tokens - seq.num_output_tokens - 1)))
-                    for seq in self.running]
-            drafts = [d[:n] for (_, n), d in zip(work, spec.propose(work), strict=True)]
-            if any(drafts):  # else the plain decode step: nothing to verify
+            entries = verify_step.plan(spec, self.running, self.groups)
+            if entries:  # else the plain decode step: nothing to verify
                 q = spec.q
-                for (seq, _), d in zip(work, drafts, strict=True):
-                    step.add(self._commit_verify(seq, q, d), decode=True)
+                for entry in entries:
+                    step.add(entry, decode=True)
         if not q:
             block = self._decode_block()
             if block is not None:  # the common step, planned over columns
@@ -285,7 +268,9 @@ class Scheduler:
         for entry, token in zip(schedule.entries, sampled_token_ids, strict=True):
             seq = entry.seq
             if entry.num_drafts >= 0:
-                out = self._update_verify(entry, [int(t) for t in token])
+                out = verify_step.update(entry, [int(t) for t in token], groups=self.groups,
+                                         prefix=self.prefix, eos_token_ids=self.eos_token_ids,
+                                         finish=self._finish)
                 if out is not None:
                     outputs.append(out)
                 continue
@@ -314,32 +299,6 @@ class Scheduler:
             outputs.append(StepOutput(seq, [token], reason is not None))
         return outputs
 
-    def _update_verify(self, entry: ScheduledSeq, tokens: list[int]) -> StepOutput | None:
-        """A verification entry: `tokens` = accepted drafts then the next token."""
-        seq = entry.seq
-        accepted = len(tokens) - 1
-        assert 0 <= accepted <= entry.num_drafts, (accepted, entry.num_drafts)
-        if seq.is_finished:
-            return None
-        seq.num_pending -= 1
-        new: list[int] = []
-        reason = None
-        for tok in tokens:
-            seq.append_token(tok)
-            new.append(tok)
-            reason = check_stop(seq, self.eos_token_ids)
-            if reason is not None:
-                break
-        if seq.status is RUNNING:
-            seq.num_computed_tokens += accepted  # the state chosen is the last accepted position's
-            if self.prefix is not None:  # pages computed up to it are real (none hold a rejection)
-                self.prefix.commit(entry, end=entry.start + 1 + accepted)
-            for group, ring in zip(self.groups, seq.rings, strict=True):
-                group.release(ring, seq.num_computed_tokens)
-        if reason is not None:
-            self._finish(seq, reason)
-        return StepOutput(seq, new, reason is not None)
-
     def verify_ready(self, spec: SpecPlan) -> bool:
         """Whether a verification step could run once the steps in flight are resolved:
         what the engine asks before waiting for them (multi-step decoding)."""
@@ -353,31 +312,7 @@ class Scheduler:
         if self.waiting and self._can_admit() and any(s.request_id not in self.held and not s.num_pending
                                                       for s in self.waiting):
             return False
-        need = [0] * len(self.groups)
-        for seq in self.running:
-            n = seq.num_computed_tokens
-            if (seq.status is not RUNNING or seq.num_uncomputed_tokens != 1
-                    or (seq.num_pending and drained)
-                    or n + spec.q > self.config.max_model_len or not spec.eligible(seq)):
-                return False
-            for i, (g, ring) in enumerate(zip(self.groups, seq.rings, strict=True)):
-                need[i] += g.pages_needed(ring, n, spec.q)
-        return all(k <= g.cache.num_free for k, g in zip(need, self.groups, strict=True))
-
-    def _commit_verify(self, seq: Sequence, q: int, drafts: list[int]) -> ScheduledSeq:
-        """Pages for q tokens from the last one; tokens: it, the drafts, padding (id 0)."""
-        n = seq.num_computed_tokens
-        pairs = tuple(zip(self.groups, seq.rings, strict=True))
-        for group, ring in pairs:
-            group.allocate(ring, n, q)
-        entry = ScheduledSeq(
-            seq=seq, token_ids=(seq.token_ids[n], *drafts, *([0] * (q - 1 - len(drafts)))),
-            start=n, slot=seq.slot, ring_rows=tuple(g.row(r) for g, r in pairs),
-            slot_mappings=tuple(tuple(g.slot_mapping(r, n, q)) for g, r in pairs),
-            samples=True, out_index=seq.num_output_tokens, num_drafts=len(drafts))
-        seq.num_computed_tokens += 1  # the drafts count once accepted (update)
-        seq.num_pending += 1
-        return entry
+        return verify_step.fits(spec, self.running, self.groups, self.config.max_model_len, drained=drained)
 
     def rollback(self, schedule: Schedule) -> list[Sequence]:
         """Undo a step that failed: its sequences go back to waiting, to be recomputed.

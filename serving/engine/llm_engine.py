@@ -21,8 +21,9 @@ from hybrid_jax.kv_quant import calibrate_kv_scales, kv_dtype
 from hybrid_jax.loading import DTYPES, LoadedModel, load_model
 from hybrid_jax.quantization import fp8_linears
 from serving.core.schedule import PENDING, Schedule, flatten
-from serving.core.scheduler import Scheduler, SpecPlan
+from serving.core.scheduler import Scheduler
 from serving.core.sequence import FinishReason, Sequence, SequenceStatus
+from serving.core.verify_step import SpecPlan
 from serving.engine.detokenizer import IncrementalDetokenizer
 from serving.engine.engine_config import EngineConfig, PoolPlan, plan_pools
 from serving.engine.faults import EngineFatal, FaultIsolator

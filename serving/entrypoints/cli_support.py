@@ -158,29 +158,3 @@ def check_bindable(host: str, port: int, flag: str = "--port") -> None:
                 sock.bind(addr)
             except OSError as err:
                 raise OSError(f"cannot listen on {host}:{port} ({flag} {port}): {err.strerror}") from err
-
-
-def add_client_args(p: argparse.ArgumentParser) -> None:
-    """`hybrid-jax client`'s arguments (here, not in serving/entrypoints/grpc/client.py, so that building the
-    CLI's parser imports no gRPC: `generate` runs whatever grpcio is installed)."""
-    p.add_argument("prompt", nargs="?", help="prompt text (not needed with --info)")
-    p.add_argument("--server", default="localhost:50051", help="host:port (default localhost:50051)")
-    p.add_argument("--max-tokens", type=int, help="output tokens at most (server default 16)")
-    p.add_argument("--temperature", type=float, help="0 = greedy (server default 1.0)")
-    p.add_argument("--top-k", type=int, help="keep the k most likely tokens (-1 = off)")
-    p.add_argument("--top-p", type=float, help="nucleus mass in (0, 1]")
-    p.add_argument("--min-p", type=float, help="drop tokens below min_p * p(best)")
-    p.add_argument("--min-tokens", type=int, help="do not stop before this many tokens")
-    p.add_argument("--seed", type=int, help="per-request seed for reproducible sampling")
-    p.add_argument("--stop", action="append", help="stop string (repeatable)")
-    p.add_argument("--stop-token-id", type=int, action="append", dest="stop_token_ids",
-                   help="stop token id (repeatable)")
-    p.add_argument("--ignore-eos", action="store_true", default=None, help="generate past EOS")
-    p.add_argument("--timeout", type=float, help="deadline in seconds (the server aborts at expiry)")
-    p.add_argument("--request-id", default="", help="request id for the server logs (default: generated)")
-    p.add_argument("--tls", action="store_true", help="connect with TLS, trusting the system's CAs")
-    p.add_argument("--tls-ca", metavar="PEM", help="connect with TLS, trusting this CA certificate")
-    p.add_argument("--api-key", default=switches.api_key(),
-                   help="sent as 'authorization: Bearer KEY' (default: $HYBRID_JAX_API_KEY)")
-    p.add_argument("--usage", action="store_true", help="print finish reason and usage to stderr")
-    p.add_argument("--info", action="store_true", help="print the server's model info as JSON and exit")

@@ -82,11 +82,11 @@ def test_load_and_engine_quantize_and_refuse_unknown_quantization():
 
 
 def test_cli_subcommands_take_quantization():
-    from serving.entrypoints.cli import _parser
+    from serving.entrypoints.cli_args import build_parser
 
     for command, rest in (("generate", ["x"]), ("serve", [])):
-        assert _parser().parse_args([command, "--quantization", "fp8", *rest]).quantization == "fp8"
-        assert _parser().parse_args([command, *rest]).quantization is None
+        assert build_parser().parse_args([command, "--quantization", "fp8", *rest]).quantization == "fp8"
+        assert build_parser().parse_args([command, *rest]).quantization is None
 
 
 def test_expert_stacks_quantize_in_slices_as_a_whole():

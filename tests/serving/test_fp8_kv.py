@@ -97,10 +97,10 @@ def test_fp8_kv_planning_scales_and_refusals(lm):
 
 
 def test_cli_subcommands_take_kv_cache_dtype():
-    from serving.entrypoints.cli import _parser
+    from serving.entrypoints.cli_args import build_parser
 
     for command, rest in (("generate", ["x"]), ("serve", [])):
-        args = _parser().parse_args([command, "--kv-cache-dtype", "fp8", "--kv-scale", "tensor", *rest])
+        args = build_parser().parse_args([command, "--kv-cache-dtype", "fp8", "--kv-scale", "tensor", *rest])
         assert (args.kv_cache_dtype, args.kv_scale) == ("fp8", "tensor")
-        args = _parser().parse_args([command, *rest])
+        args = build_parser().parse_args([command, *rest])
         assert (args.kv_cache_dtype, args.kv_scale) == ("auto", "head")

@@ -183,9 +183,10 @@ def test_mtp_loader_is_strict_and_round_trips():
 
 
 def test_cli_takes_the_mtp_method():
-    from serving.entrypoints.cli import _parser, _spec_kwargs
+    from serving.entrypoints.cli_args import build_parser
+    from serving.entrypoints.cli_commands import spec_kwargs
 
-    args = _parser().parse_args(["generate", "hi", "--speculative-method", "mtp",
-                                 "--num-speculative-tokens", "2"])
-    cfg = EngineConfig(**_spec_kwargs(args))
+    args = build_parser().parse_args(["generate", "hi", "--speculative-method", "mtp",
+                                      "--num-speculative-tokens", "2"])
+    cfg = EngineConfig(**spec_kwargs(args))
     assert (cfg.speculative_method, cfg.num_speculative_tokens, cfg.spec_q) == ("mtp", 2, 3)

@@ -18,7 +18,8 @@ import pytest
 from hybrid_jax.generate import greedy_generate
 from hybrid_jax.loading import load_model
 from serving.engine.engine_config import EngineConfig
-from serving.entrypoints.cli import ENGINE_DEFAULTS, main
+from serving.entrypoints.cli import main
+from serving.entrypoints.cli_args import ENGINE_DEFAULTS
 from serving.proto.hybrid_jax.v1 import generation_pb2_grpc as pb_grpc
 from serving.sample.sampling_params import SamplingParams
 from tests.serving.server_helpers import request_for

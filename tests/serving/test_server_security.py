@@ -14,7 +14,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from serving.entrypoints.cli import _parser
+from serving.entrypoints.cli_args import build_parser
 from serving.entrypoints.grpc.client import GenerationClient, open_channel
 from serving.entrypoints.grpc.security import tls_credentials
 from serving.entrypoints.grpc.server import GenerationServer
@@ -57,7 +57,7 @@ def served(server_engine, tmp_path_factory):
 
 def test_defaults_bind_localhost_only():
     assert inspect.signature(GenerationServer).parameters["host"].default == "127.0.0.1"
-    assert _parser().parse_args(["serve"]).host == "127.0.0.1"
+    assert build_parser().parse_args(["serve"]).host == "127.0.0.1"
 
 
 def test_grpc_and_metrics_listen_on_127_0_0_1_and_nowhere_else(served):

@@ -381,17 +381,19 @@ def test_draft_model_memory_is_planned_with_the_pools(native):
 
 
 def test_cli_flags_reach_the_engine_config():
-    from serving.entrypoints.cli import _parser, _spec_kwargs
+    from serving.entrypoints.cli_args import build_parser
+    from serving.entrypoints.cli_commands import spec_kwargs
 
     for cmd in (["generate", "hi"], ["serve"]):
-        args = _parser().parse_args([*cmd, "--speculative-method", "draft", "--num-speculative-tokens", "2",
-                                     "--speculative-model", "native-tiny",
-                                     "--speculative-disable-by-batch-size", "0"])
-        cfg = EngineConfig(**_spec_kwargs(args))
+        args = build_parser().parse_args([*cmd, "--speculative-method", "draft",
+                                          "--num-speculative-tokens", "2",
+                                          "--speculative-model", "native-tiny",
+                                          "--speculative-disable-by-batch-size", "0"])
+        cfg = EngineConfig(**spec_kwargs(args))
         assert (cfg.speculative_method, cfg.num_speculative_tokens, cfg.speculative_model,
                 cfg.speculative_disable_by_batch_size) == ("draft", 2, "native-tiny", None)
-        args = _parser().parse_args([*cmd, "--num-scheduler-steps", "6", "--multi-step-max-seqs", "2"])
-        cfg = EngineConfig(**_spec_kwargs(args))
+        args = build_parser().parse_args([*cmd, "--num-scheduler-steps", "6", "--multi-step-max-seqs", "2"])
+        cfg = EngineConfig(**spec_kwargs(args))
         assert (cfg.num_scheduler_steps, cfg.multi_step_max_seqs, cfg.multi_q) == (6, 2, 6)
 
 

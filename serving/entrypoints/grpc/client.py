@@ -22,7 +22,7 @@ from pathlib import Path
 import grpc
 from google.protobuf.json_format import MessageToDict
 
-from serving.entrypoints.cli_support import add_client_args  # noqa: F401  (its home before; argparse only)
+from serving.entrypoints.cli_args import add_client_args  # noqa: F401  (its home before; argparse only)
 from serving.proto.hybrid_jax.v1 import generation_pb2 as pb
 from serving.proto.hybrid_jax.v1 import generation_pb2_grpc as pb_grpc
 
