@@ -133,9 +133,8 @@ def decode(args, bw):
                                                      axis=-1).astype(jnp.bfloat16) for w in ws])
                 res["bf16_reduce"] = timed(red, (x, [w for w, _, _ in ws]), args.reps) / chain
                 timed_keys.append("bf16_reduce")
-                variants = [(f"reduce:{2 if two else 1}",
-                             lambda x, q, s, two=two: row_reduce(x[0], q, s, BLOCK, two)[None].astype(jnp.bfloat16))
-                            for two in (True, False)] + variants
+                variants = [(f"reduce:{2 if two else 1}", lambda x, q, s, two=two: row_reduce(
+                    x[0], q, s, BLOCK, two)[None].astype(jnp.bfloat16)) for two in (True, False)] + variants
             for vname, f in variants:
                 if vname in broken:
                     continue

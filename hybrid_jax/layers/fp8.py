@@ -77,9 +77,7 @@ def fp8_matmul(x: jax.Array, kernel: jax.Array, scale: jax.Array, *, block: int,
     product (layers/linear.matmul, which also takes the one-row reduction, where XLA fuses
     the dequantization into the read); past 64 rows the dequantized kernel is written
     apart before the GEMM (measured faster than XLA fusing it into the GEMM)."""
-    from hybrid_jax.layers.linear import matmul
-
-    from hybrid_jax.layers.linear import reduction_gemv
+    from hybrid_jax.layers.linear import matmul, reduction_gemv
 
     rows, k = math.prod(x.shape[:-1]), x.shape[-1]
     n = kernel.shape[0] if transposed else kernel.shape[1]
