@@ -209,15 +209,19 @@ def test_fused_copy_holds_the_router_terms_and_routes_the_same():
 
     model = load_model("qwen3.5-moe-tiny", dtype="bfloat16").model
     fused = fuse_projections(model)
-    pairs = [(a.moe, b.moe) for a, b in zip(model.layers, fused.layers, strict=True) if isinstance(a.moe, MoE)]
+    pairs = [(a.moe, b.moe) for a, b in zip(model.layers, fused.layers, strict=True)
+             if isinstance(a.moe, MoE)]
     assert pairs
     x = jax.random.normal(jax.random.key(0), (16, pairs[0][0].router.shape[0]), jnp.bfloat16)
     for plain, moe in pairs:
         assert plain.router_split is None and moe.router_split is not None
         terms = moe.router_split[...]
-        assert terms.dtype == jnp.bfloat16 and terms.shape == (plain.router.shape[0], 3 * plain.router.shape[1])
-        np.testing.assert_array_equal(np.asarray(terms, np.float32), np.asarray(router_terms(plain.router[...]), np.float32))
-        want = route(x, plain.router[...], None if plain.expert_bias is None else plain.expert_bias[...], plain.cfg)
+        d, e = plain.router.shape
+        assert terms.dtype == jnp.bfloat16 and terms.shape == (d, 3 * e)
+        np.testing.assert_array_equal(np.asarray(terms, np.float32),
+                                      np.asarray(router_terms(plain.router[...]), np.float32))
+        bias = None if plain.expert_bias is None else plain.expert_bias[...]
+        want = route(x, plain.router[...], bias, plain.cfg)
         for a, b in zip(moe.route(x), want, strict=True):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert "router_split" in str(nnx.state(fused)) and "router_split" not in str(nnx.state(model))
