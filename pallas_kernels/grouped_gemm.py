@@ -106,6 +106,15 @@ def moe_config(m: int) -> GroupedConfig:
     return DECODE if m <= DECODE_ROWS else PREFILL
 
 
+def assignment_table(groups: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """groups [m] -> (group, row0, count), each [m]: every row an item of its own (row i of
+    groups[i]), so the rows need not be sorted by group: no sort, group sizes or
+    `work_table` (decode at batch 1, where those are most of a layer's small kernels). A
+    group chosen by several rows is streamed once per row, so it pays off for a few rows."""
+    m = groups.shape[0]
+    return groups.astype(jnp.int32), jnp.arange(m, dtype=jnp.int32), jnp.ones((m,), jnp.int32)
+
+
 def work_table(sizes: jax.Array, m: int, bm: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     """sizes [e] -> (group, row0, count), each [ceil(m / bm) + e] int32: item i is the tile of
     rows [row0, row0 + count) of `group` (count <= bm); unused items have count 0."""
@@ -167,7 +176,7 @@ def _check(x, w, sizes, src, dst, glu: bool):
     e, k, nw = w.shape
     if x.shape[-1] != k:
         raise ValueError(f"x {x.shape} and w {w.shape} differ in depth")
-    if sizes.shape != (e,):
+    if sizes is not None and sizes.shape != (e,):
         raise ValueError(f"sizes {sizes.shape} must be [{e}] (one per group of w)")
     if src is not None and src.ndim != 1:
         raise ValueError(f"src {src.shape} must be 1-D (a row of x per sorted row)")
@@ -212,10 +221,14 @@ def grouped_matmul(x: jax.Array, w: jax.Array, sizes: jax.Array, *, src: jax.Arr
     """x [t, k] (rows gathered by src [m]; x itself when src is None), w [e, k, n_w],
     sizes [e] (sum == m) -> [m, n] with n = n_w / 2 gated, else n_w (module doc); sorted
     row r is stored at output row dst[r] (a permutation of [0, m); r when None). `table`:
-    `work_table(sizes, m, cfg.bm)` when the caller shares one between calls. FP8 w
+    `work_table(sizes, m, cfg.bm)` when the caller shares one between calls, or
+    `assignment_table(groups)` (rows in any order, one item each; sizes may then be None:
+    the kernel only). FP8 w
     (float8_e4m3fn) comes with its block scales `scale` and `block` (module doc); the
     products then run in x's dtype."""
     impl = resolve_impl(impl)
+    if sizes is None and (table is None or impl == "reference"):
+        raise ValueError("sizes may be None only with a table (assignment_table) and the kernel")
     if impl == "reference":
         return grouped_reference(x, w, sizes, src=src, dst=dst, glu=glu, act=act, out_dtype=out_dtype,
                                  scale=scale, block=block)

@@ -47,6 +47,7 @@ from pallas_kernels.backend import Impl, resolve_impl
 from pallas_kernels.grouped_gemm import (
     FP8,
     GroupedConfig,
+    assignment_table,
     dequantize_stack,
     grouped_matmul,
     moe_config,
@@ -55,6 +56,9 @@ from pallas_kernels.grouped_gemm import (
 )
 
 F32 = jnp.float32
+# Up to this many assignments (tokens x top-k) each is a grouped-GEMM item of its own, with
+# no sort or work table (`routed_experts`): batch 1 (and 2 at top-8 or less) at decode.
+FEW_ASSIGNMENTS = 16
 
 
 _ROUTING_TAPS: list[list[np.ndarray]] = []  # `record_routing`'s open records
@@ -158,19 +162,27 @@ def routed_experts(x: jax.Array, weights: jax.Array, experts: jax.Array, gate_up
     t, k = experts.shape
     e = gate_up.shape[0]
     flat = experts.reshape(t * k)
-    order = jnp.argsort(flat, stable=True)  # assignment rows grouped by expert
-    sizes = jnp.sum(flat[:, None] == jnp.arange(e), axis=0, dtype=jnp.int32)  # one fusion
     impl = resolve_impl(impl)
     cfg = cfg or moe_config(t * k)
-    table = None if impl == "reference" else work_table(sizes, t * k, cfg.bm)  # both passes
     s1, s2, block = fp8 or (None, None, None)
     dtype = x.dtype if fp8 else down.dtype
-    # Gate/up and the activation in one pass, rows gathered from x by token (order // k);
-    # down stores each sorted row back at its assignment (order): y [t*k, d] in (token, j) order.
-    h = grouped_matmul(x, gate_up, sizes, src=(order // k).astype(jnp.int32), glu=gated,
+    if impl != "reference" and t * k <= min(cfg.bm, FEW_ASSIGNMENTS):
+        # Few assignments (decode at batch 1 or 2): each one an item of its own in (token, j)
+        # order, so no argsort, group sizes or work table (5 small kernels a layer): rows are
+        # gathered from token r // k and stored in place.
+        table, sizes = assignment_table(flat), None
+        src, dst = (jnp.arange(t * k, dtype=jnp.int32) // k), None
+    else:
+        order = jnp.argsort(flat, stable=True)  # assignment rows grouped by expert
+        sizes = jnp.sum(flat[:, None] == jnp.arange(e), axis=0, dtype=jnp.int32)  # one fusion
+        table = None if impl == "reference" else work_table(sizes, t * k, cfg.bm)  # both passes
+        src, dst = (order // k).astype(jnp.int32), order.astype(jnp.int32)
+    # Gate/up and the activation in one pass, rows gathered from x by token (src);
+    # down stores each sorted row back at its assignment (dst): y [t*k, d] in (token, j) order.
+    h = grouped_matmul(x, gate_up, sizes, src=src, glu=gated,
                        act=ACTIVATIONS[activation], out_dtype=dtype, cfg=cfg, table=table,
                        impl=impl, scale=s1, block=block)
-    y = grouped_matmul(h, down, sizes, dst=order.astype(jnp.int32), out_dtype=dtype, cfg=cfg,
+    y = grouped_matmul(h, down, sizes, dst=dst, out_dtype=dtype, cfg=cfg,
                        table=table, impl=impl, scale=s2, block=block).reshape(t, k, -1)
     return jnp.einsum("tkd,tk->td", y.astype(F32), weights.astype(F32))
 

@@ -163,3 +163,36 @@ def test_fp8_weights_match_float64_of_the_dequantized(t, k, nw, sizes, glu, dtyp
     with pytest.raises(ValueError, match="scale"):
         grouped_matmul(x, q, jnp.asarray(sizes), src=src, glu=glu, impl=IMPL, scale=scale[:, :1],
                        block=block)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_few_assignments_skip_the_sort_and_match_the_dense_reference(fp8):
+    """Batch 1 and 2 at decode (t * k <= 16): each assignment is its own item of the grouped
+    GEMM (assignment_table), with no argsort or work table; one expert chosen by both tokens
+    is streamed twice. Same sums as the dense reference, FP8 stacks too; at 18 assignments
+    the sorted path runs (its sort is in the graph)."""
+    from hybrid_jax.layers.fp8 import quantize_experts
+
+    rng = np.random.default_rng(5)
+    d, e, f = 256, 8, 128
+    gate_up = jnp.asarray(rng.standard_normal((e, d, 2 * f)) * d**-0.5, jnp.float32)
+    down = jnp.asarray(rng.standard_normal((e, f, d)) * f**-0.5, jnp.float32)
+    kw = dict(activation="silu", gated=True)
+    if fp8:
+        (gq, gs), (dq, ds) = quantize_experts(gate_up, 128, True), quantize_experts(down, 128, False)
+        stacks, kw = (gq, dq), dict(kw, fp8=(gs, ds, 128))
+    else:
+        stacks = (gate_up, down)
+    for experts, sorted_path in (([[5, 1, 2, 7, 0, 3]], False), ([[4, 2, 6], [2, 6, 1]], False),
+                                 ([[0, 1, 2, 3, 4, 5, 6, 7, 0]] * 2, True)):
+        experts = jnp.asarray(experts, jnp.int32)
+        t, k = experts.shape
+        x = jnp.asarray(rng.standard_normal((t, d)), jnp.float32)
+        weights = jnp.asarray(rng.random((t, k)), jnp.float32)
+        fn = lambda x, w, ex: routed_experts(x, w, ex, *stacks, impl=IMPL, **kw)  # noqa: E731
+        jaxpr = str(jax.make_jaxpr(fn)(x, weights, experts))
+        assert ("sort" in jaxpr) == sorted_path, experts
+        got = fn(x, weights, experts)
+        want = routed_reference(x, weights, experts, *stacks, **kw)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-4, rtol=1e-4,
+                                   err_msg=str(experts))
