@@ -178,7 +178,7 @@ def run_variant(name: str, lm, spec: str, a: argparse.Namespace, bw: float, base
 def _run(name: str, lm, spec: str, n: int, a: argparse.Namespace, bw: float, base: dict) -> None:
     big = max(a.batch)
     cfg = EngineConfig(max_num_seqs=big, max_num_batched_tokens=a.chunk, max_prefill_chunk=a.chunk,
-                       max_model_len=a.context + a.steps + 128, dtype=a.dtype, memory_fraction=0.85,
+                       max_model_len=a.context + a.steps + 128, dtype=a.dtype, memory_fraction=a.memory_fraction,
                        seq_buckets=tuple(sorted({*a.batch, 8})), token_buckets=(a.chunk,),
                        tensor_parallel_size=n, quantization=a.quantization)
     t0 = time.perf_counter()
@@ -239,6 +239,9 @@ def main() -> None:
                    help="tokens per prefill step (large: the whole batch must reach decode "
                         "before its first sequences finish)")
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--memory-fraction", type=float, default=0.85,
+                   help="the engine's memory plan (lower leaves the compiler room for a model that fills "
+                        "the device: qwen3.5-35b-a3b FP8 on one 80 GB GPU needs ~0.7)")
     p.add_argument("--quantization", default=None, choices=["fp8"],
                    help="FP8 weights at load (the reference workload's qwen3.5-35b-a3b: "
                         "--presets qwen3.5-35b-a3b --quantization fp8 --batch 16 64 --context 4400)")

@@ -62,9 +62,9 @@ SWITCHES: tuple[Switch, ...] = (
            "0 runs FP8 Linears' decode products (<= 64 rows) through the dequantize path "
            "instead of the Pallas FP8 decode kernels (`fp8_stream` on Hopper for [out, in] "
            "kernels, else `fp8_gemv`)"),
-    Switch("HYBRID_JAX_FP8_REDUCE", "0",
-           "1 takes one-row FP8 products of [out, in] kernels on a GPU as XLA's row reduction "
-           "over the e4m3 weight instead of through the FP8 decode kernels"),
+    Switch("HYBRID_JAX_FP8_REDUCE", "1",
+           "0 takes one-row FP8 products of [out, in] kernels on a GPU through the FP8 decode "
+           "kernels instead of XLA's row reduction over the e4m3 weight"),
     Switch("HYBRID_JAX_MLA_KERNEL", "0",
            "1 runs MLA's latent decode (and verification) attention through the Pallas "
            "`mla_decode` kernel where the Pallas backend is used, instead of the XLA paged "
@@ -161,7 +161,7 @@ def fp8_gemv() -> bool:
 
 
 def fp8_reduce() -> bool:
-    return (_get("HYBRID_JAX_FP8_REDUCE") or "0") == "1"
+    return _on("HYBRID_JAX_FP8_REDUCE")
 
 
 def mla_kernel() -> bool:

@@ -35,7 +35,7 @@ from pallas_kernels.fp8_stream import fits as stream_fits
 from pallas_kernels.fp8_stream import fp8_stream_matmul
 
 FP8_GEMV = switches.fp8_gemv()  # HYBRID_JAX_FP8_GEMV=0: the dequantize path at every row count
-FP8_REDUCE = switches.fp8_reduce()  # HYBRID_JAX_FP8_REDUCE=1: one-row products as XLA reductions
+FP8_REDUCE = switches.fp8_reduce()  # HYBRID_JAX_FP8_REDUCE=0: one-row products take the kernels too
 FP8 = jnp.dtype(jnp.float8_e4m3fn)
 FP8_MAX = float(jnp.finfo(FP8).max)  # 448
 
@@ -103,7 +103,7 @@ def fp8_matmul(x: jax.Array, kernel: jax.Array, scale: jax.Array, *, block: int,
 
 
 def row_reduce(x: jax.Array, kernel: jax.Array, scale: jax.Array, block: int,
-               two_stage: bool = True) -> jax.Array:
+               two_stage: bool = False) -> jax.Array:
     """One row x [k] times the FP8 kernel [n, k] transposed -> y [n] f32, as XLA reductions
     over the e4m3 weight read once (no kernel launch of our own: at one row a product is a
     weight stream, and XLA's row reduction streams 1-byte elements well; the FP8 decode
