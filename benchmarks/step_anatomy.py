@@ -70,10 +70,12 @@ def trace_kernels(fn, n: int, keep: int = 150) -> tuple[float, float, list[tuple
     d = trace_calls(fn, n)
     total, count = 0.0, 0
     by_name: dict[str, list[float]] = collections.defaultdict(list)
+    copies: dict[str, list[float]] = collections.defaultdict(list)
     spans: list[tuple[float, float, str]] = []
     for _, ev in gpu_kernel_events(d, memcpy=True):
         spans.append((ev.start_ns, ev.end_ns, ev.name[:80]))
         if "memcpy" in ev.name.lower():
+            copies[ev.name[:40]].append(ev.duration_ns)
             continue
         if "nvjet" in ev.name or "gemm" in ev.name:  # launch shape: grid, block, registers
             KERNEL_DETAILS.setdefault(ev.name[:80], kernel_details(ev))
@@ -81,7 +83,10 @@ def trace_kernels(fn, n: int, keep: int = 150) -> tuple[float, float, list[tuple
         count += 1
         by_name[ev.name[:80]].append(ev.duration_ns)
     top = sorted(((k, sum(v) / 1e6 / n, len(v) // n) for k, v in by_name.items()), key=lambda r: -r[1])
-    return total / 1e6 / n, count / n, (top[:keep] if keep else top), idle_gaps(spans, n)
+    gaps = idle_gaps(spans, n)
+    # copies (not kernels: left out of the totals above), per step: ms, count
+    gaps["copies"] = {k: [round(sum(v) / 1e6 / n, 4), round(len(v) / n, 2)] for k, v in copies.items()}
+    return total / 1e6 / n, count / n, (top[:keep] if keep else top), gaps
 
 
 def idle_gaps(spans: list[tuple[float, float, str]], n: int) -> dict[str, object]:
@@ -238,8 +243,15 @@ def run(a: argparse.Namespace) -> dict:
         for thread, name, ms, calls in host_events:
             print(f"  host {ms:8.3f} ms/step x{calls:<6} {thread:<28} {name}")
     if a.trace_engine:  # the engine loop's own GPU timeline (idle between kernels and steps)
-        engine_gaps = trace_kernels(engine.step, 10, 0)[3]
+        loop_ms, loop_kernels, loop_top, engine_gaps = trace_kernels(engine.step, 10, 0)
+        # The loop's own kernels per step (its GPU work can exceed the compiled step's: other
+        # executables, copies of buffers the step could not take in place)
+        engine_gaps = {**engine_gaps, "kernel_ms": loop_ms, "kernels_per_step": loop_kernels,
+                       "top_kernels": [[k, round(ms, 4), c] for k, ms, c in loop_top[:40]]}
         print("engine loop gaps:", json.dumps(engine_gaps)[:2000])
+        for name, ms, calls in loop_top[:15]:
+            print(f"  loop {ms:8.3f} ms/step x{calls:<5} {name}")
+        print(f"  loop kernels {loop_ms:.3f} ms/step; copies (ms/step, count/step): {engine_gaps['copies']}")
     # The compiled decode executable alone, every input on the device.
     r = engine.runner
     arrays, sampling = captured["args"]
