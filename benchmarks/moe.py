@@ -108,8 +108,10 @@ def jax_variants(t: int, k: int, smoke: bool) -> dict:
 
     out = {"kernel": kernel(None), "ragged": ragged, "batched_anchor": batched_anchor}
     if not smoke:
-        tries = DECODE_TRIES if t <= 64 else PREFILL_TRIES if t >= 4096 else [
-            dataclasses.astuple(DECODE), dataclasses.astuple(PREFILL)]  # between: both regimes' tiles
+        if t <= 64:  # the decode tiles beside the engine's choice (few rows: DECODE_FEW)
+            tries = [dataclasses.astuple(DECODE)[:6]] + DECODE_TRIES
+        else:  # prefill, or between: both regimes' tiles
+            tries = PREFILL_TRIES if t >= 4096 else [dataclasses.astuple(DECODE), dataclasses.astuple(PREFILL)]
         for c in tries:
             out[f"kernel{list(c)}".replace(" ", "")] = kernel(GroupedConfig(*c))
     return out

@@ -46,6 +46,7 @@ from hybrid_jax.layers.mlp import ACTIVATIONS, GatedMLP
 from pallas_kernels.backend import Impl, resolve_impl
 from pallas_kernels.grouped_gemm import (
     FP8,
+    FEW_ROWS,
     GroupedConfig,
     assignment_table,
     dequantize_stack,
@@ -58,7 +59,7 @@ from pallas_kernels.grouped_gemm import (
 F32 = jnp.float32
 # Up to this many assignments (tokens x top-k) each is a grouped-GEMM item of its own, with
 # no sort or work table (`routed_experts`): batch 1 (and 2 at top-8 or less) at decode.
-FEW_ASSIGNMENTS = 16
+FEW_ASSIGNMENTS = FEW_ROWS
 
 
 _ROUTING_TAPS: list[list[np.ndarray]] = []  # `record_routing`'s open records
