@@ -45,8 +45,8 @@ from hybrid_jax.layers.fp8 import quantize_experts
 from hybrid_jax.layers.mlp import ACTIVATIONS, GatedMLP
 from pallas_kernels.backend import Impl, resolve_impl
 from pallas_kernels.grouped_gemm import (
-    FP8,
     FEW_ROWS,
+    FP8,
     GroupedConfig,
     assignment_table,
     dequantize_stack,
