@@ -111,7 +111,8 @@ def jax_variants(t: int, k: int, smoke: bool) -> dict:
         if t <= 64:  # the decode tiles beside the engine's choice (few rows: DECODE_FEW)
             tries = [dataclasses.astuple(DECODE)[:6]] + DECODE_TRIES
         else:  # prefill, or between: both regimes' tiles
-            tries = PREFILL_TRIES if t >= 4096 else [dataclasses.astuple(DECODE), dataclasses.astuple(PREFILL)]
+            both = [dataclasses.astuple(DECODE), dataclasses.astuple(PREFILL)]
+            tries = PREFILL_TRIES if t >= 4096 else both
         for c in tries:
             out[f"kernel{list(c)}".replace(" ", "")] = kernel(GroupedConfig(*c))
     return out
