@@ -305,10 +305,12 @@ def run(a: argparse.Namespace) -> dict:
     ctx = np.stack(measured_lengths)  # [steps, b]
     # A mixture of experts: the experts its steps touched, from the model's own routing
     # over these sequences (a random-weight router can be far from uniform: floor.py).
-    touched = None
+    touched, routing_check = None, None
     if lm.config.moe is not None and any(s.moe for s in lm.config.layers):
         seqs = [seq.token_ids for seq in engine.scheduler.running]
-        touched = measured_touched_experts(lm.model, seqs, a.steps)
+        routing_check = {}
+        touched = measured_touched_experts(lm.model, seqs, a.steps, check=routing_check)
+        print(f"touched experts per layer (model forward): {touched:.2f}; {routing_check}")
     uniform = [engine_floor_bytes(engine, x) for x in ctx]
     per_step = [engine_floor_bytes(engine, x, touched) for x in ctx]
     fb = {k: sum(f[k] for f in per_step) // len(per_step) for k in per_step[0]}
@@ -326,7 +328,8 @@ def run(a: argparse.Namespace) -> dict:
         "compiled_ms": 1e3 * statistics.median(per), "enqueue_ms": 1e3 * statistics.median(enq),
         "kernel_ms": kernel_ms, "kernels_per_step": kernels, "copy_TBps": bw / 1e12,
         "floor_bytes": fb, "floor_ms": 1e3 * fb["total"] / bw, "top_kernels": top,
-        "touched_experts": touched, "floor_uniform_routing_ms": 1e3 * fb_uniform / bw,
+        "touched_experts": touched, "routing_check": routing_check,
+        "floor_uniform_routing_ms": 1e3 * fb_uniform / bw,
         "gemm_kernel_details": dict(KERNEL_DETAILS),
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "xla_options": switches.xla_options(), "hlo": hlo,

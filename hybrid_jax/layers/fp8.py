@@ -69,8 +69,8 @@ def fp8_matmul(x: jax.Array, kernel: jax.Array, scale: jax.Array, *, block: int,
                transposed: bool, impl: Impl | None = None) -> jax.Array:
     """x [..., i] times the FP8 kernel [i, o] (or [o, i] when `transposed`) -> [..., o] in
     `dtype`. One row of an [o, i] kernel where one-row products are reductions (a GPU;
-    HYBRID_JAX_FP8_REDUCE): `row_reduce`. Few rows (decode: at most 64) with 128 x 128 blocks and whole blocks, where
-    the kernel switch (`impl`, pallas_kernels/backend.py) picks Pallas and
+    HYBRID_JAX_FP8_REDUCE): `row_reduce`. Few rows (decode: at most 64) with 128 x 128
+    blocks and whole blocks, where the kernel switch (`impl`, pallas_kernels/backend.py) picks Pallas and
     HYBRID_JAX_FP8_GEMV is not 0: on a Hopper GPU, for an [o, i] kernel and bf16, the
     Mosaic GPU FP8 stream kernel (pallas_kernels/fp8_stream.py); else the Triton FP8 GEMV
     (pallas_kernels/fp8_gemv.py). Both stream the e4m3 weight once and dequantize in

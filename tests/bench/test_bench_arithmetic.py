@@ -199,3 +199,29 @@ def test_measured_touched_experts_counts_the_models_own_routing():
     for m in moes:  # every token to experts 0..k-1 (equal logits: top_k takes the lowest)
         m.router[...] = jnp.zeros_like(m.router[...])
     assert measured_touched_experts(model, seqs, steps=3) == k
+
+
+def test_measured_touched_experts_checks_the_sequences_are_the_models_greedy_ones():
+    """`check`: sequences the model continued greedily itself agree with its forward's
+    argmax at every checked position; random tokens do not."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from hybrid_jax.model import CausalLM
+    from serving.entrypoints.bench.floor import measured_touched_experts
+
+    cfg = load_preset("qwen3.5-moe-tiny")
+    model = CausalLM(cfg, rngs=nnx.Rngs(1))
+    rng = np.random.default_rng(2)
+    seqs = []
+    for n in (5, 8, 6):
+        toks = rng.integers(3, cfg.vocab_size, n).tolist()
+        for _ in range(4):  # greedy continuation by the reference forward
+            toks.append(int(jnp.argmax(model(jnp.asarray([toks]))[0, -1])))
+        seqs.append(toks)
+    check: dict = {}
+    measured_touched_experts(model, seqs, steps=4, group=2, check=check)
+    assert check["greedy_agree"] == 1.0 and check["distinct_last_tokens"] == len({s[-1] for s in seqs})
+    noise = [rng.integers(3, cfg.vocab_size, 9).tolist() for _ in range(3)]
+    measured_touched_experts(model, noise, steps=4, group=2, check=check)
+    assert check["greedy_agree"] < 0.5

@@ -122,19 +122,28 @@ def floor_report(cfg: ModelConfig, *, batch: int, context: int, weight_bytes: in
             "floor_state_bytes": b["state"], "floor_ms": 1e3 * floor_s, "gap_x": step_s / floor_s}
 
 
-def measured_touched_experts(model, token_ids: list[list[int]], steps: int, group: int = 16) -> float:
+def measured_touched_experts(model, token_ids: list[list[int]], steps: int, group: int = 16,
+                             check: dict | None = None) -> float:
     """Experts per MoE layer that a decode step of these sequences touches, counted from
     the model's own routing (`moe.record_routing` over full-sequence forwards of `group`
     sequences at a time, right-padded): for each of the last `steps` positions of every
     sequence (a decode step reads one position of each), the distinct experts the batch's
     tokens at that step chose, per layer; the mean over steps and layers. The floor of a
-    random-weight MoE preset needs it: its router can be far from uniform (`touched_experts`)."""
+    random-weight MoE preset needs it: its router can be far from uniform (`touched_experts`).
+
+    `check` (a dict, filled in): whether that forward agrees with the engine that produced
+    the sequences greedily: `greedy_agree`, the share of the last `steps` tokens of each
+    sequence that the forward's argmax at the position before predicts, and
+    `distinct_last_tokens` across the sequences (the routing counted here is only the
+    engine's if the two agree)."""
     from flax import nnx
 
     from hybrid_jax.layers.moe import record_routing
 
     graphdef, state = nnx.split(model)
     hidden = jax.jit(lambda st, x: nnx.merge(graphdef, st).hidden(x))
+    logits = jax.jit(lambda st, h: jnp.argmax(nnx.merge(graphdef, st).logits(h), axis=-1))
+    agree = total = 0
     chosen: dict[tuple[int, int], set[int]] = {}  # (layer, step) -> experts
     width = max(len(t) for t in token_ids)  # one shape for every group: one compilation
     for g in range(0, len(token_ids), group):
@@ -144,8 +153,14 @@ def measured_touched_experts(model, token_ids: list[list[int]], steps: int, grou
         for i, t in enumerate(part):
             tokens[i, :len(t)] = t
         with record_routing() as rec:
-            jax.block_until_ready(hidden(state, jnp.asarray(tokens)))
+            h = jax.block_until_ready(hidden(state, jnp.asarray(tokens)))
             jax.effects_barrier()
+        if check is not None:  # the argmax at len - j - 1 against the token at len - j
+            rows = np.arange(len(part))
+            for j in range(1, min(steps, int(lens.min()) - 1) + 1):
+                pred = np.asarray(logits(state, h[rows, lens - j - 1]))
+                agree += int((pred == tokens[rows, lens - j]).sum())
+                total += len(part)
         if not rec:
             raise ValueError("measured_touched_experts: the model has no MoE layer")
         for layer, experts in enumerate(rec):  # one MoE layer: [group * t, k]
@@ -153,6 +168,9 @@ def measured_touched_experts(model, token_ids: list[list[int]], steps: int, grou
             for j in range(1, steps + 1):  # the step that read position len - j of each
                 at = experts[np.arange(len(part)), np.maximum(lens - j, 0)]
                 chosen.setdefault((layer, j), set()).update(at.ravel().tolist())
+    if check is not None:
+        check["greedy_agree"] = agree / max(total, 1)
+        check["distinct_last_tokens"] = len({t[-1] for t in token_ids})
     return float(np.mean([len(v) for v in chosen.values()]))
 
 
