@@ -257,12 +257,20 @@ def run(a: argparse.Namespace) -> dict:
     arrays, sampling = captured["args"]
     bucket = r.pick(arrays)
     exe = r.compiled[bucket]
+    from serving.core.schedule import PENDING
     from serving.runner.padding import pad_rows
     from serving.sample.sampling import SamplingArrays
 
     samp = SamplingArrays(*(pad_rows(np.asarray(x), bucket.seqs) for x in sampling))
-    feed = np.full(bucket.tokens, -1, np.int32)
-    tree = r._host_tree(bucket, r._pad(arrays, bucket), samp, feed, None)
+    padded = r._pad(arrays, bucket)
+    # The decode rows' tokens are PENDING on the host (the loop feeds them from the last
+    # step's samples on the device): feed them here too, row i from row i of the previous
+    # call's samples, as the loop does for the same batch. Without it every row embedded
+    # the same placeholder and a MoE model's rows chose the same few experts (a compiled
+    # step under its floor).
+    toks = np.asarray(padded.tokens)
+    feed = np.where(toks == PENDING, np.arange(len(toks)), -1).astype(np.int32)
+    tree = r._host_tree(bucket, padded, samp, feed, None)
     buf = jax.device_put(r.host_layouts[bucket].pack(tree))
     logits, plain = r.results.take(bucket.seqs, r.last_tokens)
     # Two sets of sample buffers, alternating, as the engine's loop cycles them
