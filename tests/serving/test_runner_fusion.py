@@ -97,3 +97,6 @@ def test_runner_gives_expert_stacks_their_own_buffers(fp8):
     got = [getattr(m, n)[...] for _, m in nnx.iter_graph(served) if isinstance(m, MoE) for n in held(m)]
     for a, b in zip(stacks, got, strict=True):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    # ... and held once: the runner's buffer is the model's own array, not a copy of it
+    held_at = {x.unsafe_buffer_pointer() for x in stacks}
+    assert {runner.params[b].unsafe_buffer_pointer() for b, _ in own} == held_at
