@@ -302,12 +302,26 @@ def kernel_stacks(model: CausalLM) -> set[tuple[int, ...]]:
     own; docs/benchmarks.md)."""
     shapes = {tuple(lin.kernel[...].shape) for _, lin in nnx.iter_graph(model)
               if isinstance(lin, Linear) and lin.stack_row is not None}
+    return shapes | {tuple(x.shape) for x in _expert_arrays(model)}
+
+
+def _expert_arrays(model: CausalLM) -> list:
+    """Every MoE layer's expert stacks, and an FP8 layer's block scales beside them."""
+    out = []
     for _, m in nnx.iter_graph(model):
-        if isinstance(m, MoE):  # the stacks, and an FP8 layer's block scales beside them
+        if isinstance(m, MoE):
             names = [n for n in MoE.STACKS if getattr(m, n) is not None]
             names += [f"{n}_scale" for n in names if getattr(m, f"{n}_scale") is not None]
-            shapes |= {tuple(getattr(m, n)[...].shape) for n in names}
-    return shapes
+            out += [getattr(m, n)[...] for n in names]
+    return out
+
+
+def shared_stack_bytes(model: CausalLM, device) -> int:
+    """Bytes of the expert stacks (and scales) already on `device`: fusion leaves them as
+    they are and the runner's packing takes each as its own buffer without copying it
+    (serving/runner/packing.py), so they are held once; every other parameter is copied
+    into the packed buffers while the loaded model still holds it."""
+    return sum(x.nbytes for x in _expert_arrays(model) if x.devices() == {device})
 
 
 def is_fused(model: CausalLM) -> bool:

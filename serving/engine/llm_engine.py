@@ -17,6 +17,7 @@ import jax
 import numpy as np
 
 from hybrid_jax import tensor_parallel as tp
+from hybrid_jax.fusion import shared_stack_bytes
 from hybrid_jax.kv_quant import calibrate_kv_scales, kv_dtype
 from hybrid_jax.loading import DTYPES, LoadedModel, load_model
 from hybrid_jax.quantization import fp8_linears
@@ -100,7 +101,10 @@ class LLMEngine:
             raise ValueError(f"speculative_method='mtp': model {name!r} has no multi-token-prediction "
                              "head (no mtp.* weights, mtp_num_hidden_layers=0); use another "
                              "speculative_method or a checkpoint that ships its MTP weights")
-        weights = (sum(x.nbytes for x in jax.tree.leaves(lm.model)) if n == 1 else
+        # What the runner's parameters add to the device while the loaded model is held: at
+        # TP = 1 every parameter but the expert stacks already there (packed as they are).
+        weights = (sum(x.nbytes for x in jax.tree.leaves(lm.model)) - shared_stack_bytes(lm.model, dev)
+                   if n == 1 else
                    tp.param_bytes_per_device(lm.config, n, lm.model.dtype, tp.fp8_layout(lm.model)))
         self._draft_lm = None
         if self.config.speculative_method == "draft":  # loaded first: planned with the pools

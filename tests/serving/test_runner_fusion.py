@@ -100,3 +100,35 @@ def test_runner_gives_expert_stacks_their_own_buffers(fp8):
     # ... and held once: the runner's buffer is the model's own array, not a copy of it
     held_at = {x.unsafe_buffer_pointer() for x in stacks}
     assert {runner.params[b].unsafe_buffer_pointer() for b, _ in own} == held_at
+
+
+def test_memory_plan_counts_the_expert_stacks_once(monkeypatch):
+    """The engine plans its pools with the bytes its runner adds while the loaded model is
+    held: the expert stacks already on the device are packed as they are (no copy), so they
+    are not subtracted a second time; every other parameter is."""
+    from hybrid_jax.fusion import shared_stack_bytes
+    from hybrid_jax.layers.moe import MoE
+    from hybrid_jax.loading import load_model
+    from serving.engine.engine_config import EngineConfig
+    from serving.engine.llm_engine import LLMEngine
+
+    lm = load_model("qwen3.5-moe-tiny", dtype="bfloat16")
+    dev = jax.devices()[0]
+    stacks = [getattr(m, n)[...] for _, m in nnx.iter_graph(lm.model) if isinstance(m, MoE)
+              for n in MoE.STACKS if getattr(m, n) is not None]
+    assert shared_stack_bytes(lm.model, dev) == sum(x.nbytes for x in stacks) > 0
+    assert shared_stack_bytes(lm.model, object()) == 0  # none of them on that device
+    seen = {}
+    import serving.engine.llm_engine as engine_module
+
+    real = engine_module.plan_pools
+
+    def spy(*a, **kw):
+        seen["weights"] = kw["weight_bytes"]
+        return real(*a, **kw)
+
+    monkeypatch.setattr(engine_module, "plan_pools", spy)
+    LLMEngine(lm, EngineConfig(max_num_seqs=2, max_model_len=64, max_num_batched_tokens=32),
+              show_progress=False)
+    total = sum(x.nbytes for x in jax.tree.leaves(nnx.state(lm.model)))
+    assert seen["weights"] == total - sum(x.nbytes for x in stacks)
