@@ -52,6 +52,7 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
@@ -122,7 +123,9 @@ def assignment_table(groups: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array
     `work_table` (decode at batch 1, where those are most of a layer's small kernels). A
     group chosen by several rows is streamed once per row, so it pays off for a few rows."""
     m = groups.shape[0]
-    return groups.astype(jnp.int32), jnp.arange(m, dtype=jnp.int32), jnp.ones((m,), jnp.int32)
+    # numpy constants: literals of the executable, not iota kernels run on every step
+    return (groups.astype(jnp.int32), jnp.asarray(np.arange(m, dtype=np.int32)),
+            jnp.asarray(np.ones(m, np.int32)))
 
 
 def work_table(sizes: jax.Array, m: int, bm: int) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -257,11 +260,14 @@ def grouped_matmul(x: jax.Array, w: jax.Array, sizes: jax.Array, *, src: jax.Arr
     if bn < 16 or bk < 16:
         raise ValueError(f"n={n} and k={k} must be multiples of 16 (tiles of >= 16 for the dot)"
                          + (f", and the FP8 block {block} too" if scale is not None else ""))
-    rows = jnp.arange(m, dtype=jnp.int32)
     # Padded by a tile so that the last tile's index loads stay in bounds; its masked rows read
     # row 0 and point past the output (m), where no store lands (the interpreter drops it).
-    src = jnp.pad(rows if src is None else src.astype(jnp.int32), (0, cfg.bm))
-    dst = jnp.pad(rows if dst is None else dst.astype(jnp.int32), (0, cfg.bm), constant_values=m)
+    # The identity (src / dst None) as numpy constants: literals, not kernels on every step.
+    rows = np.arange(m, dtype=np.int32)
+    src = (jnp.asarray(np.pad(rows, (0, cfg.bm))) if src is None
+           else jnp.pad(src.astype(jnp.int32), (0, cfg.bm)))
+    dst = (jnp.asarray(np.pad(rows, (0, cfg.bm), constant_values=m)) if dst is None
+           else jnp.pad(dst.astype(jnp.int32), (0, cfg.bm), constant_values=m))
     table = work_table(sizes, m, cfg.bm) if table is None else table
     x = x if scale is not None else x.astype(w.dtype)
     # Scales flat in f32: the kernel loads one scalar per (k tile, column tile).

@@ -172,7 +172,7 @@ def routed_experts(x: jax.Array, weights: jax.Array, experts: jax.Array, gate_up
         # order, so no argsort, group sizes or work table (5 small kernels a layer): rows are
         # gathered from token r // k and stored in place.
         table, sizes = assignment_table(flat), None
-        src, dst = (jnp.arange(t * k, dtype=jnp.int32) // k), None
+        src, dst = jnp.asarray(np.arange(t * k, dtype=np.int32) // k), None  # a literal
     else:
         order = jnp.argsort(flat, stable=True)  # assignment rows grouped by expert
         sizes = jnp.sum(flat[:, None] == jnp.arange(e), axis=0, dtype=jnp.int32)  # one fusion
