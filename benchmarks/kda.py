@@ -134,10 +134,15 @@ def _decode_one(rows, cfg, anchor, ops, copy, args, bsz, n, cand):
     want = gated_delta_step(*common[:5], pool, slots, scale=scale, candidates=cand,
                             impl="reference")
     step = functools.partial(gated_delta_step, scale=scale, candidates=cand, impl=cfg["impl"])
-    fn = jax.jit(lambda st, *a: (lambda r: (r, st if cand else r[1]))(step(*a[:5], st, a[5])),
+    # (out, state) for time_chained: the output o and the pool (in place), or with candidates
+    # (o, candidates) and the pool passed through. The pool must come back once: returned
+    # twice, XLA writes a second copy of it on every call (the 2026-12-06 run's 223 us).
+    fn = jax.jit(lambda st, *a: (lambda r: (r, st) if cand else r)(step(*a[:5], st, a[5])),
                  donate_argnums=0)
     sec, _, _ = timeit(fn, pool.copy(), common, args.reps, args.inner)
-    (o, s), _ = fn(pool.copy(), *common)
+    o, s = fn(pool.copy(), *common)
+    if cand:
+        o, s = o
     got_s, want_s = (s, want[1]) if cand else (s[slots], want[1][slots])
     shape = f"b{bsz} n{n} h{h} d{d} f32" + (" candidates" if cand else "")
     rows.append(dict(kernel="kda_decode", shape=shape, impl="pallas", us=sec * 1e6,
