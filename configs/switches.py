@@ -73,7 +73,7 @@ SWITCHES: tuple[Switch, ...] = (
     Switch("HYBRID_JAX_KDA_KERNEL", "1",
            "0 runs KDA's prefill (the gated delta rule with a per-channel decay) as the pure-JAX "
            "chunked form instead of the Pallas `kda_prefill` pipeline where the Pallas backend "
-           "is used (H100: the pipeline is 3.4-3.9x faster)"),
+           "is used (H100: the pipeline is 3.4-4.0x faster)"),
     Switch("HYBRID_JAX_XLA_OPTIONS", "unset",
            "JSON object of XLA compile options added to, or overriding, the step executables' own"),
     Switch("HYBRID_JAX_SHARDED_RUNNER", "0",
@@ -170,7 +170,7 @@ def mla_kernel() -> bool:
 
 
 def kda_kernel() -> bool:
-    """Default on: on an H100 the kernel is 3.4-3.9x faster than the chunked form and as close
+    """Default on: on an H100 the kernel is 3.4-4.0x faster than the chunked form and as close
     to it as fla's (docs/benchmarks.md)."""
     return _on("HYBRID_JAX_KDA_KERNEL")
 

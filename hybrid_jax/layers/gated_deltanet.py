@@ -38,7 +38,7 @@ L2_EPS = 1e-6  # transformers' / FLA's l2norm: x * rsqrt(sum x^2 + eps)
 
 # KDA's prefill (a per-channel g) runs the Pallas `kda_prefill` pipeline where the process
 # runs kernels (a GPU, or HYBRID_JAX_KERNELS=interpret), unless HYBRID_JAX_KDA_KERNEL=0 asks
-# for the pure-JAX `kda_chunked` (the reference; on an H100 3.4-3.9x slower, 2026-12-06).
+# for the pure-JAX `kda_chunked` (the reference; on an H100 3.4-4.0x slower, 2026-12-06).
 # Gated DeltaNet's per-head prefill is not affected.
 KDA_KERNEL = switches.kda_kernel()
 
