@@ -84,7 +84,7 @@ def fp8_matmul(x: jax.Array, kernel: jax.Array, scale: jax.Array, *, block: int,
     n = kernel.shape[0] if transposed else kernel.shape[1]
     impl = resolve_impl(impl)
     if rows == 1 and transposed and FP8_REDUCE and impl != "reference" and reduction_gemv():
-        y = row_reduce(x.reshape(k), kernel, scale, block).astype(dtype)
+        y = row_reduce(x.reshape(k), kernel, scale, block, dtype=dtype).astype(dtype)
         return y.reshape(*x.shape[:-1], n)
     if (impl == "pallas" and FP8_GEMV and transposed and jnp.dtype(dtype) == jnp.bfloat16
             and stream_fits(rows, k, n, block) and _hopper()):
@@ -104,23 +104,27 @@ def fp8_matmul(x: jax.Array, kernel: jax.Array, scale: jax.Array, *, block: int,
 
 
 def row_reduce(x: jax.Array, kernel: jax.Array, scale: jax.Array, block: int,
-               two_stage: bool = False) -> jax.Array:
+               two_stage: bool = False, dtype=None) -> jax.Array:
     """One row x [k] times the FP8 kernel [n, k] transposed -> y [n] f32, as XLA reductions
     over the e4m3 weight read once (no kernel launch of our own: at one row a product is a
     weight stream, and XLA's row reduction streams 1-byte elements well; the FP8 decode
     kernels' fixed cost per launch is what one-row products lose, docs/kernels.md "FP8").
 
-    `two_stage` (k whole blocks): sum each 128-wide block of x * W in f32, then the block
-    sums times their scales; else one reduction over k of x * W * its expanded scale.
-    Both exact products in f32 (the dequantize path rounds W to the compute dtype first)."""
+    One reduction over k of x * (W * its expanded scale), f32 accumulation; with `dtype`
+    (the compute dtype) the scaled weight is rounded to it first, as the dequantize path
+    and the FP8 kernels round it, so one row and several differ only in the order of the
+    sums. `two_stage` (k whole blocks, no `dtype`): sum each 128-wide block of x * W, then
+    the block sums times their scales (faster at some shapes, docs/benchmarks.md)."""
     n, k = kernel.shape
     xf = x.astype(jnp.float32)
-    if two_stage and k % block == 0:
+    if two_stage and k % block == 0 and dtype is None:
         kb = k // block
         part = jnp.sum(kernel.reshape(n, kb, block).astype(jnp.float32) * xf.reshape(kb, block), axis=-1)
         s = jnp.repeat(scale.astype(jnp.float32), block, axis=0)[:n]
         return jnp.sum(part * s, axis=-1)
     w = kernel.astype(jnp.float32) * expand_scale(scale, kernel.shape, block)
+    if dtype is not None:
+        w = w.astype(dtype).astype(jnp.float32)
     return jnp.sum(w * xf, axis=-1)
 
 

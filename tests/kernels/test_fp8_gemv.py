@@ -109,6 +109,11 @@ def test_fp8_row_reduce_against_float64(monkeypatch):
             got = np.asarray(row_reduce(jnp.asarray(x), kernel, scale, 128, two_stage=two))
             assert got.shape == (n,) and got.dtype == np.float32
             np.testing.assert_allclose(got, want, atol=1e-5 * np.abs(want).max(), err_msg=f"{n}x{k} {two}")
+        # with the compute dtype: the scaled weight rounded to it first, as the dequantize path
+        rounded = np.asarray(jnp.asarray(deq, jnp.float32).astype(jnp.bfloat16), np.float64)
+        got = np.asarray(row_reduce(jnp.asarray(x), kernel, scale, 128, dtype=jnp.bfloat16))
+        np.testing.assert_allclose(got, rounded @ x.astype(np.float64), atol=1e-5 * np.abs(want).max())
+        assert np.abs(got - want).max() > 1e-4 * np.abs(want).max()  # the rounding is there
     monkeypatch.setattr(linear, "reduction_gemv", lambda: True)
     monkeypatch.setattr(fp8, "FP8_REDUCE", True)
     kw = dict(block=128, dtype=jnp.float32)
