@@ -98,3 +98,28 @@ def test_serve_logging_shows_other_libraries_from_warning_up_only():
     assert passes("debug", "hybrid_jax.loading", logging.DEBUG) and not passes("debug", "jax", logging.INFO)
     assert not passes("error", "serving.engine.llm_engine", logging.WARNING)
     assert not passes("error", "jax", logging.WARNING) and passes("error", "jax", logging.ERROR)
+
+
+def test_help_and_client_start_without_jax():
+    """`--help` (top level and each subcommand's) and the client's parser import neither
+    JAX nor gRPC: the CLI modules (cli, cli_args, cli_commands, cli_support) defer them to
+    the commands that need them, so help and `hybrid-jax client` start fast."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, contextlib, io\n"
+        "from serving.entrypoints.cli import main\n"
+        "for argv in (['--help'], ['serve', '--help'], ['generate', '--help'], ['bench', '--help'],\n"
+        "             ['client', '--help']):\n"
+        "    with contextlib.redirect_stdout(io.StringIO()):\n"
+        "        try:\n"
+        "            main(argv)\n"
+        "        except SystemExit as e:\n"
+        "            assert e.code == 0, (argv, e.code)\n"
+        "bad = sorted(m for m in sys.modules if m == 'jax' or m.startswith(('jax.', 'grpc')))\n"
+        "print(bad)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "[]", done.stdout[-500:]
