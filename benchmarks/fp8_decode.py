@@ -8,8 +8,10 @@ product = wall / (reps x chain):
   bf16        XLA's dot, bf16 weight (the engine's bf16 path)
   fp8_deq     dequantize then the bf16 product (hybrid_jax.layers.fp8 reference path)
   bf16_reduce the engine's bf16 one-row product (XLA row reduction; 1 row only)
-  reduce:2 / reduce:1  hybrid_jax.layers.fp8.row_reduce, two-stage / one reduction over k
-              (the engine's one-row FP8 product since HYBRID_JAX_FP8_REDUCE; 1 row only)
+  reduce:2 / reduce:1  hybrid_jax.layers.fp8.row_reduce, two-stage / one reduction over k;
+              reduce:bf16 the one reduction with the weight rounded to bf16 (the engine's
+              one-row FP8 product since HYBRID_JAX_FP8_REDUCE; 1 row only)
+  reduce_rows (2-8 rows) one reduction with the rows innermost: a candidate, not the engine's
   gemv:...    pallas_kernels/fp8_gemv.py (Triton lowering), launch variants
   stream:...  pallas_kernels/fp8_stream.py (Mosaic GPU, TMA ring + wgmma), launch variants
 Shapes in `--sweep-shapes` try every launch
@@ -81,6 +83,19 @@ def weights(n, k, chain):
     return out
 
 
+def fp8_rows_reduce(x, q, s):
+    """A few rows x [m, k] times the FP8 W [n, k] transposed as one XLA reduction with the
+    rows innermost ([n, m, k] -> [n, m]), so consecutive reductions share a weight row (read
+    from cache after the first): a candidate for 2-8 rows, timed beside the kernels."""
+    import jax.numpy as jnp
+
+    from hybrid_jax.layers.fp8 import expand_scale
+
+    w = (q.astype(jnp.float32) * expand_scale(s, q.shape, BLOCK)).astype(jnp.bfloat16)
+    y = jnp.sum(w.astype(jnp.float32)[:, None, :] * x.astype(jnp.float32)[None], axis=-1)
+    return y.T.astype(jnp.bfloat16)
+
+
 def decode(args, bw):
     import jax
     import jax.numpy as jnp
@@ -135,6 +150,10 @@ def decode(args, bw):
                 timed_keys.append("bf16_reduce")
                 variants = [(f"reduce:{2 if two else 1}", lambda x, q, s, two=two: row_reduce(
                     x[0], q, s, BLOCK, two)[None].astype(jnp.bfloat16)) for two in (True, False)] + variants
+                variants = [("reduce:bf16", lambda x, q, s: row_reduce(  # the engine's form now
+                    x[0], q, s, BLOCK, dtype=jnp.bfloat16)[None].astype(jnp.bfloat16))] + variants
+            elif rows <= 8:  # a try, not the engine's path: the reduction with the rows innermost
+                variants = [("reduce_rows", lambda x, q, s: fp8_rows_reduce(x, q, s))] + variants
             for vname, f in variants:
                 if vname in broken:
                     continue
