@@ -213,6 +213,9 @@ def _wy_kernel(table_ref, g_ref, beta_ref, k_ref, v_ref, w_ref, u_ref, cum_ref, 
 
 def _state_pass_kernel(table_ref, first_ref, slot_ref, init_ref, cum_ref, k_ref, u_ref, st_ref,
                        w_ref, enter_ref, u_out, st_out, *, l, rep, b, dd, bv):
+    """S <- decay(G_l) S + (e^{G_l - G} K)^T (U~ - W S) over a sequence's chunks; the entering
+    states stored, the final one to the slot. cum_ref [h, C, l] (a decay per head) or
+    [h, C, l, dk] (per key channel: KDA shares this kernel)."""
     vb, hd, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     del b
     cols = pl.ds(vb * bv, bv)
@@ -226,11 +229,18 @@ def _state_pass_kernel(table_ref, first_ref, slot_ref, init_ref, cum_ref, k_ref,
         un = u_ref[c, hd, :, cols].astype(f32) - dot(w_ref[c, hd, :, :], state.astype(dd))
         u_out[c, hd, :, cols] = un.astype(u_out.dtype)
         win, valid = _window(table_ref, c, l)
-        cum = cum_ref[hd, c, :]
-        last = cum_ref[hd, c, l - 1]
         kd = _masked(k_ref, win, l, valid, hd // rep, slice(None)).astype(f32)
-        kd = kd * jnp.exp(last - cum)[:, None]
-        return jnp.exp(last) * state + dot(kd.astype(dd), un.astype(dd), trans_a=True)
+        if len(cum_ref.shape) == 3:  # a decay per head: G [l], G_l a scalar
+            cum = cum_ref[hd, c, :]
+            last = cum_ref[hd, c, l - 1]
+            kd = kd * jnp.exp(last - cum)[:, None]
+            return jnp.exp(last) * state + dot(kd.astype(dd), un.astype(dd), trans_a=True)
+        # a decay per key channel (KDA, pallas_kernels/kda_prefill.py): G [l, dk], G_l [dk]
+        # (masked rows past the end keep G_l)
+        cum = cum_ref[hd, c, :, :]
+        last = cum_ref[hd, c, l - 1, :]
+        kd = kd * jnp.exp(last[None, :] - cum)
+        return jnp.exp(last)[:, None] * state + dot(kd.astype(dd), un.astype(dd), trans_a=True)
 
     final = jax.lax.fori_loop(first_ref[s], first_ref[s + 1], body, start)
     st_out[slot, hd, :, cols] = final.astype(st_out.dtype)

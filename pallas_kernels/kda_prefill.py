@@ -15,7 +15,8 @@ pipeline (`gated_delta_prefill.py`), with G = cumsum(g) a [l, dk] tile per chunk
    the diagonal blocks, the block recurrence below), W = T (beta e^G K), U~ = T (beta V).
 2. State pass, grid (dv / bv, hv, b): per chunk, the entering state is stored, U = U~ - W S
    in place, S <- diag(e^{G_l}) S + (e^{G_l - G} K)^T U (G_l - G <= 0); the final state goes
-   to the slot (aliased in place).
+   to the slot (aliased in place). The kernel is gated_delta_prefill's `_state_pass_kernel`,
+   which takes a per-channel G as well as a per-head one.
 3. Chunk output, grid (dv / bvo, hv, c): per SUB-row block I,
    O_I = scale ((e^{G_I} Q_I) S_enter + sum_{J <= I} P_IJ U_J) with P_IJ the decayed q.k
    products (j <= i), taken as A's.
@@ -36,7 +37,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.gated_delta_prefill import _masked, _unit_lower_inverse, _window
+from pallas_kernels.gated_delta_prefill import _masked, _state_pass_kernel, _unit_lower_inverse, _window
 from pallas_kernels.launch import channel_block, dot, launch
 from pallas_kernels.ragged import chunk_table, pad_tokens
 
@@ -173,31 +174,6 @@ def _wy_kernel(table_ref, g_ref, beta_ref, k_ref, v_ref, w_ref, u_ref, cum_ref, 
                 vv = _masked(v_ref, w0, SUB, ok, hd, slice(None)).astype(f32) * bt[:, None]
                 u = u + dot(t[i, j].astype(dd), vv.astype(dd))
             u_ref[c, hd, pl.ds(i * SUB, SUB), :] = u.astype(u_ref.dtype)
-
-
-def _state_pass_kernel(table_ref, first_ref, slot_ref, init_ref, cum_ref, k_ref, u_ref, st_ref,
-                       w_ref, enter_ref, u_out, st_out, *, l, rep, b, dd, bv):
-    vb, hd, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    del b
-    cols = pl.ds(vb * bv, bv)
-    slot = slot_ref[s]
-    f32 = jnp.float32
-    start = jnp.where(init_ref[s] != 0, st_ref[slot, hd, :, cols].astype(f32), 0.0)  # [dk, bv]
-
-    def body(c, state):
-        enter_ref[c, hd, :, cols] = state.astype(enter_ref.dtype)
-        # U = U~ - W S: read and written by this program only, so in place is safe.
-        un = u_ref[c, hd, :, cols].astype(f32) - dot(w_ref[c, hd, :, :], state.astype(dd))
-        u_out[c, hd, :, cols] = un.astype(u_out.dtype)
-        win, valid = _window(table_ref, c, l)
-        cum = cum_ref[hd, c, :, :]  # [l, dk]
-        last = cum_ref[hd, c, l - 1, :]  # [dk]: G_l (masked rows past the end keep it)
-        kd = _masked(k_ref, win, l, valid, hd // rep, slice(None)).astype(f32)
-        kd = kd * jnp.exp(last[None, :] - cum)
-        return jnp.exp(last)[:, None] * state + dot(kd.astype(dd), un.astype(dd), trans_a=True)
-
-    final = jax.lax.fori_loop(first_ref[s], first_ref[s + 1], body, start)
-    st_out[slot, hd, :, cols] = final.astype(st_out.dtype)
 
 
 def _chunk_out_kernel(table_ref, cum_ref, q_ref, k_ref, enter_ref, u_ref, o_ref, *, l, rep, b,

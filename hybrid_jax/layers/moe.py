@@ -57,9 +57,6 @@ from pallas_kernels.grouped_gemm import (
 )
 
 F32 = jnp.float32
-# Up to this many assignments (tokens x top-k) each is a grouped-GEMM item of its own, with
-# no sort or work table (`routed_experts`): batch 1 (and 2 at top-8 or less) at decode.
-FEW_ASSIGNMENTS = FEW_ROWS
 
 
 _ROUTING_TAPS: list[list[np.ndarray]] = []  # `record_routing`'s open records
@@ -167,7 +164,7 @@ def routed_experts(x: jax.Array, weights: jax.Array, experts: jax.Array, gate_up
     cfg = cfg or moe_config(t * k)
     s1, s2, block = fp8 or (None, None, None)
     dtype = x.dtype if fp8 else down.dtype
-    if impl != "reference" and t * k <= min(cfg.bm, FEW_ASSIGNMENTS):
+    if impl != "reference" and t * k <= min(cfg.bm, FEW_ROWS):
         # Few assignments (decode at batch 1 or 2): each one an item of its own in (token, j)
         # order, so no argsort, group sizes or work table (5 small kernels a layer): rows are
         # gathered from token r // k and stored in place.
