@@ -22,7 +22,10 @@ dequantize path on one weight (max |error| over max |y|, printed).
 
 Prefill (`--prefill-rows`, default 2048 8192): bf16 XLA dot, fp8_deq, torch bf16 matmul,
 torch._scaled_mm e4m3 (per-tensor, rowwise, and 1x128 / 128x128 block scales where this
-torch takes them), TFLOP/s against the bf16 rate.
+torch takes them: the anchor), and pallas_kernels/fp8_gemm.py's block-scaled FP8 GEMM
+(`gemm:tn<T>s<S>`, activations quantized in the timed call, as the engine runs it; first
+checked against its float64-exact XLA reference: `gemm:...:err`, max |error| over max |y|),
+TFLOP/s against the bf16 rate.
 
     PYTHONPATH=. python benchmarks/fp8_decode.py --out r.jsonl          # everything (~2 min)
     PYTHONPATH=. python benchmarks/fp8_decode.py --quick                # default launches only
@@ -219,14 +222,41 @@ def prefill(args):
                 res["xla_fp8_tensor"] = timed(jax.jit(xla_fp8), (x, [(q, s) for _, q, s in ws]), 5) / chain
             except Exception as e:  # noqa: BLE001
                 res["xla_fp8_tensor:error"] = str(e)[:200]
+            res.update(block_gemm(x, ws, args.gemm_configs))
             if torch is not None and torch.cuda.is_available():
                 res.update(torch_prefill(torch, rows, n, k, chain))
             for key in list(res):
-                if isinstance(res[key], float):
+                if isinstance(res[key], float) and not key.endswith(":err"):
                     res[key + ":tflops"] = round(flops / res[key] / 1e12, 1)
                     res[key] = round(res[key] * 1e6, 1)
             log(args.out, res)
         del ws
+
+
+def block_gemm(x, ws, configs):
+    """pallas_kernels/fp8_gemm.py over the chain, per launch config; each first checked
+    against the XLA reference on the first weight."""
+    import jax
+    import jax.numpy as jnp
+
+    from pallas_kernels.fp8_gemm import Fp8GemmConfig, fp8_block_matmul
+
+    out = {}
+    q0, s0 = ws[0][1], ws[0][2]
+    want = fp8_block_matmul(x, q0, s0, out_dtype=jnp.float32, impl="reference")
+    for spec in configs:
+        tn, stages = (int(v) for v in spec.split(","))
+        name = f"gemm:tn{tn}s{stages}"
+        cfg = Fp8GemmConfig(tn=tn, stages=stages)
+        try:
+            got = fp8_block_matmul(x, q0, s0, cfg=cfg, out_dtype=jnp.float32)
+            out[name + ":err"] = float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
+            fn = jax.jit(lambda x, ws, cfg=cfg: [fp8_block_matmul(x, q, s, cfg=cfg) for q, s in ws])
+            out[name] = timed(fn, (x, [(q, s) for _, q, s in ws]), 5) / len(ws)
+        except Exception as e:  # noqa: BLE001 - a launch that fails is a result
+            out[name + ":error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            traceback.print_exc(limit=4)
+    return out
 
 
 def torch_prefill(torch, rows, n, k, chain):
@@ -273,6 +303,8 @@ def main():
                    help="shapes that try every launch variant (the rest: the defaults)")
     p.add_argument("--prefill-shapes", nargs="+", default=["gate_up", "large"])
     p.add_argument("--prefill-rows", type=int, nargs="+", default=[2048, 8192])
+    p.add_argument("--gemm-configs", nargs="*", default=["256,3", "128,4", "128,6"],
+                   help="fp8_gemm launches tried in prefill: tn,stages")
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--quick", action="store_true", help="default launches only")
     p.add_argument("--no-decode", action="store_true")

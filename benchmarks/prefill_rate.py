@@ -11,6 +11,7 @@ chunked form counted at its matmul size) -- written out in
 
   PYTHONPATH=. python benchmarks/prefill_rate.py --prompt-len 8192 --chunk 8192 --requests 4 [--trace]
   PYTHONPATH=. python benchmarks/prefill_rate.py --prompt-len 8192 --chunk 8192 --requests 12 --overlap
+  HYBRID_JAX_FP8_GEMM=1 PYTHONPATH=. python benchmarks/prefill_rate.py --quantization fp8 ...
 
 Each step is timed alone by default (the step ends when its caches are ready): the host's
 scheduling of the next chunk then adds to every step. `--overlap` times the steady steps
@@ -43,6 +44,9 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=8192)
     p.add_argument("--chunk", type=int, default=8192)
     p.add_argument("--requests", type=int, default=4)
+    p.add_argument("--quantization", default=None, choices=["fp8"],
+                   help="EngineConfig.quantization (fp8: FP8 decoder weights; prefill products take "
+                        "the block-scaled FP8 GEMM with HYBRID_JAX_FP8_GEMM=1)")
     p.add_argument("--out", default=None)
     p.add_argument("--trace", action="store_true",
                    help="also trace one steady prefill step (not timed): GPU time per kernel")
@@ -54,7 +58,7 @@ def main() -> None:
     lm = load_model(a.model, dtype=a.dtype)
     cfg = EngineConfig(max_num_seqs=a.requests, max_num_batched_tokens=a.chunk, max_prefill_chunk=a.chunk,
                        max_model_len=a.prompt_len + 8, dtype=a.dtype, memory_fraction=0.8,
-                       seq_buckets=(a.requests,), token_buckets=(a.chunk,))
+                       seq_buckets=(a.requests,), token_buckets=(a.chunk,), quantization=a.quantization)
     engine = LLMEngine(lm, cfg, show_progress=False)
     rng = np.random.default_rng(0)
     for _ in range(a.requests):
@@ -94,7 +98,10 @@ def main() -> None:
     tok_s = a.chunk / step_s
     rate = matmul_rate()
     flops = model_flops(engine, a.prompt_len // 2) * tok_s
-    res = {"model": a.model, "chunk_tokens": a.chunk, "requests": a.requests, "prompt_len": a.prompt_len,
+    from configs import switches
+
+    res = {"model": a.model, "quantization": a.quantization, "fp8_gemm": switches.fp8_gemm(),
+           "chunk_tokens": a.chunk, "requests": a.requests, "prompt_len": a.prompt_len,
            "device": str(jax.devices()[0]), "step_ms": 1e3 * step_s, "prefill_tok_s": tok_s,
            "model_TFLOPs": flops / 1e12, "matmul_TFLOPs": rate / 1e12, "fraction_of_ceiling": flops / rate,
            "steps": len(times), "timing": "overlapped" if overlapped is not None else "synchronous",

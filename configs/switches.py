@@ -65,6 +65,10 @@ SWITCHES: tuple[Switch, ...] = (
     Switch("HYBRID_JAX_FP8_REDUCE", "1",
            "0 takes one-row FP8 products of [out, in] kernels on a GPU through the FP8 decode "
            "kernels instead of XLA's row reduction over the e4m3 weight"),
+    Switch("HYBRID_JAX_FP8_GEMM", "0",
+           "1 runs FP8 Linears' prefill products (> 64 rows, [out, in] kernels, 128 x 128 blocks) "
+           "through the Mosaic GPU block-scaled FP8 GEMM (activations quantized per token and "
+           "128-wide group) on Hopper, instead of the dequantized weight through XLA's bf16 GEMM"),
     Switch("HYBRID_JAX_MLA_KERNEL", "0",
            "1 runs MLA's latent decode (and verification) attention through the Pallas "
            "`mla_decode` kernel where the Pallas backend is used, instead of the XLA paged "
@@ -162,6 +166,11 @@ def fp8_gemv() -> bool:
 
 def fp8_reduce() -> bool:
     return _on("HYBRID_JAX_FP8_REDUCE")
+
+
+def fp8_gemm() -> bool:
+    """Default off until the kernel is timed faster than the dequantize path (docs/kernels.md "FP8")."""
+    return (_get("HYBRID_JAX_FP8_GEMM") or "0") == "1"
 
 
 def mla_kernel() -> bool:

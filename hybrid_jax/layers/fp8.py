@@ -10,8 +10,9 @@ included when a dimension is not a multiple of B (a [540, 64] kernel with B = 32
 `dequantize` is the reference: exact in f32 (an e4m3 value times an f32 scale is one
 rounding, as transformers' own dequantization does), then cast to the compute dtype.
 `fp8_matmul` is the product a Linear with an FP8 kernel runs: an FP8 decode kernel for
-few rows where the kernel switch picks Pallas (Mosaic GPU on Hopper, else Triton), else
-the dequantized kernel multiplied in the compute dtype (docs/kernels.md "FP8").
+few rows where the kernel switch picks Pallas (Mosaic GPU on Hopper, else Triton), the
+block-scaled FP8 GEMM for many rows where HYBRID_JAX_FP8_GEMM=1 on Hopper, else the
+dequantized kernel multiplied in the compute dtype (docs/kernels.md "FP8").
 `quantize` makes the format from a float kernel (quantization at load); `quantize_stack`
 does the same for a MoE layer's stacked experts, on their device (`quantize_experts`: in
 slices of experts). This module knows nothing of checkpoints or serving.
@@ -28,6 +29,8 @@ import numpy as np
 
 from configs import switches
 from pallas_kernels.backend import Impl, resolve_impl
+from pallas_kernels.fp8_gemm import fits as gemm_fits
+from pallas_kernels.fp8_gemm import fp8_block_matmul
 from pallas_kernels.fp8_gemv import fits as gemv_fits
 from pallas_kernels.fp8_gemv import fp8_gemv
 from pallas_kernels.fp8_stream import MAX_ROWS as STREAM_MAX_ROWS
@@ -36,6 +39,7 @@ from pallas_kernels.fp8_stream import fp8_stream_matmul
 
 FP8_GEMV = switches.fp8_gemv()  # HYBRID_JAX_FP8_GEMV=0: the dequantize path at every row count
 FP8_REDUCE = switches.fp8_reduce()  # HYBRID_JAX_FP8_REDUCE=0: one-row products take the kernels too
+FP8_GEMM = switches.fp8_gemm()  # HYBRID_JAX_FP8_GEMM=1: prefill products take the block-scaled FP8 GEMM
 FP8 = jnp.dtype(jnp.float8_e4m3fn)
 FP8_MAX = float(jnp.finfo(FP8).max)  # 448
 
@@ -77,7 +81,10 @@ def fp8_matmul(x: jax.Array, kernel: jax.Array, scale: jax.Array, *, block: int,
     registers. Otherwise, and as the reference: the dequantized kernel through the plain
     product (layers/linear.matmul, which also takes the one-row reduction, where XLA fuses
     the dequantization into the read); past 64 rows the dequantized kernel is written
-    apart before the GEMM (measured faster than XLA fusing it into the GEMM)."""
+    apart before the GEMM (measured faster than XLA fusing it into the GEMM). Past 64 rows
+    with HYBRID_JAX_FP8_GEMM=1 on Hopper, for an [o, i] kernel with 128 x 128 blocks and
+    o a multiple of 128: the block-scaled FP8 GEMM (pallas_kernels/fp8_gemm.py), x quantized
+    per token and 128-wide group as the checkpoints' dynamic activation scheme says."""
     from hybrid_jax.layers.linear import matmul, reduction_gemv
 
     rows, k = math.prod(x.shape[:-1]), x.shape[-1]
@@ -93,6 +100,10 @@ def fp8_matmul(x: jax.Array, kernel: jax.Array, scale: jax.Array, *, block: int,
     if impl != "reference" and FP8_GEMV and gemv_fits(rows, k, n, block):
         y = fp8_gemv(x.reshape(rows, k).astype(dtype), kernel, scale, transposed=transposed,
                      interpret=impl == "interpret")
+        return y.reshape(*x.shape[:-1], n)
+    if (rows > STREAM_MAX_ROWS and impl == "pallas" and FP8_GEMM and transposed
+            and gemm_fits(rows, k, n, block) and _hopper()):
+        y = fp8_block_matmul(x.reshape(rows, k), kernel, scale, out_dtype=dtype)
         return y.reshape(*x.shape[:-1], n)
     w = dequantize(kernel, scale, block, dtype)
     if rows > STREAM_MAX_ROWS:
