@@ -42,6 +42,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from pallas_kernels.stream_gemm import smem_transforms
+
 BLOCK = 128  # the scale block: activations' group width, the weight's block, the k tile
 TM = 64  # rows per compute warpgroup
 WGS = 2  # compute warpgroups per CTA
@@ -151,15 +153,6 @@ def fp8_block_matmul(x: jax.Array, wq: jax.Array, ws: jax.Array, *,
     return y[:m] if rows != m else y
 
 
-def _transforms(cols: int, itemsize: int):
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-
-    swizzle = 128
-    while swizzle > 16 and cols * itemsize % swizzle:
-        swizzle //= 2
-    return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
-
-
 @functools.partial(jax.jit, static_argnums=(4, 5, 6))
 def _kernel(xq, xs_t, wq, ws, tn: int, stages: int, out_dtype):
     """xq [m, k] e4m3 (m a multiple of 128), xs_t [k/128, m] f32 (x's scales, transposed so
@@ -171,8 +164,8 @@ def _kernel(xq, xs_t, wq, ws, tn: int, stages: int, out_dtype):
     n = wq.shape[0]
     steps = k // BLOCK
     sub = tn // BLOCK
-    f8_tr = _transforms(BLOCK, 1)
-    out_tr = _transforms(BLOCK, jnp.dtype(out_dtype).itemsize)
+    f8_tr = smem_transforms(BLOCK, 1)
+    out_tr = smem_transforms(BLOCK, jnp.dtype(out_dtype).itemsize)
 
     def body(x_g, xs_g, w_g, ws_g, o_g, scoped):
         x_s, w_s, xs_s, o_s, x_bar, w_bar, s_bar, done = scoped

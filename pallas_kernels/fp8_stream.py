@@ -39,6 +39,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from pallas_kernels.stream_gemm import smem_transforms
+
 BLOCK = 128  # the scale block this kernel takes (and its k tile)
 SMEM_BYTES = 227 * 1024
 NUM_SMS = 132
@@ -117,15 +119,6 @@ def fp8_stream_matmul(x: jax.Array, w: jax.Array, scale: jax.Array, *,
     return jnp.sum(part, axis=0)[:n, :m].T.astype(out_dtype)
 
 
-def _transforms(cols: int, itemsize: int):
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-
-    swizzle = 128
-    while swizzle > 16 and cols * itemsize % swizzle:
-        swizzle //= 2
-    return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
-
-
 @functools.partial(jax.jit, static_argnums=(3, 4, 5, 6))
 def _kernel(x, w, scale, tn: int, stages: int, splits: int, out_tiled: bool):
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -185,9 +178,9 @@ def _kernel(x, w, scale, tn: int, stages: int, splits: int, out_tiled: bool):
         body,
         out_type=jax.ShapeDtypeStruct((splits, tiles * tn, m), jnp.float32),
         scratch_types=dict(
-            w_s=plgpu.SMEM((stages, tn, tk), w.dtype, transforms=_transforms(tk, 1)),
-            x_s=plgpu.SMEM((stages, m, tk), x.dtype, transforms=_transforms(tk, 2)),
-            o_s=plgpu.SMEM((tn, m), jnp.float32, transforms=_transforms(m, 4) if out_tiled else ()),
+            w_s=plgpu.SMEM((stages, tn, tk), w.dtype, transforms=smem_transforms(tk, 1)),
+            x_s=plgpu.SMEM((stages, m, tk), x.dtype, transforms=smem_transforms(tk, 2)),
+            o_s=plgpu.SMEM((tn, m), jnp.float32, transforms=smem_transforms(m, 4) if out_tiled else ()),
             w_bar=plgpu.Barrier(num_barriers=stages),
             x_bar=plgpu.Barrier(num_barriers=stages),
         ),

@@ -136,7 +136,9 @@ def load_runtime() -> None:
         importlib.import_module("jax.experimental.mosaic.gpu")
 
 
-def _transforms(cols: int, itemsize: int):
+def smem_transforms(cols: int, itemsize: int):
+    """The tiling and swizzle of a shared-memory tile whose rows hold `cols` elements of
+    `itemsize` bytes (the widest swizzle that divides a row), as TMA and wgmma take it."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     swizzle = 128
@@ -198,8 +200,8 @@ def _kernel(x, w, row0, n: int, cfg: StreamConfig, out_dtype, glu: float | None)
     gated = glu is not None
     steps = k // (tk * splits)  # pipeline steps per CTA
     tiles = pl.cdiv(n, tn)
-    in_tr = _transforms(tk, 2)
-    out_tr = _transforms(tn, out_dtype.itemsize)
+    in_tr = smem_transforms(tk, 2)
+    out_tr = smem_transforms(tn, out_dtype.itemsize)
     acc_shape = (tn, m) if cfg.swap else (m, tn)
 
     def body(x_g, w_g, r_g, o_g, w_s, x_s, o_s, w_bar, x_bar, u_s=None, u_bar=None):
