@@ -14,8 +14,9 @@ scales change every 128 of depth, so each 128-deep block's product is its own wg
 fresh accumulator, which the CUDA cores scale and add to the running sum (a register
 array): the "promotion" of DeepSeek's DeepGEMM, written here in Pallas.
 
-- CTA: 128 rows of x by `tn` output columns (tn a multiple of 128: one weight scale per 128
-  columns per block). Three warpgroups: two compute warpgroups (64 rows each) and one that
+- CTA: 128 rows of x by `tn` output columns (tn 128 or 256: one weight scale per 128
+  columns per block; 128 where 256 does not divide n, so that the last tile, which may end
+  past n, reads only existing scale rows; TMA reads the weight rows past n as zeros). Three warpgroups: two compute warpgroups (64 rows each) and one that
   only issues the TMA copies into a ring of `stages` shared-memory buffers (x's e4m3 tile
   [128, 128], the weight's [tn, 128], x's 128 scales of that block), refilling a buffer
   once both compute warpgroups have arrived on its "consumed" barrier.
@@ -59,14 +60,15 @@ class Fp8GemmConfig:
     stages: int = 3  # shared-memory buffers in the ring
 
 
-def fits(rows: int, k: int, n: int, block: int, cfg: Fp8GemmConfig = Fp8GemmConfig()) -> bool:
-    """Whether `fp8_block_matmul` takes this product: 128 x 128 scale blocks, whole blocks
-    in k, n a multiple of 128 (the tile is chosen to divide it), and enough rows for a GEMM."""
-    return block == BLOCK and rows > 0 and k % BLOCK == 0 and n % BLOCK == 0
+def fits(rows: int, k: int, n: int, block: int) -> bool:
+    """Whether `fp8_block_matmul` takes this product: 128 x 128 scale blocks and whole
+    blocks in k (n may end inside a block: the last tile's rows past n read as zeros)."""
+    return block == BLOCK and rows > 0 and k % BLOCK == 0 and n > 0
 
 
 def tile_for(n: int, cfg: Fp8GemmConfig) -> Fp8GemmConfig:
-    """cfg with tn cut to 128 when it does not divide n (n is a multiple of 128)."""
+    """cfg with tn cut to 128 where tn does not divide n: every tile then starts inside
+    the weight and owns one row of its block scales."""
     if n % cfg.tn == 0:
         return cfg
     return Fp8GemmConfig(tn=BLOCK, stages=cfg.stages)
@@ -84,14 +86,14 @@ def smem_bytes(cfg: Fp8GemmConfig, out_itemsize: int = 2) -> int:
 
 def check(m: int, k: int, n: int, cfg: Fp8GemmConfig, out_itemsize: int = 2) -> None:
     """ValueError naming what does not fit (shapes, tile, shared memory)."""
-    if cfg.tn % BLOCK or cfg.tn > 256:
+    if cfg.tn not in (BLOCK, 2 * BLOCK):
         raise ValueError(f"tn={cfg.tn} must be 128 or 256")
     if m % ROWS:
         raise ValueError(f"m={m} rows must be a multiple of {ROWS} (fp8_block_matmul pads)")
     if k % BLOCK:
         raise ValueError(f"k={k} must be a multiple of {BLOCK}")
-    if n % cfg.tn:
-        raise ValueError(f"n={n} must be a multiple of tn={cfg.tn}")
+    if n % cfg.tn and cfg.tn != BLOCK:
+        raise ValueError(f"n={n} must be a multiple of tn={cfg.tn} (tn=128 takes any n)")
     if cfg.stages < 2:
         raise ValueError(f"stages={cfg.stages} must be >= 2")
     need = smem_bytes(cfg, out_itemsize)
@@ -150,18 +152,20 @@ def fp8_block_matmul(x: jax.Array, wq: jax.Array, ws: jax.Array, *,
         xq = jnp.pad(xq, ((0, rows - m), (0, 0)))
         xs = jnp.pad(xs, ((0, rows - m), (0, 0)), constant_values=1.0)
     y = _kernel(xq, xs.T, wq, ws.astype(jnp.float32), cfg.tn, cfg.stages, out_dtype)
-    return y[:m] if rows != m else y
+    return y[:m, :n] if y.shape != (m, n) else y
 
 
 @functools.partial(jax.jit, static_argnums=(4, 5, 6))
 def _kernel(xq, xs_t, wq, ws, tn: int, stages: int, out_dtype):
     """xq [m, k] e4m3 (m a multiple of 128), xs_t [k/128, m] f32 (x's scales, transposed so
     a block's scales for a CTA's rows are one contiguous copy), wq [n, k] e4m3, ws
-    [n/128, k/128] f32 -> y [m, n] in out_dtype."""
+    [ceil(n/128), k/128] f32 -> y [m, ceil(n/tn) tn] in out_dtype: whole tiles (Mosaic GPU's
+    tiled stores), the columns past n computed from the zeros TMA reads past wq's rows."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     m, k = xq.shape
     n = wq.shape[0]
+    tiles = pl.cdiv(n, tn)
     steps = k // BLOCK
     sub = tn // BLOCK
     f8_tr = smem_transforms(BLOCK, 1)
@@ -255,8 +259,8 @@ def _kernel(xq, xs_t, wq, ws, tn: int, stages: int, out_dtype):
     entry.__name__ = "fp8_block_gemm"
     return plgpu.kernel(
         entry,
-        out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
-        grid=(m // ROWS, n // tn),
+        out_type=jax.ShapeDtypeStruct((m, tiles * tn), out_dtype),
+        grid=(m // ROWS, tiles),
         grid_names=("m", "n"),
         num_threads=WGS + 1,
         thread_name="wg",

@@ -76,15 +76,18 @@ def test_reference_is_the_blockwise_definition(m, k, n):
 
 def _stand_in(xq, xs_t, wq, ws, tn, stages, out_dtype):
     """The kernel's contract with its operands, checked: rows padded to 128, x's scales
-    transposed [k/128, m], f32 weight scales; computes the definition in float64."""
+    transposed [k/128, m], f32 weight scales; computes the definition in float64 and
+    returns whole tiles of columns, as the kernel does (zeros past n)."""
     m, k = xq.shape
+    n = wq.shape[0]
     assert m % fp8_gemm.ROWS == 0 and xs_t.shape == (k // BLOCK, m) and ws.dtype == jnp.float32
-    check(m, k, wq.shape[0], Fp8GemmConfig(tn=tn, stages=stages))
+    check(m, k, n, Fp8GemmConfig(tn=tn, stages=stages))
     y = _blockwise64(xq, np.asarray(xs_t).T, wq, ws)
-    return jnp.asarray(y, out_dtype)
+    return jnp.asarray(np.pad(y, ((0, 0), (0, -(-n // tn) * tn - n))), out_dtype)
 
 
-@pytest.mark.parametrize("m,n,tn", [(1, 256, 256), (200, 384, 256), (256, 512, 256), (129, 128, 128)])
+@pytest.mark.parametrize("m,n,tn", [(1, 256, 256), (200, 384, 256), (256, 512, 256), (129, 128, 128),
+                                    (130, 200, 256)])  # n ends inside a block: tn 128, columns cut
 def test_wrapper_pads_and_lays_out_operands(monkeypatch, m, n, tn):
     monkeypatch.setattr(fp8_gemm, "_kernel", _stand_in)
     x, wq, ws = _operands(m, 512, n, seed=n)
@@ -95,9 +98,10 @@ def test_wrapper_pads_and_lays_out_operands(monkeypatch, m, n, tn):
 
 
 def test_fits_and_check_name_what_does_not_fit():
-    assert fits(4096, 2048, 11264, 128) and not fits(4096, 2048, 4384, 128)  # n a multiple of 128
+    assert fits(4096, 2048, 11264, 128) and fits(4096, 2048, 4384, 128)  # n may end inside a block
     assert not fits(4096, 2000, 2048, 128) and not fits(4096, 2048, 2048, 64)
     assert fp8_gemm.tile_for(384, Fp8GemmConfig(tn=256)).tn == 128
+    assert fp8_gemm.tile_for(4384, Fp8GemmConfig(tn=256)).tn == 128
     with pytest.raises(ValueError, match="rows"):
         check(100, 512, 256, Fp8GemmConfig())
     with pytest.raises(ValueError, match="tn=256"):
@@ -138,6 +142,7 @@ def test_fp8_matmul_routes_prefill_rows_to_the_gemm(monkeypatch):
     (200, 1024, 384, Fp8GemmConfig(tn=256, stages=3)),  # rows padded, tn cut to 128
     (512, 256, 512, Fp8GemmConfig(tn=128, stages=4)),  # fewer blocks than stages
     (256, 2048, 1024, Fp8GemmConfig(tn=256, stages=3)),
+    (128, 512, 200, Fp8GemmConfig(tn=256, stages=3)),  # n ends inside a block: zeros read past it
 ])
 def test_kernel_matches_reference_on_hopper(m, k, n, cfg):
     x, wq, ws = _operands(m, k, n, seed=k)
