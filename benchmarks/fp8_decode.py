@@ -303,7 +303,7 @@ def main():
                    help="shapes that try every launch variant (the rest: the defaults)")
     p.add_argument("--prefill-shapes", nargs="+", default=["gate_up", "large"])
     p.add_argument("--prefill-rows", type=int, nargs="+", default=[2048, 8192])
-    p.add_argument("--gemm-configs", nargs="*", default=["256,3", "128,4", "128,6"],
+    p.add_argument("--gemm-configs", nargs="*", default=["128,4", "256,3", "128,5"],
                    help="fp8_gemm launches tried in prefill: tn,stages")
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--quick", action="store_true", help="default launches only")

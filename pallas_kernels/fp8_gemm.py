@@ -14,10 +14,10 @@ scales change every 128 of depth, so each 128-deep block's product is its own wg
 fresh accumulator, which the CUDA cores scale and add to the running sum (a register
 array): the "promotion" of DeepSeek's DeepGEMM, written here in Pallas.
 
-- CTA: 128 rows of x by `tn` output columns (tn 128 or 256: one weight scale per 128
-  columns per block; 128 where 256 does not divide n, so that the last tile, which may end
-  past n, reads only existing scale rows; TMA reads the weight rows past n as zeros). Three warpgroups: two compute warpgroups (64 rows each) and one that
-  only issues the TMA copies into a ring of `stages` shared-memory buffers (x's e4m3 tile
+- CTA: 128 rows of x by `tn` output columns (tn 128, the default, or 256: one weight scale
+  per 128 columns per block; 128 where 256 does not divide n, so that the last tile, which
+  may end past n, reads only existing scale rows; TMA reads the weight rows past n as zeros). Three warpgroups: two compute warpgroups (64 rows each) and one that
+  only issues the TMA copies into a ring of `stages` (4) shared-memory buffers (x's e4m3 tile
   [128, 128], the weight's [tn, 128], x's 128 scales of that block), refilling a buffer
   once both compute warpgroups have arrived on its "consumed" barrier.
 - Per block and per 128 columns: wgmma (A = x's 64 rows, B = the weight tile transposed,
@@ -56,8 +56,10 @@ FP8_MAX = float(jnp.finfo(FP8).max)  # 448
 
 @dataclass(frozen=True)
 class Fp8GemmConfig:
-    tn: int = 256  # output columns per CTA: 128 or 256
-    stages: int = 3  # shared-memory buffers in the ring
+    # H100, 8192 rows (docs/benchmarks.md "FP8 products"): tn 128 with 4 buffers was the
+    # fastest at 8192 x 8192 (1340 against tn 256's 1768 us) and at n = 4384, even at 11264.
+    tn: int = 128  # output columns per CTA: 128 or 256
+    stages: int = 4  # shared-memory buffers in the ring
 
 
 def fits(rows: int, k: int, n: int, block: int) -> bool:
