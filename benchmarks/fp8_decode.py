@@ -23,9 +23,9 @@ dequantize path on one weight (max |error| over max |y|, printed).
 Prefill (`--prefill-rows`, default 2048 8192): bf16 XLA dot, fp8_deq, torch bf16 matmul,
 torch._scaled_mm e4m3 (per-tensor, rowwise, and 1x128 / 128x128 block scales where this
 torch takes them: the anchor), and pallas_kernels/fp8_gemm.py's block-scaled FP8 GEMM
-(`gemm:tn<T>s<S>[o]`, o: the overlapped form; activations quantized in the timed call, as the engine runs it; first
-checked against its float64-exact XLA reference: `gemm:...:err`, max |error| over max |y|),
-TFLOP/s against the bf16 rate.
+(`gemm:tn<T>s<S>[o]`, o: the overlapped form; activations quantized in the timed call, as
+the engine runs it; first checked against its float64-exact XLA reference: `gemm:...:err`,
+max |error| over max |y|), TFLOP/s against the bf16 rate.
 
     PYTHONPATH=. python benchmarks/fp8_decode.py --out r.jsonl          # everything (~2 min)
     PYTHONPATH=. python benchmarks/fp8_decode.py --quick                # default launches only

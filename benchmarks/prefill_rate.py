@@ -28,6 +28,7 @@ import time
 import jax
 import numpy as np
 
+from configs import switches
 from hybrid_jax.loading import load_model
 from serving.engine.engine_config import EngineConfig
 from serving.engine.llm_engine import LLMEngine
@@ -98,8 +99,6 @@ def main() -> None:
     tok_s = a.chunk / step_s
     rate = matmul_rate()
     flops = model_flops(engine, a.prompt_len // 2) * tok_s
-    from configs import switches
-
     res = {"model": a.model, "quantization": a.quantization, "fp8_gemm": switches.fp8_gemm(),
            "chunk_tokens": a.chunk, "requests": a.requests, "prompt_len": a.prompt_len,
            "device": str(jax.devices()[0]), "step_ms": 1e3 * step_s, "prefill_tok_s": tok_s,

@@ -169,7 +169,8 @@ def fp8_reduce() -> bool:
 
 
 def fp8_gemm() -> bool:
-    """Default off until the kernel is timed faster than the dequantize path (docs/kernels.md "FP8")."""
+    """Default off: on an H100 the prefill step with it is 1.01x bf16's (0.98x without), and it
+    quantizes the activations of steps over 64 rows only (docs/kernels.md "FP8")."""
     return (_get("HYBRID_JAX_FP8_GEMM") or "0") == "1"
 
 

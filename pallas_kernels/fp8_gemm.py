@@ -16,8 +16,9 @@ array): the "promotion" of DeepSeek's DeepGEMM, written here in Pallas.
 
 - CTA: 128 rows of x by `tn` output columns (tn 128, the default, or 256: one weight scale
   per 128 columns per block; 128 where 256 does not divide n, so that the last tile, which
-  may end past n, reads only existing scale rows; TMA reads the weight rows past n as zeros). Three warpgroups: two compute warpgroups (64 rows each) and one that
-  only issues the TMA copies into a ring of `stages` (4) shared-memory buffers (x's e4m3 tile
+  may end past n, reads only existing scale rows; TMA reads the weight rows past n as
+  zeros). Three warpgroups: two compute warpgroups (64 rows each) and one that only
+  issues the TMA copies into a ring of `stages` (4) shared-memory buffers (x's e4m3 tile
   [128, 128], the weight's [tn, 128], x's 128 scales of that block), refilling a buffer
   once both compute warpgroups have arrived on its "consumed" barrier.
 - Per block and per 128 columns: wgmma (A = x's 64 rows, B = the weight tile transposed,

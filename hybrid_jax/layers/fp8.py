@@ -83,7 +83,7 @@ def fp8_matmul(x: jax.Array, kernel: jax.Array, scale: jax.Array, *, block: int,
     the dequantization into the read); past 64 rows the dequantized kernel is written
     apart before the GEMM (measured faster than XLA fusing it into the GEMM). Past 64 rows
     with HYBRID_JAX_FP8_GEMM=1 on Hopper, for an [o, i] kernel with 128 x 128 blocks and
-    o a multiple of 128: the block-scaled FP8 GEMM (pallas_kernels/fp8_gemm.py), x quantized
+    i whole blocks: the block-scaled FP8 GEMM (pallas_kernels/fp8_gemm.py), x quantized
     per token and 128-wide group as the checkpoints' dynamic activation scheme says."""
     from hybrid_jax.layers.linear import matmul, reduction_gemv
 

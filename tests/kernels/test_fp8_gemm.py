@@ -94,7 +94,8 @@ def test_wrapper_pads_and_lays_out_operands(monkeypatch, m, n, tn):
     got = fp8_block_matmul(x, wq, ws, cfg=Fp8GemmConfig(tn=tn, stages=3), out_dtype=jnp.float32)
     want = fp8_block_matmul(x, wq, ws, out_dtype=jnp.float32, impl="reference")
     assert got.shape == (m, n)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5 * float(jnp.abs(want).max()))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5,
+                               atol=1e-5 * float(jnp.abs(want).max()))
 
 
 def test_fits_and_check_name_what_does_not_fit():
