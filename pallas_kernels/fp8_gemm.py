@@ -23,7 +23,7 @@ array): the "promotion" of DeepSeek's DeepGEMM, written here in Pallas.
   once both compute warpgroups have arrived on its "consumed" barrier.
 - Per block and per 128 columns: wgmma (A = x's 64 rows, B = the weight tile transposed,
   both K-major as e4m3 wgmma requires), then acc += part * (xs[rows] * ws[col block]).
-- Grid (m / 128, n / tn), rows fastest: consecutive CTAs share a weight tile.
+- Grid (m / 128, ceil(n / tn)), rows fastest: consecutive CTAs share a weight tile.
 
 `fp8_block_matmul` takes x in the compute dtype, quantizes it (an XLA fusion), pads rows to
 a multiple of 128 and runs the kernel; `impl="reference"` is the same arithmetic in XLA
