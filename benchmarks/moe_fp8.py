@@ -51,12 +51,30 @@ DECODE_TRIES = [(16, 64, 128, 4, 4, False), (16, 128, 128, 4, 4, False)]
 PREFILL_TRIES = [(128, 128, 128, 8, 3, True), (64, 128, 64, 4, 4, True)]
 
 
+def parse_try(spec: str) -> GroupedConfig:
+    """"bm,bn,bk,warps,stages[,c][,sN][,w]" -> GroupedConfig: `c` column-major grid, `sN` N
+    k splits, `w` the FP8 scale on the weight tile."""
+    parts = spec.split(",")
+    kw = dict(zip(("bm", "bn", "bk", "num_warps", "num_stages"), map(int, parts[:5]), strict=True))
+    for flag in parts[5:]:
+        if flag == "c":
+            kw["cols_major"] = True
+        elif flag == "w":
+            kw["fp8_scale"] = "weights"
+        elif flag.startswith("s"):
+            kw["splits"] = int(flag[1:])
+        else:
+            raise ValueError(f"--tries: unknown flag {flag!r} in {spec!r}")
+    return GroupedConfig(**kw)
+
+
 def shapes_of(preset: str) -> dict:
     moe = load_preset(preset).moe
     return dict(d=load_preset(preset).hidden_size, e=moe.num_experts, f=moe.intermediate_size, k=moe.top_k)
 
 
-def run_case(t: int, s: dict, stacks: dict, bw: float, reps: int, smoke: bool, tries: bool) -> dict:
+def run_case(t: int, s: dict, stacks: dict, bw: float, reps: int, smoke: bool, tries: bool,
+             given: list[str] | None = None, bf16_tries: bool = False) -> dict:
     d, e, f, k = s["d"], s["e"], s["f"], s["k"]
     experts, weights = routing(t, e, k, seed=t)
     x = jax.random.normal(jax.random.key(t), (t, d), jnp.bfloat16)
@@ -94,7 +112,12 @@ def run_case(t: int, s: dict, stacks: dict, bw: float, reps: int, smoke: bool, t
                 "fp8_scale_other": (fp8(dataclasses.replace(
                     moe_config(t * k), fp8_scale="output" if moe_config(t * k).fp8_scale == "weights"
                     else "weights")), want_fp8, "fp8")}
-    if not smoke and tries:
+    if given:  # --tries: these tiles (FP8, and bf16 with --bf16-tries)
+        for spec in given:
+            variants[f"fp8[{spec}]"] = (fp8(parse_try(spec)), want_fp8, "fp8")
+            if bf16_tries:
+                variants[f"bf16[{spec}]"] = (bf16(parse_try(spec)), want_bf16, "bf16")
+    elif not smoke and tries:
         for c in DECODE_TRIES if t <= 64 else PREFILL_TRIES:
             variants[f"fp8{list(c[:5])}".replace(" ", "")] = (fp8(GroupedConfig(*c)), want_fp8, "fp8")
     rel = lambda a, b: float(jnp.abs(a - b).max() / (jnp.abs(b).max() + 1e-9))  # noqa: E731
@@ -153,9 +176,14 @@ def main() -> None:
     p.add_argument("--fit", nargs="?", const=PRESET, help="also load this model (default the preset) "
                    "quantized and run one engine step")
     p.add_argument("--no-tries", action="store_true", help="the engine's tiles only")
+    p.add_argument("--tries", nargs="+", help="tiles to time instead of the built-in tries: "
+                   "bm,bn,bk,warps,stages[,c][,sN][,w] (c: column-major grid, sN: N k splits, "
+                   "w: FP8 scale on the weight tile)")
+    p.add_argument("--bf16-tries", action="store_true", help="time --tries on the bf16 stacks too")
+    p.add_argument("--preset", default=PRESET, help="the expert shapes of this preset")
     p.add_argument("--out", help="also append each row as a JSON line here")
     a = p.parse_args()
-    s = SMOKE if a.smoke else shapes_of(PRESET)
+    s = SMOKE if a.smoke else shapes_of(a.preset)
     bw = copy_bandwidth(1 << 24 if a.smoke else 1 << 30)
     head = run_head(s, bw)
     print(json.dumps(head), flush=True)
@@ -165,7 +193,7 @@ def main() -> None:
     stacks = dict(gu=gu, dn=dn, qgu=qgu, sgu=sgu, qdn=qdn, sdn=sdn)
     rows = []
     for t in a.tokens:
-        rows.append(run_case(t, s, stacks, bw, a.reps, a.smoke, not a.no_tries))
+        rows.append(run_case(t, s, stacks, bw, a.reps, a.smoke, not a.no_tries, a.tries, a.bf16_tries))
     del gu, dn, qgu, qdn, stacks
     if a.fit:
         rows.append(fit(a.fit, a.out))

@@ -58,6 +58,9 @@ SWITCHES: tuple[Switch, ...] = (
            "Mosaic GPU `stream_glu` launch (Hopper, 8-64 rows)"),
     Switch("HYBRID_JAX_STREAM_GEMM_CONFIG", "unset",
            "tn,tk,stages,swap: overrides `stream_glu`'s launch (tuning on another GPU)"),
+    Switch("HYBRID_JAX_MOE_FEW_CONFIG", "unset",
+           "bn,bk,warps,stages,splits: overrides the grouped GEMM's tiles for at most 16 "
+           "(token, expert) rows (MoE decode at batch 1-2; tuning on another GPU)"),
     Switch("HYBRID_JAX_FP8_GEMV", "1",
            "0 runs FP8 Linears' decode products (<= 64 rows) through the dequantize path "
            "instead of the Pallas FP8 decode kernels (`fp8_stream` on Hopper for [out, in] "
@@ -252,3 +255,16 @@ def _keyed(name: str) -> bool:
     if name in {s.name for s in SWITCHES}:
         return name not in _NOT_KEYED_SWITCHES
     return not any(w in name for w in _NOT_KEYED)
+
+
+def moe_few_config() -> tuple[int, int, int, int, int] | None:
+    """(bn, bk, warps, stages, splits) from HYBRID_JAX_MOE_FEW_CONFIG, None if unset."""
+    text = _get("HYBRID_JAX_MOE_FEW_CONFIG")
+    if not text:
+        return None
+    try:
+        bn, bk, warps, stages, splits = (int(v) for v in text.split(","))
+    except ValueError:
+        raise ValueError(f"HYBRID_JAX_MOE_FEW_CONFIG={text!r}: expected five integers "
+                         "bn,bk,warps,stages,splits") from None
+    return bn, bk, warps, stages, splits

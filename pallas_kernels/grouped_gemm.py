@@ -56,6 +56,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from configs import switches
 from pallas_kernels.backend import Impl, resolve_impl
 from pallas_kernels.launch import channel_block, dot, impl_kwargs, is_pow2
 
@@ -78,12 +79,18 @@ class GroupedConfig:
     # dequantized weights, bit for bit), then the MMA accumulates in place. Which is faster
     # is the GPU's to say (benchmarks/moe_fp8.py times both).
     fp8_scale: str = "output"
+    # Split-K: each program walks 1/splits of the depth and stores its f32 partial product;
+    # XLA adds the partials and applies the epilogue (one small fusion). More programs for
+    # few rows (decode at batch 1 has m * n / bn programs, under one per SM at some shapes).
+    splits: int = 1
 
     def __post_init__(self):
         for name in ("bm", "bn", "bk"):
             v = getattr(self, name)
             if not is_pow2(v) or v < 16:
                 raise ValueError(f"{name}={v} must be a power of 2 >= 16")
+        if self.splits < 1:
+            raise ValueError(f"splits={self.splits} must be >= 1")
         if self.fp8_scale not in ("output", "weights"):
             raise ValueError(f"fp8_scale={self.fp8_scale!r} must be 'output' or 'weights'")
 
@@ -111,9 +118,14 @@ FEW_ROWS = 16
 
 def moe_config(m: int) -> GroupedConfig:
     """Tiles by row count: small batches stream each touched expert's weights once (bm 16);
-    large ones tile each group as a GEMM."""
+    large ones tile each group as a GEMM. HYBRID_JAX_MOE_FEW_CONFIG overrides the few-row
+    tiles (read when a step is traced)."""
     if m <= FEW_ROWS:
-        return DECODE_FEW
+        override = switches.moe_few_config()
+        if override is None:
+            return DECODE_FEW
+        bn, bk, warps, stages, splits = override
+        return GroupedConfig(bm=16, bn=bn, bk=bk, num_warps=warps, num_stages=stages, splits=splits)
     return DECODE if m <= DECODE_ROWS else PREFILL
 
 
@@ -260,6 +272,8 @@ def grouped_matmul(x: jax.Array, w: jax.Array, sizes: jax.Array, *, src: jax.Arr
     if bn < 16 or bk < 16:
         raise ValueError(f"n={n} and k={k} must be multiples of 16 (tiles of >= 16 for the dot)"
                          + (f", and the FP8 block {block} too" if scale is not None else ""))
+    # Split-K only where the depth's tiles divide evenly (else one program walks it all).
+    splits = cfg.splits if (k // bk) % cfg.splits == 0 else 1
     # Padded by a tile so that the last tile's index loads stay in bounds; its masked rows read
     # row 0 and point past the output (m), where no store lands (the interpreter drops it).
     # The identity (src / dst None) as numpy constants: literals, not kernels on every step.
@@ -273,35 +287,48 @@ def grouped_matmul(x: jax.Array, w: jax.Array, sizes: jax.Array, *, src: jax.Arr
     # Scales flat in f32: the kernel loads one scalar per (k tile, column tile).
     flat = None if scale is None else scale.astype(F32).reshape(-1)
     return _launch(*table, src, dst, x.reshape(-1), w, flat, m=m, n=n, bn=bn, bk=bk, glu=glu, act=act,
-                   out_dtype=jnp.dtype(out_dtype or x.dtype), cfg=cfg, impl=impl, block=block)
+                   out_dtype=jnp.dtype(out_dtype or x.dtype), cfg=cfg, impl=impl, block=block,
+                   splits=splits)
 
 
 @functools.partial(jax.jit, static_argnames=("m", "n", "bn", "bk", "glu", "act", "out_dtype",
-                                             "cfg", "impl", "block"))
+                                             "cfg", "impl", "block", "splits"))
 def _launch(group, row0, count, src, dst, x_flat, w, scale, *, m, n, bn, bk, glu, act, out_dtype, cfg,
-            impl, block):
+            impl, block, splits):
     items = group.shape[0]
     e, k, nw = w.shape
     fp8 = None if scale is None else (block, *scale_blocks(k, nw, block, glu))
     kernel = functools.partial(_kernel, bm=cfg.bm, bn=bn, bk=bk, n=n, k=k, glu=glu, act=act,
-                               cols_major=cfg.cols_major, fp8=fp8, scale_weights=cfg.fp8_scale == "weights")
+                               cols_major=cfg.cols_major, fp8=fp8, scale_weights=cfg.fp8_scale == "weights",
+                               splits=splits)
     grid = (n // bn, items) if cfg.cols_major else (items, n // bn)
     operands = (group, row0, count, src, dst, x_flat, w) + (() if scale is None else (scale,))
+    # Split-K stores raw f32 partials, row-major [m, splits, n_w] (a masked row's `dst` = m
+    # still points past the output), summed and finished below.
+    cols = 2 * n if glu else n
     out = pl.pallas_call(
         kernel,
-        grid=grid,
-        out_shape=jax.ShapeDtypeStruct((m * n,), out_dtype),
-        name=("grouped_glu" if glu else "grouped_gemm") + ("_fp8" if fp8 else ""),
+        grid=grid + ((splits,) if splits > 1 else ()),
+        out_shape=jax.ShapeDtypeStruct((m * n,), out_dtype) if splits == 1 else
+        jax.ShapeDtypeStruct((m * splits * cols,), F32),
+        name=("grouped_glu" if glu else "grouped_gemm") + ("_fp8" if fp8 else "")
+        + ("_splitk" if splits > 1 else ""),
         **impl_kwargs(impl, cfg.num_warps, cfg.num_stages),
     )(*operands)
-    return out.reshape(m, n)
+    if splits == 1:
+        return out.reshape(m, n)
+    y = jnp.sum(out.reshape(m, splits, cols), axis=1)
+    return _epilogue(y, glu, act).astype(out_dtype)
 
 
 def _kernel(group_ref, row0_ref, count_ref, src_ref, dst_ref, x_ref, w_ref, *refs, bm, bn, bk,
-            n, k, glu, act, cols_major, fp8, scale_weights):
+            n, k, glu, act, cols_major, fp8, scale_weights, splits):
     s_ref, o_ref = refs if fp8 else (None, refs[0])
     item, j = pl.program_id(int(cols_major)), pl.program_id(1 - int(cols_major))
     g, r0, count = group_ref[item], row0_ref[item], count_ref[item]
+    steps = k // bk // splits  # this program's k tiles (split-K: the split's share)
+    split = pl.program_id(2) if splits > 1 else 0  # read here: the interpreter wants it at the top
+    kstart = split * (steps * bk)
 
     @pl.when(count > 0)
     def _():
@@ -310,35 +337,49 @@ def _kernel(group_ref, row0_ref, count_ref, src_ref, dst_ref, x_ref, w_ref, *ref
         cols = jax.lax.broadcasted_iota(jnp.int32, (bm, bk), 1)
         c0 = j * bn
 
-        def product(xt, k0, col, half):  # x tile times a weight tile (FP8: widened, then scaled)
+        def scales(k0):  # FP8: the scales of the weight tiles at depth k0 (gate's, up's)
+            block, kb, nb = fp8
+            # The tile's block: row k0 // B of expert g, column (c0 // B) of its half.
+            at = (g * kb + k0 // block) * nb + c0 // block
+            return (s_ref[at],) + ((s_ref[at + nb // 2],) if glu else ())
+
+        def product(xt, k0, col, scale):  # x tile times a weight tile (FP8: widened, then scaled)
             wt = w_ref[g, pl.ds(k0, bk), pl.ds(col, bn)]
             if not fp8:
                 return dot(xt, wt)
-            block, kb, nb = fp8
-            # The tile's block: row k0 // B of expert g, column (c0 // B) of its half.
-            at = (g * kb + k0 // block) * nb + half * (nb // 2) + c0 // block
             # e4m3 -> bf16 is exact and lowers everywhere (Triton converts e4m3 to 16-bit
             # types), then to x's dtype (exact again for f32).
             wide = wt.astype(jnp.bfloat16)
             if scale_weights:  # dequantized as the reference does: f32 product, one rounding
-                return dot(xt, (wide.astype(F32) * s_ref[at]).astype(xt.dtype))
-            return dot(xt, wide.astype(xt.dtype)) * s_ref[at]
+                return dot(xt, (wide.astype(F32) * scale).astype(xt.dtype))
+            return dot(xt, wide.astype(xt.dtype)) * scale
 
-        def step(i, accs):  # launch.dot: bf16 on the tensor cores, f32 at full precision
-            k0 = pl.multiple_of(i * bk, bk)
+        def step(i, carry):  # launch.dot: bf16 on the tensor cores, f32 at full precision
+            accs, cur = carry
+            k0 = pl.multiple_of(kstart + i * bk, bk)
+            # FP8: the next tile's scales loaded now, so their latency (a dependent global
+            # load) hides behind this tile's product instead of stalling each step.
+            nxt = scales(kstart + jnp.minimum(i + 1, steps - 1) * bk) if fp8 else cur
             xt = x_ref[base[:, None] + k0 + cols]
-            acc_g = accs[0] + product(xt, k0, c0, 0)
+            acc_g = accs[0] + product(xt, k0, c0, cur[0] if fp8 else None)
             if not glu:
-                return (acc_g,)
-            return acc_g, accs[1] + product(xt, k0, n + c0, 1)
+                return (acc_g,), nxt
+            return (acc_g, accs[1] + product(xt, k0, n + c0, cur[1] if fp8 else None)), nxt
 
         zero = jnp.zeros((bm, bn), F32)
-        accs = jax.lax.fori_loop(0, k // bk, step, (zero, zero) if glu else (zero,))
+        first = scales(kstart) if fp8 else ()
+        accs, _ = jax.lax.fori_loop(0, steps, step, ((zero, zero) if glu else (zero,), first))
+        keep = jax.lax.broadcasted_iota(jnp.int32, (bm, bn), 0) < count
+        rows = dst_ref[pl.ds(r0, bm)][:, None]
+        lane = jax.lax.broadcasted_iota(jnp.int32, (bm, bn), 1)
+        if splits > 1:  # raw partials at [dst, split, column] of the f32 [m, splits, n_w] output
+            at = (rows * splits + split) * (2 * n if glu else n) + c0 + lane
+            for half, acc in enumerate(accs):
+                plgpu.store(o_ref.at[at + half * n], acc, mask=keep)
+            return
         if glu:
             h = (act(accs[0]) if act else accs[0]) * accs[1]
         else:
             h = act(accs[0]) if act else accs[0]
-        keep = jax.lax.broadcasted_iota(jnp.int32, (bm, bn), 0) < count
         # Scattered to the output rows dst (flat, as x is gathered).
-        out = dst_ref[pl.ds(r0, bm)][:, None] * n + c0 + jax.lax.broadcasted_iota(jnp.int32, (bm, bn), 1)
-        plgpu.store(o_ref.at[out], h.astype(o_ref.dtype), mask=keep)
+        plgpu.store(o_ref.at[rows * n + c0 + lane], h.astype(o_ref.dtype), mask=keep)

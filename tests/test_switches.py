@@ -44,10 +44,19 @@ def test_the_pattern_finds_a_read():  # the scan above must be able to fail
 
 def test_defaults_and_bad_values(monkeypatch):
     for name in ("HYBRID_JAX_PARALLEL_DECODE_ROWS", "HYBRID_JAX_FOLD_CONV_ROWS", "HYBRID_JAX_DECODE_GLUE",
-                 "HYBRID_JAX_FUSE_PROJECTIONS", "HYBRID_JAX_STREAM_GEMM_CONFIG"):
+                 "HYBRID_JAX_FUSE_PROJECTIONS", "HYBRID_JAX_STREAM_GEMM_CONFIG",
+                 "HYBRID_JAX_MOE_FEW_CONFIG"):
         monkeypatch.delenv(name, raising=False)
     assert (switches.parallel_decode_rows(), switches.fold_conv_rows()) == (128, 8)
     assert switches.decode_glue() and switches.fuse_projections() and switches.stream_gemm_config() is None
+    assert switches.moe_few_config() is None
+    monkeypatch.setenv("HYBRID_JAX_MOE_FEW_CONFIG", "32,128,4,6,4")
+    assert switches.moe_few_config() == (32, 128, 4, 6, 4)
+    from pallas_kernels.grouped_gemm import moe_config
+    assert (moe_config(8).bn, moe_config(8).splits, moe_config(64).splits) == (32, 4, 1)
+    monkeypatch.setenv("HYBRID_JAX_MOE_FEW_CONFIG", "32,128")
+    with pytest.raises(ValueError, match="HYBRID_JAX_MOE_FEW_CONFIG"):
+        switches.moe_few_config()
     monkeypatch.setenv("HYBRID_JAX_FOLD_CONV_ROWS", "0")
     assert switches.fold_conv_rows() == 0
     monkeypatch.setenv("HYBRID_JAX_DECODE_GLUE", "0")

@@ -41,6 +41,10 @@ CASES = [  # t, k, n_w, sizes, gathered, glu, dtype, config
     (36, 48, 32, [0, 17, 0, 19], False, False, jnp.float32,
      GroupedConfig(bm=16, bn=32, bk=32, cols_major=True)),
     (8, 64, 96, [1, 2, 0, 9, 4], True, True, jnp.bfloat16, GroupedConfig(bm=32, bn=16, bk=64)),
+    # split-K: partials added and the epilogue applied after the kernel (gated and plain)
+    (12, 64, 64, [5, 0, 21, 3, 0, 7], True, True, jnp.float32, GroupedConfig(bm=16, bn=16, bk=16, splits=4)),
+    (36, 96, 32, [0, 17, 0, 19], False, False, jnp.float32,
+     GroupedConfig(bm=16, bn=32, bk=16, cols_major=True, splits=3)),
 ]
 
 
@@ -135,6 +139,11 @@ FP8_CASES = [  # t, k, n_w, sizes, glu, dtype, scale dtype, block, config
      GroupedConfig(bm=16, bn=128, bk=128, fp8_scale="weights")),
     (36, 64, 80, [0, 17, 0, 19], False, jnp.bfloat16, jnp.bfloat16, 32,
      GroupedConfig(bm=16, bn=32, bk=32, cols_major=True, fp8_scale="weights")),
+    # split-K over 32-deep tiles, each split's first tile's scales its own (k = 96: 3 blocks)
+    (12, 96, 96, [5, 0, 21, 3, 0, 7], True, jnp.float32, jnp.float32, 32,
+     GroupedConfig(bm=16, bn=16, bk=32, splits=3)),
+    (3, 256, 256, [0, 0, 2, 0, 1, 0, 0, 0], False, jnp.bfloat16, jnp.float32, 128,
+     GroupedConfig(bm=16, bn=64, bk=64, splits=2)),
 ]
 
 
@@ -192,7 +201,8 @@ def test_few_assignments_skip_the_sort_and_match_the_dense_reference(fp8):
         fn = lambda x, w, ex: routed_experts(x, w, ex, *stacks, impl=IMPL, **kw)  # noqa: E731
         jaxpr = str(jax.make_jaxpr(fn)(x, weights, experts))
         assert ("sort" in jaxpr) == sorted_path, experts
-        got = fn(x, weights, experts)
         want = routed_reference(x, weights, experts, *stacks, **kw)
-        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-4, rtol=1e-4,
-                                   err_msg=str(experts))
+        for cfg in (None, GroupedConfig(bm=16, bn=64, bk=64, splits=2)):  # the engine's, split-K
+            got = routed_experts(x, weights, experts, *stacks, impl=IMPL, cfg=cfg, **kw)
+            np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-4, rtol=1e-4,
+                                       err_msg=f"{experts} {cfg}")
