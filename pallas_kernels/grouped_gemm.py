@@ -29,6 +29,11 @@ group with no rows costs nothing (decode at small batch reads only the touched e
 - One kernel serves prefill (bm 128: a tiled GEMM per group) and decode (bm 16: each
   touched expert's weights streamed once, its few rows riding along); `moe_config` picks
   the tiles by row count. H100 figures at Granite-4.0-H-Small shapes: docs/benchmarks.md.
+- Split-K (`GroupedConfig.splits` > 1): a third grid axis; program (.., .., s) walks the
+  s-th of `splits` equal ranges of the depth and stores its raw f32 partial product (gate
+  and up columns both) at [dst row, s, column]; XLA adds the partials and applies the
+  epilogue. It multiplies the programs of a few-row call (batch 1 at top-8: 8 items times
+  n / bn column blocks), whose weight streaming otherwise runs on a fraction of the SMs.
 - FP8 weights (the Hub's fine-grained format, stacked): w in float8_e4m3fn with one scale
   per B x B block of each expert, `scale` [e, ceil(k/B), nb] (f32 or bf16), read in place.
   nb = ceil(n_w/B) plain; gated, the gate and up halves each have their own block grid
@@ -38,6 +43,8 @@ group with no rows costs nothing (decode at small batch reads only the touched e
   one block: the kernel widens the e4m3 tile to x's dtype in registers (exact), multiplies
   (f32 accumulation) and scales the partial product by its block's scale (exact in real
   arithmetic: the scale factors out of the block's sum). Decode moves one byte per weight.
+  A tile's scales are loaded one tile ahead (the loop carries them), so the dependent
+  global load does not stall every step.
 
 `grouped_reference` is the same contract in XLA (`jax.lax.ragged_dot`; FP8 weights
 dequantized first by `dequantize_stack`). This module knows nothing of routing or models:
