@@ -91,7 +91,7 @@ def run_case(t: int, s: dict, stacks: dict, bw: float, reps: int, smoke: bool, t
             "fp8": (*routed, stacks["qgu"], stacks["qdn"], stacks["sgu"], stacks["sdn"])}
     opts = compile_options()
     row = {"tokens": t, "touched_experts": touched, "floor_us": floors,
-           "engine_config": str(moe_config(t * k))}
+           "engine_config": str(moe_config(t * k)), "engine_config_fp8": str(moe_config(t * k, fp8=True))}
 
     def bf16(cfg):
         return lambda x, w, ex, gu, dn: routed_experts(x, w, ex, gu, dn, activation="silu", gated=True,
@@ -110,8 +110,8 @@ def run_case(t: int, s: dict, stacks: dict, bw: float, reps: int, smoke: bool, t
                 # choice for this row count (GroupedConfig.fp8_scale): on the weight tile or
                 # on each partial product
                 "fp8_scale_other": (fp8(dataclasses.replace(
-                    moe_config(t * k), fp8_scale="output" if moe_config(t * k).fp8_scale == "weights"
-                    else "weights")), want_fp8, "fp8")}
+                    moe_config(t * k, fp8=True), fp8_scale="output"
+                    if moe_config(t * k, fp8=True).fp8_scale == "weights" else "weights")), want_fp8, "fp8")}
     if given:  # --tries: these tiles (FP8, and bf16 with --bf16-tries)
         for spec in given:
             variants[f"fp8[{spec}]"] = (fp8(parse_try(spec)), want_fp8, "fp8")

@@ -53,6 +53,7 @@ hybrid_jax/layers/moe.py sorts the assignments and combines.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -120,17 +121,23 @@ DECODE_ROWS = 2048
 # flight. H100, granite-4.0-h-tiny's experts (d 1536, width 512), one token: 19.1 vs 22.4 us
 # the routed sum (benchmarks/moe.py --shape granite-tiny).
 DECODE_FEW = GroupedConfig(bm=16, bn=64, bk=128, num_warps=4, num_stages=6)
+# FP8 stacks at few rows: the same tiles with the depth split in 4. H100, 2026-12-06,
+# qwen3.5-35b-a3b's experts, one token (8 rows): 26.1 vs 45.0 us the routed sum
+# (benchmarks/moe_fp8.py --tokens 1 --tries ...). bf16 stacks keep one split: granite-4.0-h-
+# tiny's step at batch 1 was the same with 4 (2.676 vs 2.674 ms; the isolated sum 16.3 vs 19.5 us).
+DECODE_FEW_FP8 = GroupedConfig(bm=16, bn=64, bk=128, num_warps=4, num_stages=6, splits=4)
 FEW_ROWS = 16
+SMEM_BUDGET = 220 * 1024  # bytes of the stages' ring (an H100 has 227 KB a block)
 
 
-def moe_config(m: int) -> GroupedConfig:
-    """Tiles by row count: small batches stream each touched expert's weights once (bm 16);
-    large ones tile each group as a GEMM. HYBRID_JAX_MOE_FEW_CONFIG overrides the few-row
-    tiles (read when a step is traced)."""
+def moe_config(m: int, fp8: bool = False) -> GroupedConfig:
+    """Tiles by row count (and FP8 stacks at few rows): small batches stream each touched
+    expert's weights once (bm 16); large ones tile each group as a GEMM.
+    HYBRID_JAX_MOE_FEW_CONFIG overrides the few-row tiles (read when a step is traced)."""
     if m <= FEW_ROWS:
         override = switches.moe_few_config()
         if override is None:
-            return DECODE_FEW
+            return DECODE_FEW_FP8 if fp8 else DECODE_FEW
         bn, bk, warps, stages, splits = override
         return GroupedConfig(bm=16, bn=bn, bk=bk, num_warps=warps, num_stages=stages, splits=splits)
     return DECODE if m <= DECODE_ROWS else PREFILL
@@ -272,7 +279,7 @@ def grouped_matmul(x: jax.Array, w: jax.Array, sizes: jax.Array, *, src: jax.Arr
     if max(x.shape[0] * k, (m + 1) * n) >= 2**31:
         raise ValueError(f"x {x.shape} or the output [{m}, {n}] is too large for the kernel's "
                          "int32 flat offsets")
-    cfg = cfg or moe_config(m)
+    cfg = cfg or moe_config(m, fp8=scale is not None)
     # FP8: tiles inside one scale block (the largest power of 2 dividing B caps them).
     cap = channel_block(block, 1 << 30) if scale is not None else 1 << 30
     bn, bk = channel_block(n, min(cfg.bn, cap)), channel_block(k, min(cfg.bk, cap))
@@ -281,6 +288,12 @@ def grouped_matmul(x: jax.Array, w: jax.Array, sizes: jax.Array, *, src: jax.Arr
                          + (f", and the FP8 block {block} too" if scale is not None else ""))
     # Split-K only where the depth's tiles divide evenly (else one program walks it all).
     splits = cfg.splits if (k // bk) % cfg.splits == 0 else 1
+    # The ring's stages capped to what fits in shared memory (f32 operands of the few-row
+    # tiles asked for 368 KB of an H100's 227 KB).
+    stage_bytes = cfg.bm * bk * x.dtype.itemsize + (2 if glu else 1) * bk * bn * w.dtype.itemsize
+    stages = max(2, min(cfg.num_stages, SMEM_BUDGET // stage_bytes))
+    if stages != cfg.num_stages:
+        cfg = dataclasses.replace(cfg, num_stages=stages)
     # Padded by a tile so that the last tile's index loads stay in bounds; its masked rows read
     # row 0 and point past the output (m), where no store lands (the interpreter drops it).
     # The identity (src / dst None) as numpy constants: literals, not kernels on every step.

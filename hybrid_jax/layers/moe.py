@@ -161,7 +161,7 @@ def routed_experts(x: jax.Array, weights: jax.Array, experts: jax.Array, gate_up
     e = gate_up.shape[0]
     flat = experts.reshape(t * k)
     impl = resolve_impl(impl)
-    cfg = cfg or moe_config(t * k)
+    cfg = cfg or moe_config(t * k, fp8=fp8 is not None)
     s1, s2, block = fp8 or (None, None, None)
     dtype = x.dtype if fp8 else down.dtype
     if impl != "reference" and t * k <= min(cfg.bm, FEW_ROWS):

@@ -15,6 +15,9 @@ from hybrid_jax.layers.moe import routed_experts, routed_reference
 from pallas_kernels.grouped_gemm import GroupedConfig, grouped_matmul, work_table
 
 IMPL = "pallas" if jax.default_backend() == "gpu" else "interpret"
+# Compiled on a GPU the Triton lowering's f32 dots run in TF32 (errors up to ~5e-3 of the
+# largest output seen on an H100, 2026-12-06), where interpret mode (CPU) is exact f32.
+GPU_F32_TOL = 3e-2
 
 
 def _numpy(x, w, sizes, src, glu, act):
@@ -68,7 +71,7 @@ def test_matches_float64(t, k, nw, sizes, gathered, glu, dtype, cfg):
     tol = 1e-4 if dtype == jnp.float32 else 2e-2
     # Compiled on a GPU the Triton lowering's f32 dots are TF32 (~5e-3 relative seen on the
     # H100), like XLA's default f32 matmuls there; interpret mode (CPU) is exact f32.
-    ktol = 1e-2 if IMPL == "pallas" and dtype == jnp.float32 else tol
+    ktol = GPU_F32_TOL if IMPL == "pallas" and dtype == jnp.float32 else tol
     assert got.shape == want.shape
     np.testing.assert_allclose(np.asarray(got), want, atol=ktol * np.abs(want).max(), rtol=ktol)
     ref = grouped_matmul(x, w, jnp.asarray(sizes), src=src, dst=dst, glu=glu, act=act,
@@ -97,7 +100,8 @@ def test_routed_sum_through_the_kernel_matches_the_dense_reference():
     down = jnp.asarray(rng.standard_normal((e, f, d)) * f**-0.5, jnp.float32)
     got = routed_experts(x, weights, experts, gate_up, down, activation="silu", gated=True, impl=IMPL)
     want = routed_reference(x, weights, experts, gate_up, down, activation="silu", gated=True)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-4, rtol=1e-4)
+    tol = GPU_F32_TOL if IMPL == "pallas" else 1e-4
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=tol * np.abs(want).max(), rtol=tol)
 
 
 def test_bad_shapes_are_refused_by_name():
@@ -204,5 +208,6 @@ def test_few_assignments_skip_the_sort_and_match_the_dense_reference(fp8):
         want = routed_reference(x, weights, experts, *stacks, **kw)
         for cfg in (None, GroupedConfig(bm=16, bn=64, bk=64, splits=2)):  # the engine's, split-K
             got = routed_experts(x, weights, experts, *stacks, impl=IMPL, cfg=cfg, **kw)
-            np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-4, rtol=1e-4,
-                                       err_msg=f"{experts} {cfg}")
+            tol = GPU_F32_TOL if IMPL == "pallas" else 1e-4
+            np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=tol * np.abs(want).max(),
+                                       rtol=tol, err_msg=f"{experts} {cfg}")
