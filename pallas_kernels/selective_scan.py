@@ -48,6 +48,7 @@ from pallas_kernels.ssm_common import STATE_DTYPES, check_ragged
 TILE = 16  # tokens loaded together per step of the sequential walk (not tuned yet)
 INTERPRET_TILE = 4  # the same logic, fewer unrolled rows: keeps the CPU interpreter quick
 CHANNEL_BLOCK = 64
+TRANSPOSED = False  # the prefill state held [n, cb] (`_token_t`); benchmarks/mamba1.py --sweep
 F32 = jnp.float32
 
 
@@ -190,8 +191,19 @@ def _token(x, dt, b, c, a, d, bias, z, s):
     return y, s
 
 
+def _token_t(x, dt, b, c, a, d, bias, z, s):
+    """`_token` with the state held transposed, [n, cb]: channels along the layout's fast
+    axis, so the sum over n can stay within a thread (a launch choice, same arithmetic)."""
+    delta = _softplus(dt + bias)
+    s = jnp.exp(delta[None, :] * a) * s + b[:, None] * (delta * x)[None, :]
+    y = jnp.sum(s * c[:, None], axis=0) + d * x
+    if z is not None:
+        y = y * (z / (1.0 + jnp.exp(-z)))
+    return y, s
+
+
 def _scan_kernel(cu_ref, slot_ref, init_ref, x_ref, dt_ref, a_ref, b_ref, c_ref, d_ref, bias_ref,
-                 *rest, nseq, cb, n, tile, gated):
+                 *rest, nseq, cb, n, tile, gated, transposed=False):
     if gated:
         z_ref, st_ref, y_ref, st_out = rest
     else:
@@ -205,6 +217,9 @@ def _scan_kernel(cu_ref, slot_ref, init_ref, x_ref, dt_ref, a_ref, b_ref, c_ref,
     keep = real & (init_ref[last] != 0)
     s0 = jnp.where(keep, st_ref[slot, cols, ns].astype(F32), 0.0)
     a = a_ref[cols, ns].astype(F32)
+    token = _token_t if transposed else _token
+    if transposed:
+        s0, a = s0.T, a.T
     d, bias = d_ref[cols].astype(F32), bias_ref[cols].astype(F32)
 
     def step(i, s):
@@ -215,7 +230,7 @@ def _scan_kernel(cu_ref, slot_ref, init_ref, x_ref, dt_ref, a_ref, b_ref, c_ref,
                  for r in safe]
         for r, sr, (x, dt, b, c, z) in zip(rows, safe, loads, strict=True):
             valid = (r < end) & real
-            y, v = _token(x, dt, b, c, a, d, bias, z, s)
+            y, v = token(x, dt, b, c, a, d, bias, z, s)
             s = jnp.where(valid, v, s)
             plgpu.store(y_ref.at[sr, cols], jnp.where(valid, y, 0.0).astype(y_ref.dtype),
                         mask=jnp.broadcast_to(r < end, (cb,)))
@@ -225,12 +240,12 @@ def _scan_kernel(cu_ref, slot_ref, init_ref, x_ref, dt_ref, a_ref, b_ref, c_ref,
 
     @pl.when(real)
     def _():
-        st_out[slot, cols, ns] = final.astype(st_out.dtype)
+        st_out[slot, cols, ns] = (final.T if transposed else final).astype(st_out.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("impl", "tile", "block_c", "warps"))
+@functools.partial(jax.jit, static_argnames=("impl", "tile", "block_c", "warps", "transposed"))
 def _ragged_pallas(x, dt, A, B, C, D, dt_bias, z, cu, states, slot_ids, has_initial, *, impl,
-                   tile=TILE, block_c=CHANNEL_BLOCK, warps=4):
+                   tile=TILE, block_c=CHANNEL_BLOCK, warps=4, transposed=TRANSPOSED):
     t, c = x.shape
     n = A.shape[1]
     nseq = cu.shape[0] - 1
@@ -238,7 +253,8 @@ def _ragged_pallas(x, dt, A, B, C, D, dt_bias, z, cu, states, slot_ids, has_init
     cu_ext = jnp.concatenate([cu, jnp.array([t], jnp.int32)])  # padding tail as segment nseq
     args = (cu_ext, slot_ids, has_initial, x, dt, A, B, C, D, dt_bias) + ((z,) if z is not None else ())
     return launch(
-        functools.partial(_scan_kernel, nseq=nseq, cb=cb, n=n, tile=tile, gated=z is not None),
+        functools.partial(_scan_kernel, nseq=nseq, cb=cb, n=n, tile=tile, gated=z is not None,
+                          transposed=transposed),
         impl=impl, grid=(nseq + 1, c // cb),
         out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype),
                    jax.ShapeDtypeStruct(states.shape, states.dtype)],
