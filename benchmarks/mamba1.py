@@ -125,26 +125,25 @@ def bench_prefill(args, c: int, n: int, impl: str) -> dict:
         out[f"{name}_mtok_s"] = t / out[f"{name}_us"]
     if "reference" in ys:
         out["pallas_vs_reference"] = _rel(ys["pallas"], ys["reference"])
-    if args.sweep:  # launch knobs of the prefill kernel (untuned defaults: block 64, tile 16, 4 warps)
+    if args.sweep:  # launch knobs of the prefill kernel (defaults: block 128, tile 16, 4 warps)
         out["sweep"] = []
         ids = (cu, slots, init.astype(jnp.int32))
         want = np.asarray(ys["pallas"].astype(jnp.float32))
-        for transposed in (False, True):
-            for block_c in (32, 64, 128):
-                for tile in (8, 16):
-                    for warps in (1, 2, 4):
-                        def call(block_c=block_c, tile=tile, warps=warps, transposed=transposed):
-                            return ss._ragged_pallas(x, dt, A, B, C, D, bias, z, ids[0], states, ids[1],
-                                                     ids[2], impl=impl, tile=tile if impl == "pallas" else 4,
-                                                     block_c=block_c, warps=warps, transposed=transposed)
-                        row = {"transposed": transposed, "block_c": block_c, "tile": tile, "warps": warps}
-                        try:
-                            row["rel_vs_default"] = _rel(call()[0].astype(jnp.float32), want)
-                            row["us"] = _time_us(call, max(2, args.reps // 4))
-                        except Exception as err:  # a launch that fails to compile is a figure too
-                            row["error"] = f"{type(err).__name__}: {str(err)[:200]}"
-                        out["sweep"].append(row)
-                        print(json.dumps(row), flush=True)
+        for block_c in (32, 64, 128, 256):
+            for tile in (8, 16):
+                for warps in (1, 2, 4, 8):
+                    def call(block_c=block_c, tile=tile, warps=warps):
+                        return ss._ragged_pallas(x, dt, A, B, C, D, bias, z, ids[0], states, ids[1], ids[2],
+                                                 impl=impl, tile=tile if impl == "pallas" else 4,
+                                                 block_c=block_c, warps=warps)
+                    row = {"block_c": block_c, "tile": tile, "warps": warps}
+                    try:
+                        row["rel_vs_default"] = _rel(call()[0].astype(jnp.float32), want)
+                        row["us"] = _time_us(call, max(2, args.reps // 4))
+                    except Exception as err:  # a launch that fails to compile is a figure too
+                        row["error"] = f"{type(err).__name__}: {str(err)[:200]}"
+                    out["sweep"].append(row)
+                    print(json.dumps(row), flush=True)
     if (device := _torch_device(args.smoke)) is not None:
         out |= _prefill_anchor(args, device, x, dt, z, B, C, A, D, bias, ys["pallas"])
     return out

@@ -45,10 +45,14 @@ from pallas_kernels.launch import channel_block, is_pow2, launch
 from pallas_kernels.ragged import segments
 from pallas_kernels.ssm_common import STATE_DTYPES, check_ragged
 
-TILE = 16  # tokens loaded together per step of the sequential walk (not tuned yet)
+TILE = 16  # tokens loaded together per step of the sequential walk
 INTERPRET_TILE = 4  # the same logic, fewer unrolled rows: keeps the CPU interpreter quick
-CHANNEL_BLOCK = 64
-TRANSPOSED = False  # the prefill state held [n, cb] (`_token_t`); benchmarks/mamba1.py --sweep
+# The prefill's channels per program. H100, 2026-12-06, Falcon-Mamba-7B's c = 8192, n = 16,
+# 4 x 4096 tokens (`benchmarks/mamba1.py --sweep`, 2 x 3 x 3 launches): 128 channels, tiles
+# of 16 tokens, 4 warps 2.26 ms against 64 channels' 3.73 ms and mamba_ssm's CUDA
+# selective_scan_fn's 2.46 ms in the same call; every other launch was slower than 3.1 ms.
+PREFILL_CHANNEL_BLOCK = 128
+CHANNEL_BLOCK = 64  # the step kernel's (decode, verification): not re-tuned
 F32 = jnp.float32
 
 
@@ -191,19 +195,8 @@ def _token(x, dt, b, c, a, d, bias, z, s):
     return y, s
 
 
-def _token_t(x, dt, b, c, a, d, bias, z, s):
-    """`_token` with the state held transposed, [n, cb]: channels along the layout's fast
-    axis, so the sum over n can stay within a thread (a launch choice, same arithmetic)."""
-    delta = _softplus(dt + bias)
-    s = jnp.exp(delta[None, :] * a) * s + b[:, None] * (delta * x)[None, :]
-    y = jnp.sum(s * c[:, None], axis=0) + d * x
-    if z is not None:
-        y = y * (z / (1.0 + jnp.exp(-z)))
-    return y, s
-
-
 def _scan_kernel(cu_ref, slot_ref, init_ref, x_ref, dt_ref, a_ref, b_ref, c_ref, d_ref, bias_ref,
-                 *rest, nseq, cb, n, tile, gated, transposed=False):
+                 *rest, nseq, cb, n, tile, gated):
     if gated:
         z_ref, st_ref, y_ref, st_out = rest
     else:
@@ -217,9 +210,6 @@ def _scan_kernel(cu_ref, slot_ref, init_ref, x_ref, dt_ref, a_ref, b_ref, c_ref,
     keep = real & (init_ref[last] != 0)
     s0 = jnp.where(keep, st_ref[slot, cols, ns].astype(F32), 0.0)
     a = a_ref[cols, ns].astype(F32)
-    token = _token_t if transposed else _token
-    if transposed:
-        s0, a = s0.T, a.T
     d, bias = d_ref[cols].astype(F32), bias_ref[cols].astype(F32)
 
     def step(i, s):
@@ -230,7 +220,7 @@ def _scan_kernel(cu_ref, slot_ref, init_ref, x_ref, dt_ref, a_ref, b_ref, c_ref,
                  for r in safe]
         for r, sr, (x, dt, b, c, z) in zip(rows, safe, loads, strict=True):
             valid = (r < end) & real
-            y, v = token(x, dt, b, c, a, d, bias, z, s)
+            y, v = _token(x, dt, b, c, a, d, bias, z, s)
             s = jnp.where(valid, v, s)
             plgpu.store(y_ref.at[sr, cols], jnp.where(valid, y, 0.0).astype(y_ref.dtype),
                         mask=jnp.broadcast_to(r < end, (cb,)))
@@ -240,12 +230,12 @@ def _scan_kernel(cu_ref, slot_ref, init_ref, x_ref, dt_ref, a_ref, b_ref, c_ref,
 
     @pl.when(real)
     def _():
-        st_out[slot, cols, ns] = (final.T if transposed else final).astype(st_out.dtype)
+        st_out[slot, cols, ns] = final.astype(st_out.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("impl", "tile", "block_c", "warps", "transposed"))
+@functools.partial(jax.jit, static_argnames=("impl", "tile", "block_c", "warps"))
 def _ragged_pallas(x, dt, A, B, C, D, dt_bias, z, cu, states, slot_ids, has_initial, *, impl,
-                   tile=TILE, block_c=CHANNEL_BLOCK, warps=4, transposed=TRANSPOSED):
+                   tile=TILE, block_c=PREFILL_CHANNEL_BLOCK, warps=4):
     t, c = x.shape
     n = A.shape[1]
     nseq = cu.shape[0] - 1
@@ -253,8 +243,7 @@ def _ragged_pallas(x, dt, A, B, C, D, dt_bias, z, cu, states, slot_ids, has_init
     cu_ext = jnp.concatenate([cu, jnp.array([t], jnp.int32)])  # padding tail as segment nseq
     args = (cu_ext, slot_ids, has_initial, x, dt, A, B, C, D, dt_bias) + ((z,) if z is not None else ())
     return launch(
-        functools.partial(_scan_kernel, nseq=nseq, cb=cb, n=n, tile=tile, gated=z is not None,
-                          transposed=transposed),
+        functools.partial(_scan_kernel, nseq=nseq, cb=cb, n=n, tile=tile, gated=z is not None),
         impl=impl, grid=(nseq + 1, c // cb),
         out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype),
                    jax.ShapeDtypeStruct(states.shape, states.dtype)],

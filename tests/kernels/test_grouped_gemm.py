@@ -76,7 +76,9 @@ def test_matches_float64(t, k, nw, sizes, gathered, glu, dtype, cfg):
     np.testing.assert_allclose(np.asarray(got), want, atol=ktol * np.abs(want).max(), rtol=ktol)
     ref = grouped_matmul(x, w, jnp.asarray(sizes), src=src, dst=dst, glu=glu, act=act,
                          out_dtype=jnp.float32, impl="reference")
-    np.testing.assert_allclose(np.asarray(ref), want, atol=tol * np.abs(want).max(), rtol=tol)
+    # XLA's f32 ragged_dot on a GPU runs in TF32 by default as well.
+    rtol = GPU_F32_TOL if jax.default_backend() == "gpu" and dtype == jnp.float32 else tol
+    np.testing.assert_allclose(np.asarray(ref), want, atol=rtol * np.abs(want).max(), rtol=rtol)
 
 
 def test_work_table_covers_each_row_once():
