@@ -290,7 +290,8 @@ def grouped_matmul(x: jax.Array, w: jax.Array, sizes: jax.Array, *, src: jax.Arr
     splits = cfg.splits if (k // bk) % cfg.splits == 0 else 1
     # The ring's stages capped to what fits in shared memory (f32 operands of the few-row
     # tiles asked for 368 KB of an H100's 227 KB).
-    stage_bytes = cfg.bm * bk * x.dtype.itemsize + (2 if glu else 1) * bk * bn * w.dtype.itemsize
+    x_bytes = (x.dtype if scale is not None else w.dtype).itemsize  # x as the kernel takes it
+    stage_bytes = cfg.bm * bk * x_bytes + (2 if glu else 1) * bk * bn * w.dtype.itemsize
     stages = max(2, min(cfg.num_stages, SMEM_BUDGET // stage_bytes))
     if stages != cfg.num_stages:
         cfg = dataclasses.replace(cfg, num_stages=stages)

@@ -213,3 +213,17 @@ def test_few_assignments_skip_the_sort_and_match_the_dense_reference(fp8):
             tol = GPU_F32_TOL if IMPL == "pallas" else 1e-4
             np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=tol * np.abs(want).max(),
                                        rtol=tol, err_msg=f"{experts} {cfg}")
+
+
+def test_ring_stages_capped_to_shared_memory(monkeypatch):
+    """f32 operands at the few-row tiles (6 stages of 72 KB) would ask for more shared
+    memory than an H100 has (a compile error there): the ring is cut to what fits, the
+    bf16 and FP8 defaults keep theirs."""
+    from pallas_kernels import grouped_gemm as gg
+
+    seen = []
+    monkeypatch.setattr(gg, "_launch", lambda *a, cfg, **kw: seen.append(cfg.num_stages))
+    for dtype, want in ((jnp.float32, 3), (jnp.bfloat16, gg.DECODE_FEW.num_stages)):
+        x, w = jnp.zeros((2, 256), dtype), jnp.zeros((4, 256, 256), dtype)
+        gg.grouped_matmul(x, w, jnp.asarray([2, 0, 0, 0]), glu=True, cfg=gg.DECODE_FEW, impl="interpret")
+        assert seen[-1] == want, (dtype, seen)
