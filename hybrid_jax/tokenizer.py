@@ -41,6 +41,10 @@ class Tokenizer:
             ids = [self.bos_id, *ids]
         return ids
 
+    def token_strs(self, ids: list[int]) -> list[str]:
+        """Each id's token as the vocabulary spells it (byte-level pieces such as 'Ġcat')."""
+        return [self.tok.id_to_token(int(i)) or "" for i in ids]
+
     def decode(self, ids: list[int], *, skip_special_tokens: bool = True) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 

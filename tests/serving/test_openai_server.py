@@ -381,3 +381,40 @@ def test_a_request_the_engine_fails_gets_500_and_the_others_go_on(served, server
     assert json.loads(events[-2])["error"]["code"] == 500
     assert served.is_serving()
     _idle(served)
+
+
+def test_tokenize_and_detokenize_as_the_endpoints_would_send(served, refs, hf_tokenizer):
+    """vLLM's /tokenize and /detokenize: a prompt gives the ids /v1/completions sends (the
+    Python API's, BOS included), messages the ids transformers' apply_chat_template gives;
+    the ids detokenize to the text again (special tokens kept); bad bodies name the field."""
+    def post(path, body):
+        status, raw = _raw(served, "POST", path, body)
+        assert status == 200, raw
+        return json.loads(raw)
+
+    want = refs["text"].prompt_token_ids
+    got = post("/tokenize", {"model": MODEL, "prompt": PROMPT, "return_token_strs": True})
+    assert got["tokens"] == want and got["count"] == len(want) and got["max_model_len"] == 128
+    assert got["token_strs"] == hf_tokenizer.convert_ids_to_tokens(want)
+    bare = post("/tokenize", {"prompt": PROMPT, "add_special_tokens": False})
+    assert bare["tokens"] == want[1:] and bare["token_strs"] is None
+    chat = post("/tokenize", {"model": MODEL, "messages": MESSAGES,
+                              "chat_template_kwargs": {"enable_thinking": False}})
+    assert chat["tokens"] == refs["chat_ids"]
+    no_prompt = post("/tokenize", {"messages": MESSAGES, "add_generation_prompt": False})
+    assert no_prompt["tokens"] == list(hf_tokenizer.apply_chat_template(
+        MESSAGES, add_generation_prompt=False, tokenize=True, return_dict=True, greeting="Hello",
+        enable_thinking=True)["input_ids"])
+    text = post("/detokenize", {"model": MODEL, "tokens": refs["chat_ids"]})["prompt"]
+    assert text == hf_tokenizer.decode(refs["chat_ids"]) and text.startswith("<bos><|system|>")
+    assert post("/detokenize", {"tokens": want[1:]})["prompt"] == PROMPT
+    for path, body, status, param in [("/tokenize", {"prompt": PROMPT, "bogus": 1}, 400, "bogus"),
+                                      ("/tokenize", {"messages": []}, 400, "messages"),
+                                      ("/tokenize", {"model": "other", "prompt": "x"}, 404, "model"),
+                                      ("/detokenize", {"tokens": [5, 10**6]}, 400, "tokens"),
+                                      ("/detokenize", {"tokens": "abc"}, 400, "tokens")]:
+        got_status, err = _error(served, path, body)
+        assert (got_status, err["param"]) == (status, param), (body, err)
+    status, raw = _raw(served, "POST", "/tokenize", b"{not json")
+    assert status == 400 and "JSON" in json.loads(raw)["error"]["message"]
+    assert _raw(served, "POST", "/tokenize", {"prompt": "x"}, headers={"Authorization": "Bearer no"})[0] == 401

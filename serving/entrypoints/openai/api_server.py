@@ -5,8 +5,8 @@
     http.start(); ...; http.stop()
 
 Endpoints (one small handler each): GET /v1/models, POST /v1/completions, POST
-/v1/chat/completions, GET /health (200 while `health()` says the engine serves, else
-503; never needs the API key). With an API key every other path needs
+/v1/chat/completions, POST /tokenize and /detokenize (vLLM's), GET /health (200 while
+`health()` says the engine serves, else 503; never needs the API key). With an API key every other path needs
 `Authorization: Bearer KEY` (401 otherwise). Every refusal is OpenAI's error body
 `{"error": {"message", "type", "param", "code"}}`: 400 a bad field (named in `param`),
 401, 404 an unknown model or path, 405, 413 a body over --max-request-bytes, 429 the
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 import logging
 import socket
 import threading
@@ -43,10 +44,19 @@ from serving.engine.engine_core import EngineCore
 from serving.entrypoints.async_engine import AsyncEngineClient
 from serving.entrypoints.metrics import ServerMetrics
 from serving.entrypoints.openai.chat_template import ChatTemplate
-from serving.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from serving.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    ModelCard,
+    ModelList,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+)
 from serving.entrypoints.openai.serving_chat import create_chat_completion
 from serving.entrypoints.openai.serving_common import ERRORS, ApiError, Front, from_validation
 from serving.entrypoints.openai.serving_completion import create_completion
+from serving.entrypoints.openai.serving_tokenization import detokenize, tokenize
 from serving.entrypoints.request_log import log_event
 from serving.entrypoints.validation import RequestLimits
 
@@ -103,7 +113,8 @@ def build_app(front: Front, *, api_key: str | None, health: Callable[[], bool],
                 return refuse(err, request)
         return run
 
-    async def parse(request: Request, model: type[BaseModel]) -> BaseModel:
+    async def parse(request: Request, model: type[BaseModel] | Callable[[bytes], type[BaseModel]]) -> BaseModel:
+        """The body as `model` (or as the model `model(body)` picks from the raw bytes)."""
         size = request.headers.get("content-length")
         limit = front.limits.max_request_bytes
         if size is not None and size.isdigit() and int(size) > limit:
@@ -115,6 +126,8 @@ def build_app(front: Front, *, api_key: str | None, health: Callable[[], bool],
             if len(body) > limit:
                 raise ApiError(413, f"request: more than {limit} bytes (--max-request-bytes)", None,
                                "too_large")
+        if not isinstance(model, type):
+            model = model(bytes(body))
         try:
             return model.model_validate_json(bytes(body))
         except ValidationError as err:
@@ -134,6 +147,21 @@ def build_app(front: Front, *, api_key: str | None, health: Callable[[], bool],
     async def chat_completions(request: Request) -> Response:
         body = await parse(request, ChatCompletionRequest)
         return await answer(await create_chat_completion(front, body, request.is_disconnected), request)
+
+    def tokenize_form(body: bytes) -> type[BaseModel]:  # messages: the chat form
+        try:
+            chat = isinstance(data := json.loads(body), dict) and "messages" in data
+        except ValueError:
+            chat = False  # the completion form's validation names the JSON error
+        return TokenizeChatRequest if chat else TokenizeCompletionRequest
+
+    async def tokenize_route(request: Request) -> Response:
+        body = await parse(request, tokenize_form)
+        return Response(tokenize(front, body).model_dump_json(), media_type="application/json")
+
+    async def detokenize_route(request: Request) -> Response:
+        body = await parse(request, DetokenizeRequest)
+        return Response(detokenize(front, body).model_dump_json(), media_type="application/json")
 
     async def models(request: Request) -> Response:
         card = ModelCard(id=front.model_name, created=created, max_model_len=front.max_model_len,
@@ -173,6 +201,8 @@ def build_app(front: Front, *, api_key: str | None, health: Callable[[], bool],
     routes = [Route("/v1/models", endpoint(models), methods=["GET"]),
               Route("/v1/completions", endpoint(completions), methods=["POST"]),
               Route("/v1/chat/completions", endpoint(chat_completions), methods=["POST"]),
+              Route("/tokenize", endpoint(tokenize_route), methods=["POST"]),
+              Route("/detokenize", endpoint(detokenize_route), methods=["POST"]),
               Route("/health", health_check, methods=["GET"])]
     if profiler is not None:
         routes += [Route("/start_profile", endpoint(start_profile), methods=["POST"]),

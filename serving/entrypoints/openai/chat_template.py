@@ -146,8 +146,10 @@ class ChatTemplate:
             source = named["default"]
         return cls(source, specials) if isinstance(source, str) else None
 
-    def render(self, messages: list[dict], kwargs: dict | None = None) -> str:
-        """The prompt text for `messages`, ending with the assistant's generation prompt.
+    def render(self, messages: list[dict], kwargs: dict | None = None, *,
+               add_generation_prompt: bool = True) -> str:
+        """The prompt text for `messages`, ending with the assistant's generation prompt
+        (unless `add_generation_prompt` is False: /tokenize may ask so).
 
         `kwargs` (chat_template_kwargs) are visible to the template and override the
         special tokens; TemplateError when the template refuses the conversation.
@@ -160,7 +162,7 @@ class ChatTemplate:
         context = {**self.special_tokens, **(kwargs or {})}
         try:
             return self._template.render(messages=chat, tools=None, documents=None,
-                                         add_generation_prompt=True, **context)
+                                         add_generation_prompt=add_generation_prompt, **context)
         except jinja2.exceptions.TemplateError as err:  # raise_exception, sandbox refusals, bad syntax
             raise TemplateError(f"the chat template refused the conversation: {err}") from err
         except (TypeError, ValueError, KeyError, AttributeError, IndexError, ZeroDivisionError,

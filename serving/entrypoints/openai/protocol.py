@@ -7,7 +7,8 @@ the same code as gRPC (`serving.entrypoints.validation` and `SamplingParams`). A
 fields that change nothing here are accepted so that stock clients work (`user`,
 and `best_of`, `logit_bias`, `suffix`, `response_format` only at values that ask for
 nothing); vLLM's extras `top_k`, `min_p`, `repetition_penalty`, `ignore_eos`,
-`min_tokens`, `stop_token_ids` and `chat_template_kwargs` are served.
+`min_tokens`, `stop_token_ids` and `chat_template_kwargs` are served, and vLLM's
+/tokenize and /detokenize bodies.
 This module knows nothing of the engine or of HTTP.
 """
 
@@ -208,6 +209,42 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class TokenizeCompletionRequest(Strict):
+    """POST /tokenize with a prompt (vLLM's form): the ids /v1/completions would send."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True  # the BOS, as completions add it
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(Strict):
+    """POST /tokenize with messages: the ids /v1/chat/completions would send."""
+
+    model: str | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = False  # the template writes its own
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(Strict):
+    model: str | None = None
+    tokens: TokenIds
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 class ErrorInfo(BaseModel):

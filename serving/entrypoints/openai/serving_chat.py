@@ -44,8 +44,9 @@ from serving.entrypoints.openai.serving_common import (
 from serving.entrypoints.openai.serving_completion import DONE, error_event, sse
 
 
-def chat_prompt(front: Front, body: ChatCompletionRequest) -> list[int]:
-    """The prompt's token ids, rendered and tokenized; ApiError 400 when that fails."""
+def chat_prompt(front: Front, body, *, add_generation_prompt: bool = True, add_bos: bool = False) -> list[int]:
+    """The prompt's token ids (`body`: a chat request, or /tokenize's chat form), rendered
+    and tokenized; ApiError 400 when that fails."""
     if front.chat_template is None:
         raise ApiError(400, NO_TEMPLATE, "messages", "no_chat_template")
     if front.tokenizer is None:
@@ -54,11 +55,11 @@ def chat_prompt(front: Front, body: ChatCompletionRequest) -> list[int]:
     kwargs = {**front.default_chat_template_kwargs, **(body.chat_template_kwargs or {})}
     messages = [m.for_template() for m in body.messages]
     try:
-        text = front.chat_template.render(messages, kwargs)
+        text = front.chat_template.render(messages, kwargs, add_generation_prompt=add_generation_prompt)
     except TemplateError as err:
         param = "chat_template_kwargs" if str(err).startswith("chat_template_kwargs") else "messages"
         raise ApiError(400, str(err), param) from err
-    return front.tokenizer.encode(text, add_bos=False)
+    return front.tokenizer.encode(text, add_bos=add_bos)
 
 
 def _check_unsupported(body: ChatCompletionRequest) -> None:
