@@ -10,6 +10,7 @@ measured steps' real contexts. Every request then runs to max_tokens, and
 `tokens_digest` hashes all output tokens: greedy runs with different k must agree.
 
   PYTHONPATH=. python benchmarks/multi_step.py --batch 1 --prompt-len 2000 --k 1 8
+  PYTHONPATH=. python benchmarks/multi_step.py --batch 1 --k 1 8 --quantization fp8   # FP8 weights
 """
 
 from __future__ import annotations
@@ -110,7 +111,7 @@ def measure(lm, a: argparse.Namespace, k: int, bw: float) -> dict:
     stats = engine.stats()
     ms = 1e3 * elapsed / gained
     floor_ms = 1e3 * fb["total"] / bw
-    return {"model": a.model, "dtype": a.dtype, "batch_run": a.batch, "rows": rows, "k": k,
+    return {"model": a.model, "dtype": a.dtype, "quantization": a.quantization, "batch_run": a.batch, "rows": rows, "k": k,
             "context": round(float(lens.mean()), 1), "context_min": int(lens.min()),
             "context_max": int(lens.max()), "device": str(jax.devices()[0]),
             "startup_s": round(startup, 1), "calls": len(calls), "all_full_batch": full,
@@ -126,6 +127,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="native-1b-parallel")
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--quantization", choices=["fp8"], default=None,
+                   help="FP8 decoder weights (load_model's quantization; issue 43's batch-1 step "
+                   "without the host loop)")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--seq-bucket", type=int, default=8, help="rows of the decode bucket (>= batch)")
     p.add_argument("--prompt-len", type=int, default=2000)
@@ -137,7 +141,7 @@ def main() -> None:
     p.add_argument("--out", default=None)
     p.add_argument("--keep-tokens", action="store_true", help="every output token in the JSON")
     a = p.parse_args()
-    lm = load_model(a.model, dtype=a.dtype)
+    lm = load_model(a.model, dtype=a.dtype, quantization=a.quantization)
     bw = copy_bandwidth()
     print("batch | k | context | engine ms/step | tok/s | floor ms | x floor | full batch | digest")
     for k in a.k:
