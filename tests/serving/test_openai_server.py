@@ -418,3 +418,20 @@ def test_tokenize_and_detokenize_as_the_endpoints_would_send(served, refs, hf_to
     status, raw = _raw(served, "POST", "/tokenize", b"{not json")
     assert status == 400 and "JSON" in json.loads(raw)["error"]["message"]
     assert _raw(served, "POST", "/tokenize", {"prompt": "x"}, headers={"Authorization": "Bearer no"})[0] == 401
+
+
+def test_model_retrieve_and_metrics_on_the_api_port(served, client):
+    """OpenAI's `models.retrieve` (GET /v1/models/{id}); GET /metrics serves the same series as
+    --metrics-port, without the API key (as /health), and counts what this server did."""
+    card = client.models.retrieve(MODEL)
+    assert (card.id, card.object) == (MODEL, "model")
+    with pytest.raises(openai.NotFoundError) as err:
+        client.models.retrieve("other")
+    assert err.value.body["param"] == "model"
+    assert _raw(served, "GET", f"/v1/models/{MODEL}", headers={"Authorization": "Bearer no"})[0] == 401
+    client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0)
+    with urllib.request.urlopen(f"http://127.0.0.1:{served.http_port}/metrics") as r:  # no key
+        assert r.status == 200 and r.headers["Content-Type"].startswith("text/plain")
+        text = r.read().decode()
+    done = [line for line in text.splitlines() if line.startswith("hybrid_jax_requests_total{")]
+    assert done and sum(float(line.rsplit(" ", 1)[1]) for line in done) >= 1, text[:500]

@@ -4,9 +4,10 @@
                         host="127.0.0.1", limits=limits, api_key=None, health=server.is_serving)
     http.start(); ...; http.stop()
 
-Endpoints (one small handler each): GET /v1/models, POST /v1/completions, POST
-/v1/chat/completions, POST /tokenize and /detokenize (vLLM's), GET /health (200 while
-`health()` says the engine serves, else 503; never needs the API key). With an API key every other path needs
+Endpoints (one small handler each): GET /v1/models (and /v1/models/{id}), POST
+/v1/completions, POST /v1/chat/completions, POST /tokenize and /detokenize (vLLM's), GET
+/health (200 while `health()` says the engine serves, else 503) and GET /metrics (the
+server's Prometheus series, as on --metrics-port); those two never need the API key. With an API key every other path needs
 `Authorization: Bearer KEY` (401 otherwise). Every refusal is OpenAI's error body
 `{"error": {"message", "type", "param", "code"}}`: 400 a bad field (named in `param`),
 401, 404 an unknown model or path, 405, 413 a body over --max-request-bytes, 429 the
@@ -33,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import uvicorn
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -61,7 +63,7 @@ from serving.entrypoints.request_log import log_event
 from serving.entrypoints.validation import RequestLimits
 
 log = logging.getLogger(__name__)
-OPEN_PATHS = ("/health",)  # answered without the API key (load balancers)
+OPEN_PATHS = ("/health", "/metrics")  # answered without the API key (load balancers, Prometheus)
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -168,6 +170,15 @@ def build_app(front: Front, *, api_key: str | None, health: Callable[[], bool],
                          vocab_size=front.vocab_size)
         return Response(ModelList(data=[card]).model_dump_json(), media_type="application/json")
 
+    async def model_card(request: Request) -> Response:  # GET /v1/models/{id}: OpenAI's retrieve
+        front.check_model(request.path_params["model"])
+        card = ModelCard(id=front.model_name, created=created, max_model_len=front.max_model_len,
+                         vocab_size=front.vocab_size)
+        return Response(card.model_dump_json(), media_type="application/json")
+
+    async def metrics(request: Request) -> Response:  # the --metrics-port series, on this port too
+        return Response(generate_latest(front.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
     async def health_check(request: Request) -> Response:
         return Response(status_code=200 if health() else 503)
 
@@ -199,11 +210,13 @@ def build_app(front: Front, *, api_key: str | None, health: Callable[[], bool],
 
     created = int(time.time())
     routes = [Route("/v1/models", endpoint(models), methods=["GET"]),
+              Route("/v1/models/{model:path}", endpoint(model_card), methods=["GET"]),
               Route("/v1/completions", endpoint(completions), methods=["POST"]),
               Route("/v1/chat/completions", endpoint(chat_completions), methods=["POST"]),
               Route("/tokenize", endpoint(tokenize_route), methods=["POST"]),
               Route("/detokenize", endpoint(detokenize_route), methods=["POST"]),
-              Route("/health", health_check, methods=["GET"])]
+              Route("/health", health_check, methods=["GET"]),
+              Route("/metrics", metrics, methods=["GET"])]
     if profiler is not None:
         routes += [Route("/start_profile", endpoint(start_profile), methods=["POST"]),
                    Route("/stop_profile", endpoint(stop_profile), methods=["POST"])]
