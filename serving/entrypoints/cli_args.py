@@ -257,7 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
     sec.add_argument("--tls-key", metavar="PEM", help="the private key of --tls-cert")
     sec.add_argument("--api-key", default=switches.api_key(),
                      help="require 'authorization: Bearer KEY' on every gRPC call and HTTP request but "
-                          "health checks "
+                          "health checks and HTTP /metrics "
                           "(default: $HYBRID_JAX_API_KEY; prefer it to the flag, which ps shows)")
     sec.add_argument("--max-request-bytes", type=int, default=None,
                      help="largest request message (default 1 MiB + 8 bytes per max-model-len token)")
