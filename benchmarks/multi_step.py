@@ -111,7 +111,8 @@ def measure(lm, a: argparse.Namespace, k: int, bw: float) -> dict:
     stats = engine.stats()
     ms = 1e3 * elapsed / gained
     floor_ms = 1e3 * fb["total"] / bw
-    return {"model": a.model, "dtype": a.dtype, "quantization": a.quantization, "batch_run": a.batch, "rows": rows, "k": k,
+    return {"model": a.model, "dtype": a.dtype, "quantization": a.quantization, "batch_run": a.batch,
+            "rows": rows, "k": k,
             "context": round(float(lens.mean()), 1), "context_min": int(lens.min()),
             "context_max": int(lens.max()), "device": str(jax.devices()[0]),
             "startup_s": round(startup, 1), "calls": len(calls), "all_full_batch": full,

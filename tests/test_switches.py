@@ -55,7 +55,8 @@ def test_defaults_and_bad_values(monkeypatch):
     from pallas_kernels.grouped_gemm import moe_config
     assert (moe_config(8).bn, moe_config(8).splits, moe_config(64).splits) == (32, 4, 1)
     monkeypatch.delenv("HYBRID_JAX_MOE_FEW_CONFIG")
-    assert (moe_config(8).splits, moe_config(8, fp8=True).splits, moe_config(64, fp8=True).splits) == (1, 4, 1)
+    fp8 = (moe_config(8, fp8=True).splits, moe_config(64, fp8=True).splits)
+    assert (moe_config(8).splits, *fp8) == (1, 4, 1)
     monkeypatch.setenv("HYBRID_JAX_MOE_FEW_CONFIG", "32,128")
     with pytest.raises(ValueError, match="HYBRID_JAX_MOE_FEW_CONFIG"):
         switches.moe_few_config()

@@ -417,7 +417,8 @@ def test_tokenize_and_detokenize_as_the_endpoints_would_send(served, refs, hf_to
         assert (got_status, err["param"]) == (status, param), (body, err)
     status, raw = _raw(served, "POST", "/tokenize", b"{not json")
     assert status == 400 and "JSON" in json.loads(raw)["error"]["message"]
-    assert _raw(served, "POST", "/tokenize", {"prompt": "x"}, headers={"Authorization": "Bearer no"})[0] == 401
+    wrong_key = {"Authorization": "Bearer no"}
+    assert _raw(served, "POST", "/tokenize", {"prompt": "x"}, headers=wrong_key)[0] == 401
 
 
 def test_model_retrieve_and_metrics_on_the_api_port(served, client):

@@ -7,9 +7,10 @@
 Endpoints (one small handler each): GET /v1/models (and /v1/models/{id}), POST
 /v1/completions, POST /v1/chat/completions, POST /tokenize and /detokenize (vLLM's), GET
 /health (200 while `health()` says the engine serves, else 503) and GET /metrics (the
-server's Prometheus series, as on --metrics-port); those two never need the API key. With an API key every other path needs
-`Authorization: Bearer KEY` (401 otherwise). Every refusal is OpenAI's error body
-`{"error": {"message", "type", "param", "code"}}`: 400 a bad field (named in `param`),
+server's Prometheus series, as on --metrics-port); those two never need the API key.
+With an API key every other path needs `Authorization: Bearer KEY` (401 otherwise).
+Every refusal is OpenAI's error body `{"error": {"message", "type", "param", "code"}}`:
+400 a bad field (named in `param`),
 401, 404 an unknown model or path, 405, 413 a body over --max-request-bytes, 429 the
 waiting queue is full, 503 shutting down; each is logged and counted like gRPC's
 (`requests_rejected_total{code,reason}` with the gRPC code name).
@@ -115,7 +116,8 @@ def build_app(front: Front, *, api_key: str | None, health: Callable[[], bool],
                 return refuse(err, request)
         return run
 
-    async def parse(request: Request, model: type[BaseModel] | Callable[[bytes], type[BaseModel]]) -> BaseModel:
+    async def parse(request: Request,
+                    model: type[BaseModel] | Callable[[bytes], type[BaseModel]]) -> BaseModel:
         """The body as `model` (or as the model `model(body)` picks from the raw bytes)."""
         size = request.headers.get("content-length")
         limit = front.limits.max_request_bytes

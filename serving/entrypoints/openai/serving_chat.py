@@ -44,7 +44,8 @@ from serving.entrypoints.openai.serving_common import (
 from serving.entrypoints.openai.serving_completion import DONE, error_event, sse
 
 
-def chat_prompt(front: Front, body, *, add_generation_prompt: bool = True, add_bos: bool = False) -> list[int]:
+def chat_prompt(front: Front, body, *, add_generation_prompt: bool = True,
+                add_bos: bool = False) -> list[int]:
     """The prompt's token ids (`body`: a chat request, or /tokenize's chat form), rendered
     and tokenized; ApiError 400 when that fails."""
     if front.chat_template is None:
