@@ -23,7 +23,7 @@ dequantize path on one weight (max |error| over max |y|, printed).
 Prefill (`--prefill-rows`, default 2048 8192): bf16 XLA dot, fp8_deq, torch bf16 matmul,
 torch._scaled_mm e4m3 (per-tensor, rowwise, and 1x128 / 128x128 block scales where this
 torch takes them: the anchor), and pallas_kernels/fp8_gemm.py's block-scaled FP8 GEMM
-(`gemm:tn<T>s<S>[o]`, o: the overlapped form; activations quantized in the timed call, as
+(`gemm:tn<T>s<S>`; activations quantized in the timed call, as
 the engine runs it; first checked against its float64-exact XLA reference: `gemm:...:err`,
 max |error| over max |y|), TFLOP/s against the bf16 rate.
 
@@ -246,9 +246,9 @@ def block_gemm(x, ws, configs):
     want = fp8_block_matmul(x, q0, s0, out_dtype=jnp.float32, impl="reference")
     for spec in configs:
         parts = spec.split(",")
-        tn, stages, overlap = int(parts[0]), int(parts[1]), parts[2:] == ["o"]
-        name = f"gemm:tn{tn}s{stages}" + ("o" if overlap else "")
-        cfg = Fp8GemmConfig(tn=tn, stages=stages, overlap=overlap)
+        tn, stages = int(parts[0]), int(parts[1])
+        name = f"gemm:tn{tn}s{stages}"
+        cfg = Fp8GemmConfig(tn=tn, stages=stages)
         try:
             got = fp8_block_matmul(x, q0, s0, cfg=cfg, out_dtype=jnp.float32)
             out[name + ":err"] = float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
@@ -304,8 +304,8 @@ def main():
                    help="shapes that try every launch variant (the rest: the defaults)")
     p.add_argument("--prefill-shapes", nargs="+", default=["gate_up", "large"])
     p.add_argument("--prefill-rows", type=int, nargs="+", default=[2048, 8192])
-    p.add_argument("--gemm-configs", nargs="*", default=["128,4", "128,4,o", "128,3,o", "256,3"],
-                   help="fp8_gemm launches tried in prefill: tn,stages[,o] (o: two accumulators in flight)")
+    p.add_argument("--gemm-configs", nargs="*", default=["128,4", "256,3"],
+                   help="fp8_gemm launches tried in prefill: tn,stages")
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--quick", action="store_true", help="default launches only")
     p.add_argument("--no-decode", action="store_true")

@@ -61,11 +61,6 @@ class Fp8GemmConfig:
     # fastest at 8192 x 8192 (1340 against tn 256's 1768 us) and at n = 4384, even at 11264.
     tn: int = 128  # output columns per CTA: 128 or 256
     stages: int = 4  # shared-memory buffers in the ring
-    # Two accumulators per warpgroup: the next block's wgmma is issued before the last one
-    # is promoted, so the tensor cores and the promotion overlap (tn 128, an even number
-    # of k blocks). Off: on an H100 it is 12-16% slower than one accumulator at every shape
-    # timed (docs/benchmarks.md "The overlapped form").
-    overlap: bool = False
 
 
 def fits(rows: int, k: int, n: int, block: int) -> bool:
@@ -79,7 +74,7 @@ def tile_for(n: int, cfg: Fp8GemmConfig) -> Fp8GemmConfig:
     the weight and owns one row of its block scales."""
     if n % cfg.tn == 0:
         return cfg
-    return Fp8GemmConfig(tn=BLOCK, stages=cfg.stages, overlap=cfg.overlap)
+    return Fp8GemmConfig(tn=BLOCK, stages=cfg.stages)
 
 
 def smem_bytes(cfg: Fp8GemmConfig, out_itemsize: int = 2) -> int:
@@ -104,8 +99,6 @@ def check(m: int, k: int, n: int, cfg: Fp8GemmConfig, out_itemsize: int = 2) -> 
         raise ValueError(f"n={n} must be a multiple of tn={cfg.tn} (tn=128 takes any n)")
     if cfg.stages < 2:
         raise ValueError(f"stages={cfg.stages} must be >= 2")
-    if cfg.overlap and (cfg.tn != BLOCK or (k // BLOCK) % 2):
-        raise ValueError(f"overlap needs tn=128 and an even number of k blocks (tn={cfg.tn}, k={k})")
     need = smem_bytes(cfg, out_itemsize)
     if need > SMEM_BYTES:
         raise ValueError(f"{need} bytes of shared memory > {SMEM_BYTES}: lower stages or tn")
@@ -161,12 +154,12 @@ def fp8_block_matmul(x: jax.Array, wq: jax.Array, ws: jax.Array, *,
     if rows != m:
         xq = jnp.pad(xq, ((0, rows - m), (0, 0)))
         xs = jnp.pad(xs, ((0, rows - m), (0, 0)), constant_values=1.0)
-    y = _kernel(xq, xs.T, wq, ws.astype(jnp.float32), cfg.tn, cfg.stages, out_dtype, cfg.overlap)
+    y = _kernel(xq, xs.T, wq, ws.astype(jnp.float32), cfg.tn, cfg.stages, out_dtype)
     return y[:m, :n] if y.shape != (m, n) else y
 
 
-@functools.partial(jax.jit, static_argnums=(4, 5, 6, 7))
-def _kernel(xq, xs_t, wq, ws, tn: int, stages: int, out_dtype, overlap: bool = False):
+@functools.partial(jax.jit, static_argnums=(4, 5, 6))
+def _kernel(xq, xs_t, wq, ws, tn: int, stages: int, out_dtype):
     """xq [m, k] e4m3 (m a multiple of 128), xs_t [k/128, m] f32 (x's scales, transposed so
     a block's scales for a CTA's rows are one contiguous copy), wq [n, k] e4m3, ws
     [ceil(n/128), k/128] f32 -> y [m, ceil(n/tn) tn] in out_dtype: whole tiles (Mosaic GPU's
@@ -242,49 +235,7 @@ def _kernel(xq, xs_t, wq, ws, tn: int, stages: int, out_dtype, overlap: bool = F
 
             zero = plgpu.layout_cast(jnp.zeros((TM, BLOCK), jnp.float32), plgpu.Layout.WGMMA)
 
-            def pipelined(acc0, acc1):
-                """tn 128, an even number of blocks: block i's wgmma runs while block i - 1
-                is promoted (two accumulators, one wgmma group in flight at a promotion)."""
-                def issue(i, acc):
-                    slot = lax.rem(i, stages)
-                    plgpu.barrier_wait(x_bar.at[slot])
-                    plgpu.barrier_wait(w_bar.at[slot])
-                    plgpu.barrier_wait(s_bar.at[slot])
-                    plgpu.wgmma(acc, x_s.at[slot, pl.ds(r0, TM)], plgpu.transpose_ref(w_s.at[slot], (1, 0)))
-
-                def promote(i, acc, run, s_i, wait_n, reset):
-                    slot = lax.rem(i, stages)
-                    part = plgpu.wgmma_accumulator_load(acc, wait_n=wait_n)  # block i is done
-                    xsv = plgpu.load(xs_s.at[slot, pl.ds(r0, TM)], (), layout=plgpu.Layout.WGMMA.reduce(1))
-                    plgpu.barrier_arrive(done.at[slot])
-                    if reset:
-                        acc[...] = zero
-                    return run + part * lax.broadcast_in_dim(xsv * s_i, (TM, BLOCK), [0])
-
-                def pair(p, carry):  # block 2p is in flight in acc0; issues 2p + 1 and 2p + 2
-                    run, s0 = carry
-                    i = 2 * p
-                    s1 = ws_g[cb0, i + 1]
-                    issue(i + 1, acc1)
-                    run = promote(i, acc0, run, s0, 1, True)
-                    s2 = ws_g[cb0, i + 2]
-                    issue(i + 2, acc0)
-                    run = promote(i + 1, acc1, run, s1, 1, True)
-                    return run, s2
-
-                issue(0, acc0)
-                run, s_last = lax.fori_loop(0, steps // 2 - 1, pair, (zero, ws_g[cb0, 0]))
-                i = steps - 2
-                s1 = ws_g[cb0, i + 1]
-                issue(i + 1, acc1)
-                run = promote(i, acc0, run, s_last, 1, False)
-                return (promote(i + 1, acc1, run, s1, 0, False),)
-
-            if overlap:
-                accs = pl.run_scoped(pipelined, plgpu.ACC((TM, BLOCK), jnp.float32),
-                                     plgpu.ACC((TM, BLOCK), jnp.float32))
-            else:
-                accs, _ = lax.fori_loop(0, steps, step, ((zero,) * sub, scales(0)))
+            accs, _ = lax.fori_loop(0, steps, step, ((zero,) * sub, scales(0)))
             o_w = o_s.at[wg]
             for j in range(sub):
                 if j:

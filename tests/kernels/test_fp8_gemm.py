@@ -74,14 +74,14 @@ def test_reference_is_the_blockwise_definition(m, k, n):
     assert np.abs(got - exact).max() < 0.05 * np.abs(exact).max()
 
 
-def _stand_in(xq, xs_t, wq, ws, tn, stages, out_dtype, overlap=False):
+def _stand_in(xq, xs_t, wq, ws, tn, stages, out_dtype):
     """The kernel's contract with its operands, checked: rows padded to 128, x's scales
     transposed [k/128, m], f32 weight scales; computes the definition in float64 and
     returns whole tiles of columns, as the kernel does (zeros past n)."""
     m, k = xq.shape
     n = wq.shape[0]
     assert m % fp8_gemm.ROWS == 0 and xs_t.shape == (k // BLOCK, m) and ws.dtype == jnp.float32
-    check(m, k, n, Fp8GemmConfig(tn=tn, stages=stages, overlap=overlap))
+    check(m, k, n, Fp8GemmConfig(tn=tn, stages=stages))
     y = _blockwise64(xq, np.asarray(xs_t).T, wq, ws)
     return jnp.asarray(np.pad(y, ((0, 0), (0, -(-n // tn) * tn - n))), out_dtype)
 
@@ -107,8 +107,6 @@ def test_fits_and_check_name_what_does_not_fit():
         check(100, 512, 256, Fp8GemmConfig())
     with pytest.raises(ValueError, match="tn=256"):
         check(128, 512, 384, Fp8GemmConfig(tn=256))
-    with pytest.raises(ValueError, match="overlap"):
-        check(128, 384, 256, Fp8GemmConfig(overlap=True))  # 3 blocks: odd
     with pytest.raises(ValueError, match="shared memory"):
         check(128, 512, 256, Fp8GemmConfig(tn=256, stages=8))
 
@@ -147,8 +145,6 @@ def test_fp8_matmul_routes_prefill_rows_to_the_gemm(monkeypatch):
     (512, 256, 512, Fp8GemmConfig(tn=128, stages=4)),  # fewer blocks than stages
     (256, 2048, 1024, Fp8GemmConfig(tn=256, stages=3)),
     (128, 512, 200, Fp8GemmConfig(tn=256, stages=3)),  # n ends inside a block: zeros read past it
-    (256, 1024, 384, Fp8GemmConfig(overlap=True)),  # two accumulators in flight
-    (128, 256, 256, Fp8GemmConfig(overlap=True, stages=2)),  # two blocks: the peeled pair alone
 ])
 def test_kernel_matches_reference_on_hopper(m, k, n, cfg):
     x, wq, ws = _operands(m, k, n, seed=k)
