@@ -117,6 +117,12 @@ def check_known(message: Message) -> None:
                              f"{message.DESCRIPTOR.full_name} does not define them")
 
 
+def outside_vocab(ids, vocab_size: int) -> str | None:
+    """The message for token ids outside [0, vocab_size) (the first five), None if all inside."""
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    return f"{bad[:5]} outside the vocabulary [0, {vocab_size})" if bad else None
+
+
 def prompt_ids(req: pb.GenerateRequest, tokenizer: Tokenizer | None, *, vocab_size: int,
                max_model_len: int) -> list[int]:
     """The prompt as token ids; InvalidRequest when missing, empty, out of vocab or too long."""
@@ -133,9 +139,8 @@ def prompt_ids(req: pb.GenerateRequest, tokenizer: Tokenizer | None, *, vocab_si
         ids = list(req.token_ids.ids)
         if not ids:
             raise InvalidRequest("token_ids", "the prompt is empty")
-        bad = [t for t in ids if not 0 <= t < vocab_size]
-        if bad:
-            raise InvalidRequest("token_ids", f"{bad[:5]} outside the vocabulary [0, {vocab_size})")
+        if (bad := outside_vocab(ids, vocab_size)) is not None:
+            raise InvalidRequest("token_ids", bad)
     if len(ids) >= max_model_len:
         raise InvalidRequest(which, f"the prompt has {len(ids)} tokens; max_model_len={max_model_len} "
                              f"leaves room for at most {max_model_len - 1}")

@@ -45,6 +45,7 @@ from serving.entrypoints.validation import (
     RequestLimits,
     Unparsed,
     check_known,
+    outside_vocab,
     parse,
     to_engine_request,
 )
@@ -224,10 +225,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     async def Detokenize(self, request: pb.DetokenizeRequest,
                          context: grpc.aio.ServicerContext) -> pb.DetokenizeResponse:
         await self._check_unary(request, context, "Detokenize")
-        bad = [t for t in request.token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, f"token_ids: {bad[:5]} outside the "
-                               f"vocabulary [0, {self.vocab_size})", "", "invalid", method="Detokenize")
+        if (bad := outside_vocab(request.token_ids, self.vocab_size)) is not None:
+            await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, f"token_ids: {bad}", "", "invalid",
+                               method="Detokenize")
         skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
         return pb.DetokenizeResponse(text=self.tokenizer.decode(list(request.token_ids),
                                                                 skip_special_tokens=skip))

@@ -64,7 +64,6 @@ from serving.entrypoints.request_log import log_event
 from serving.entrypoints.validation import RequestLimits
 
 log = logging.getLogger(__name__)
-OPEN_PATHS = ("/health", "/metrics")  # answered without the API key (load balancers, Prometheus)
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -167,16 +166,16 @@ def build_app(front: Front, *, api_key: str | None, health: Callable[[], bool],
         body = await parse(request, DetokenizeRequest)
         return Response(detokenize(front, body).model_dump_json(), media_type="application/json")
 
-    async def models(request: Request) -> Response:
-        card = ModelCard(id=front.model_name, created=created, max_model_len=front.max_model_len,
+    def card() -> ModelCard:
+        return ModelCard(id=front.model_name, created=created, max_model_len=front.max_model_len,
                          vocab_size=front.vocab_size)
-        return Response(ModelList(data=[card]).model_dump_json(), media_type="application/json")
+
+    async def models(request: Request) -> Response:
+        return Response(ModelList(data=[card()]).model_dump_json(), media_type="application/json")
 
     async def model_card(request: Request) -> Response:  # GET /v1/models/{id}: OpenAI's retrieve
         front.check_model(request.path_params["model"])
-        card = ModelCard(id=front.model_name, created=created, max_model_len=front.max_model_len,
-                         vocab_size=front.vocab_size)
-        return Response(card.model_dump_json(), media_type="application/json")
+        return Response(card().model_dump_json(), media_type="application/json")
 
     async def metrics(request: Request) -> Response:  # the --metrics-port series, on this port too
         return Response(generate_latest(front.metrics.registry), media_type=CONTENT_TYPE_LATEST)
@@ -217,6 +216,7 @@ def build_app(front: Front, *, api_key: str | None, health: Callable[[], bool],
               Route("/v1/chat/completions", endpoint(chat_completions), methods=["POST"]),
               Route("/tokenize", endpoint(tokenize_route), methods=["POST"]),
               Route("/detokenize", endpoint(detokenize_route), methods=["POST"]),
+              # without the API key: load balancers and Prometheus
               Route("/health", health_check, methods=["GET"]),
               Route("/metrics", metrics, methods=["GET"])]
     if profiler is not None:

@@ -23,6 +23,7 @@ from serving.entrypoints.openai.protocol import (
 )
 from serving.entrypoints.openai.serving_chat import chat_prompt
 from serving.entrypoints.openai.serving_common import ApiError, Front
+from serving.entrypoints.validation import outside_vocab
 
 
 def _tokenizer(front: Front, param: str):
@@ -45,7 +46,6 @@ def tokenize(front: Front, body: TokenizeCompletionRequest | TokenizeChatRequest
 def detokenize(front: Front, body: DetokenizeRequest) -> DetokenizeResponse:
     front.check_model(body.model)
     tok = _tokenizer(front, "tokens")
-    bad = [t for t in body.tokens if not 0 <= t < front.vocab_size]
-    if bad:
-        raise ApiError(400, f"tokens: {bad[:5]} outside the vocabulary [0, {front.vocab_size})", "tokens")
+    if (bad := outside_vocab(body.tokens, front.vocab_size)) is not None:
+        raise ApiError(400, f"tokens: {bad}", "tokens")
     return DetokenizeResponse(prompt=tok.decode(list(body.tokens), skip_special_tokens=False))
