@@ -2,8 +2,7 @@
 
 Rows (Qwen3-Next's heads: 16 key heads, 32 value heads, dk = dv = 128; bf16 q, k, v;
 g float32; beta the float32 value of a bf16 sigmoid, as the model has them):
-- prefill `gated_delta_ragged` (Pallas pipeline, and its three stages as prefixes; and
-  the `fuse_output` experiment, steps 2 and 3 in one loop) at
+- prefill `gated_delta_ragged` (Pallas pipeline, and its three stages as prefixes) at
   4 x 4096 and 1 x 16384 tokens, every sequence from an f32 slot state; tok/s, TFLOP/s of
   the chunk form's dots and the byte floor (inputs, output, states once);
 - decode `gated_delta_step`, one token, f32 state pool, batch 64 and 256 (state donated,
@@ -137,14 +136,12 @@ def bench_prefill(rows, cfg, anchor, args):
     variants = [dict(pass_block_v=gated_delta_prefill.PASS_BLOCK_V,
                      out_block_v=gated_delta_prefill.OUT_BLOCK_V, warps=gated_delta_prefill.WARPS,
                      pass_stages=gated_delta_prefill.PASS_STAGES)]
-    variants.append(dict(variants[0], fuse_output=True))  # the open design question
     if args.variants:
         variants += [dict(variants[0], **kw) for kw in (
             dict(pass_block_v=16), dict(pass_block_v=64), dict(out_block_v=64),
-            dict(pass_stages=2), dict(pass_stages=3), dict(pass_block_v=16, pass_stages=3),
-            dict(warps=(8, 4, 4)), dict(warps=(4, 8, 4)), dict(warps=(4, 4, 8)),
-            dict(warps=(2, 4, 4)), dict(fuse_output=True, pass_block_v=16),
-            dict(fuse_output=True, pass_block_v=64), dict(fuse_output=True, warps=(4, 8, 4)))]
+            dict(pass_stages=2), dict(pass_stages=3), dict(warps=(1, 4, 4)),
+            dict(warps=(4, 4, 4)), dict(warps=(2, 2, 4)), dict(warps=(2, 4, 2)),
+            dict(warps=(2, 8, 4)), dict(pass_block_v=64, warps=(2, 4, 2)))]
     for lens in cfg["prefill"]:
         t, b = sum(lens), len(lens)
         q, k, v, g, beta = make_inputs(1, (t,), cfg)

@@ -36,10 +36,11 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels.launch import channel_block, dot, launch
 from pallas_kernels.ragged import chunk_table, pad_tokens
 
-# Not tuned on a GPU yet (see docs/kernels.md, "Gated DeltaNet").
+# Launch sweep on an H200, 2026-12-06 (docs/kernels.md, "Gated DeltaNet"): two warps for the WY
+# step took the pipeline from 1.46 to 1.18 ms at 4 x 4096 tokens; the other knobs were best as here.
 PASS_BLOCK_V = 32  # state columns per program in step 2
 OUT_BLOCK_V = 128  # output columns per program in step 3 (Q K^T is recomputed per block)
-WARPS = (4, 4, 4)  # num_warps of steps 1, 2, 3
+WARPS = (2, 4, 4)  # num_warps of steps 1, 2, 3
 PASS_STAGES = None  # Triton software-pipelining depth of step 2's chunk loop (None: default)
 SUB = 16  # rows of the blocks of step 1's triangular inverse (the smallest dot tile)
 
@@ -47,13 +48,10 @@ SUB = 16  # rows of the blocks of step 1's triangular inverse (the smallest dot 
 def gated_delta_prefill_pallas(q, k, v, g, beta, cu_seqlens, states, slot_ids, has_initial, *,
                                scale: float, chunk_size: int, impl, pass_block_v=PASS_BLOCK_V,
                                out_block_v=OUT_BLOCK_V, warps=WARPS, pass_stages=PASS_STAGES,
-                               fuse_output=False, stages=3):
+                               stages=3):
     """Checked arguments in; (o [t, hv, dv] in v.dtype, states) out. Pads to >= l tokens.
 
     Benchmarks time a prefix of the pipeline with `stages` < 3 (the outputs of that step).
-    `fuse_output` (an experiment, for the benchmark to decide): step 2 also computes the
-    output of each chunk it passes, so the entering states and U never go to memory and
-    step 3 is gone, at the price of a longer sequential loop (Q K^T recomputed per block).
     """
     t, dv = v.shape[0], v.shape[2]
     run = _prefill_jit(
@@ -61,7 +59,7 @@ def gated_delta_prefill_pallas(q, k, v, g, beta, cu_seqlens, states, slot_ids, h
         cu_seqlens.astype(jnp.int32), states, slot_ids.astype(jnp.int32),
         has_initial.astype(jnp.int32), scale=scale, l=chunk_size, impl=impl,
         bv=channel_block(dv, pass_block_v), bvo=channel_block(dv, out_block_v),
-        warps=tuple(warps), pass_stages=pass_stages, fuse=fuse_output, stages=stages)
+        warps=tuple(warps), pass_stages=pass_stages, stages=stages)
     if stages < 3:
         return run
     o, states = run
@@ -69,9 +67,9 @@ def gated_delta_prefill_pallas(q, k, v, g, beta, cu_seqlens, states, slot_ids, h
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "scale", "l", "impl", "bv", "bvo", "warps", "pass_stages", "fuse", "stages"))
+    "scale", "l", "impl", "bv", "bvo", "warps", "pass_stages", "stages"))
 def _prefill_jit(q, k, v, g, beta, cu, states, slot_ids, has_initial, *, scale, l, impl, bv,
-                 bvo, warps, pass_stages, fuse, stages):
+                 bvo, warps, pass_stages, stages):
     q, k, v, g, beta = pad_tokens(l, q, k, v, g, beta)
     t, hk, dk = q.shape
     hv, dv = v.shape[1:]
@@ -92,16 +90,6 @@ def _prefill_jit(q, k, v, g, beta, cu, states, slot_ids, has_initial, *, scale, 
     )(table, g, beta, k, v)
     if stages == 1:
         return w, u, cum
-    if fuse:
-        return launch(  # sequences 0..b-1, and program b zeroes the padding tail's rows
-            functools.partial(_fused_pass_kernel, bv=bv, scale=scale, **geo), impl=impl,
-            grid=(dv // bv, hv, b + 1),
-            out_shape=[jax.ShapeDtypeStruct(v.shape, v.dtype),
-                       jax.ShapeDtypeStruct(states.shape, states.dtype)],
-            aliases={7: 1}, num_warps=warps[1], num_stages=pass_stages,
-            name="gated_delta_pass_out",
-        )(table, tab.first, slot_ids, has_initial, cum, q, k, states, w, u)
-
     enter, u, states = launch(
         functools.partial(_state_pass_kernel, bv=bv, **geo), impl=impl, grid=(dv // bv, hv, b),
         out_shape=[jax.ShapeDtypeStruct((nc, hv, dk, dv), dd),
@@ -270,46 +258,3 @@ def _chunk_out_kernel(table_ref, cum_ref, q_ref, k_ref, enter_ref, u_ref, o_ref,
         p = dot(qq, kk, trans_b=True) * _decay(cum, ri >= ci)
         o = o + dot(p.astype(dd), u_ref[c, hd, :, cols])
         plgpu.store(out, (scale * o).astype(o_ref.dtype), mask=mask)
-
-
-def _fused_pass_kernel(table_ref, first_ref, slot_ref, init_ref, cum_ref, q_ref, k_ref, st_ref,
-                       w_ref, u_ref, o_ref, st_out, *, l, rep, b, dd, bv, scale):
-    """Steps 2 and 3 in one loop over a sequence's chunks (see `fuse_output`)."""
-    vb, hd, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    cols = pl.ds(vb * bv, bv)
-    f32 = jnp.float32
-    ri = jax.lax.broadcasted_iota(jnp.int32, (l, l), 0)
-    ci = jax.lax.broadcasted_iota(jnp.int32, (l, l), 1)
-
-    @pl.when(s == b)  # the padding tail: o = 0
-    def _():
-        def zero(c, carry):
-            win, valid = _window(table_ref, c, l)
-            plgpu.store(o_ref.at[pl.ds(win, l), hd, cols], jnp.zeros((l, bv), o_ref.dtype),
-                        mask=jnp.broadcast_to(valid[:, None], (l, bv)))
-            return carry
-
-        jax.lax.fori_loop(first_ref[b], first_ref[b + 1], zero, 0)
-
-    @pl.when(s < b)
-    def _():
-        slot = slot_ref[s]
-        start = jnp.where(init_ref[s] != 0, st_ref[slot, hd, :, cols].astype(f32), 0.0)
-
-        def body(c, state):
-            win, valid = _window(table_ref, c, l)
-            cum = cum_ref[hd, c, :]
-            last = cum_ref[hd, c, l - 1]
-            sd = state.astype(dd)
-            qq = _masked(q_ref, win, l, valid, hd // rep, slice(None)).astype(dd)
-            kk = _masked(k_ref, win, l, valid, hd // rep, slice(None))
-            un = u_ref[c, hd, :, cols].astype(f32) - dot(w_ref[c, hd, :, :], sd)
-            p = dot(qq, kk.astype(dd), trans_b=True) * _decay(cum, ri >= ci)
-            o = dot(qq, sd) * jnp.exp(cum)[:, None] + dot(p.astype(dd), un.astype(dd))
-            plgpu.store(o_ref.at[pl.ds(win, l), hd, cols], (scale * o).astype(o_ref.dtype),
-                        mask=jnp.broadcast_to(valid[:, None], (l, bv)))
-            kd = kk.astype(f32) * jnp.exp(last - cum)[:, None]
-            return jnp.exp(last) * state + dot(kd.astype(dd), un.astype(dd), trans_a=True)
-
-        final = jax.lax.fori_loop(first_ref[s], first_ref[s + 1], body, start)
-        st_out[slot, hd, :, cols] = final.astype(st_out.dtype)
