@@ -19,7 +19,9 @@ LENGTHS=${LENGTHS:---input-len 512 --output-len 128}
 # PROFILE=DIR: the gRPC run at the first rate is traced (serve --profile-dir, POST /start_profile,
 # /stop_profile): DIR's jax.profiler trace and DIR/steps-1.jsonl, the server's per-step log
 PROFILE=${PROFILE:-}
-SIZING=${SIZING:---dtype bfloat16 --max-num-seqs 64 --max-num-batched-tokens 2048 --max-prefill-chunk 512 --memory-fraction 0.9}
+# the prefill chunk is the GPU default's (2048): with 512, a prompt of 513-768 tokens took two
+# mixed steps, each paying the prefill path's fixed cost (docs/benchmarks.md "Serving under load")
+SIZING=${SIZING:---dtype bfloat16 --max-num-seqs 64 --max-num-batched-tokens 2048 --max-prefill-chunk 2048 --memory-fraction 0.9}
 mkdir -p "$OUT"
 python -m serving.entrypoints.cli serve --model "$MODEL" $SIZING --no-background-compile \
     --port 50051 --http-port 8000 --metrics-port 9464 \

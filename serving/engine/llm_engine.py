@@ -168,7 +168,8 @@ class LLMEngine:
         """(sequences, tokens) the engine serves within until its larger executables are
         compiled, or None when everything compiles before serving. The limits are rungs of
         the bucket ladders (the sequence count one of both the decode and the mixed ones),
-        so every step within them has its bucket among the executables compiled first."""
+        so every step within them has its bucket among the executables compiled first (a
+        padding-only rung may come later, `ModelRunner.late`: a larger one serves meanwhile)."""
         cfg = self.config
         on = cfg.compile_in_background
         if on is None:
@@ -183,7 +184,8 @@ class LLMEngine:
         decode_seqs = {b.seqs for b in buckets if b.decode}
         mixed_seqs = {b.seqs for b in buckets if not b.decode and b.tokens == tokens}
         seqs = max((b for b in decode_seqs & mixed_seqs if b <= min(self.STARTUP_SEQS, tokens)), default=None)
-        if seqs is None or all(b.seqs <= seqs and b.tokens <= tokens for b in buckets):
+        if seqs is None or all(b.seqs <= seqs and b.tokens <= tokens and not self.runner.late(b)
+                               for b in buckets):
             return None
         return seqs, tokens
 

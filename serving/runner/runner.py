@@ -58,6 +58,7 @@ from serving.runner.step_fns import (  # noqa: F401  (Bucket, make_buckets: impo
     Shardings,
     compile_options,
     decode_row_floor,
+    late_rung,
     make_buckets,
 )
 from serving.sample.penalties import init_token_stats
@@ -154,6 +155,7 @@ class ModelRunner:
                                     token_sizes=token_sizes, min_decode_rows=decode_row_floor(),
                                     single_row_decode=self.single_row,
                                     coarse_mixed=jax.default_backend() == "gpu")
+        self.coarse_default = jax.default_backend() == "gpu" and token_sizes is None
         self.max_seqs = max(b.seqs for b in self.buckets)
         self.last_tokens = self._no_tokens()
         self.compiled: dict[Bucket, Callable] = {}
@@ -280,9 +282,9 @@ class ModelRunner:
 
         `defer` (seqs, tokens): the step executables with more sequences or tokens than
         these, and the samplers of more sequences, are left for `compile_deferred` unless
-        the store holds them (`self.deferred`; `startup["deferred"]` counts them). Until
-        they are in, steps must stay within those limits (the engine lowers the
-        scheduler's: see LLMEngine).
+        the store holds them (`self.deferred`; `startup["deferred"]` counts them), and so
+        are the GPU ladder's padding-only rungs (`late_rung`). Until they are in, steps
+        must stay within those limits (the engine lowers the scheduler's: see LLMEngine).
         """
         from serving.runner.exec_store import default_store, describe_args
 
@@ -311,7 +313,7 @@ class ModelRunner:
 
         def later(key) -> bool:
             if isinstance(key, Bucket):
-                return key.seqs > defer[0] or key.tokens > defer[1]
+                return key.seqs > defer[0] or key.tokens > defer[1] or self.late(key)
             return isinstance(key, int) and key > defer[0]
 
         self.deferred: list[Job] = []
@@ -330,6 +332,12 @@ class ModelRunner:
             self.mtp_steps[key[1]] = exe
         else:
             self.verifiers[key] = exe
+
+    def late(self, bucket: Bucket) -> bool:
+        """A padding-only rung, compiled with the deferred executables (`late_rung`); never
+        the ladder's top rung, so a rung above always serves until it arrives."""
+        top = max(b.tokens for b in self.buckets if not b.decode)
+        return late_rung(bucket, self.coarse_default) and bucket.tokens < top
 
     def compile_deferred(self, done: Callable[[dict | Exception], None]) -> None:
         """Build `self.deferred` on a background thread (serving/runner/compile_pool.py);

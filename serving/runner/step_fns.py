@@ -68,6 +68,17 @@ def _ladder(name: str, sizes: tuple[int, ...] | None, limit: int, lo: int, facto
     return sorted({*(min(x, limit) for x in sizes), limit})
 
 
+COARSE_TOKENS = (256, 512, 768)  # the GPU's mixed-step token rungs below 1024
+
+
+def late_rung(bucket: Bucket, coarse_default: bool) -> bool:
+    """A mixed bucket of the GPU's default ladder that only trims padding (the 512- and
+    768-token rungs): with background compilation on it compiles after the engine serves,
+    as the large buckets do, so start-up compiles what it did before these rungs existed
+    (a step picks the smallest compiled bucket that holds it: the 1024-token one meanwhile)."""
+    return coarse_default and not bucket.decode and bucket.tokens in COARSE_TOKENS[1:]
+
+
 def make_buckets(max_num_seqs: int, max_num_batched_tokens: int, min_tokens: int = 64,
                  min_seqs: int = 8, *, seq_sizes: tuple[int, ...] | None = None,
                  token_sizes: tuple[int, ...] | None = None, min_decode_rows: int = 1,
@@ -85,15 +96,19 @@ def make_buckets(max_num_seqs: int, max_num_batched_tokens: int, min_tokens: int
 
     `coarse_mixed` (the GPU default, where each executable costs ~2.2 s of serial
     lowering at start-up): where a ladder is not given, mixed buckets take every other
-    rung of the sequence ladder (x4 from 16) and tokens x4 from 256. A mixed step's
-    cost is its tokens'; padding its sequence count costs the padded rows' state
-    traffic only. 256 sequences and 8192 tokens: 26 executables instead of 42.
+    rung of the sequence ladder (x4 from 16) and tokens `COARSE_TOKENS` below 1024
+    (where a prompt arriving under load lands: its step's padding is what the decodes
+    beside it wait for, docs/benchmarks.md "Serving under load"), x4 from 1024 above.
+    A mixed step's cost is its tokens'; padding its sequence count costs the padded
+    rows' state traffic only. 256 sequences and 8192 tokens: 32 executables instead of 42.
     """
     seqs = _ladder("seq_buckets", seq_sizes, max_num_seqs, min(min_seqs, max_num_seqs), 2)
     if coarse_mixed and token_sizes is None:
-        min_tokens = max(min_tokens, 256)
-    toks = _ladder("token_buckets", token_sizes, max_num_batched_tokens,
-                   min(min_tokens, max_num_batched_tokens), 4)
+        toks = sorted({min(x, max_num_batched_tokens) for x in COARSE_TOKENS}
+                      | set(_geometric(min(1024, max_num_batched_tokens), max_num_batched_tokens, 4)))
+    else:
+        toks = _ladder("token_buckets", token_sizes, max_num_batched_tokens,
+                       min(min_tokens, max_num_batched_tokens), 4)
     mixed = seqs
     if coarse_mixed and seq_sizes is None:
         mixed = _geometric(min(2 * min_seqs, max_num_seqs), max_num_seqs, 4)

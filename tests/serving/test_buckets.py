@@ -3,6 +3,10 @@ XLA lower the projections to slow reduction fusions) serve exactly what unpadded
 
 from __future__ import annotations
 
+import functools
+import threading
+import types
+
 import jax
 
 import serving.runner.runner as runner_mod
@@ -10,7 +14,7 @@ from hybrid_jax.layers import linear
 from hybrid_jax.loading import load_model
 from serving.engine.engine_config import EngineConfig
 from serving.engine.llm_engine import LLMEngine
-from serving.runner.runner import Bucket, make_buckets
+from serving.runner.runner import Bucket, late_rung, make_buckets
 from serving.sample.sampling_params import SamplingParams
 
 
@@ -85,7 +89,10 @@ def test_coarse_mixed_ladder_keeps_decode_buckets_and_thins_mixed_ones():
     coarse = make_buckets(256, 8192, min_decode_rows=8, coarse_mixed=True)
     assert [b for b in coarse if b.decode] == [b for b in fine if b.decode]
     mixed = [(b.tokens, b.seqs) for b in coarse if not b.decode]
-    assert mixed == [(t, s) for t in (256, 1024, 4096, 8192) for s in (16, 64, 256)]
+    assert mixed == [(t, s) for t in (256, 512, 768, 1024, 4096, 8192) for s in (16, 64, 256)]
+    # a limit below a rung closes the ladder there
+    capped = make_buckets(64, 600, coarse_mixed=True)
+    assert sorted({b.tokens for b in capped if not b.decode}) == [256, 512, 600]
     # Every mixed step the fine ladder serves has a coarse bucket that holds it.
     for b in fine:
         assert any(c.tokens >= b.tokens and c.seqs >= b.seqs and c.decode == b.decode for c in coarse)
@@ -181,3 +188,64 @@ def test_larger_executables_compile_in_the_background_while_smaller_ones_serve(m
     assert all(len(batched[str(i)]) == 8 for i in range(8))
     assert [batched[str(i)] for i in range(8)] == [out[f"b{i}"] for i in range(8)] == [
         out[f"s{i}"] for i in range(8)]
+
+
+def test_padding_rungs_are_the_gpu_ladders_512_and_768_token_mixed_buckets():
+    coarse = make_buckets(64, 2048, min_decode_rows=8, coarse_mixed=True)
+    late = [b for b in coarse if late_rung(b, True)]
+    assert {(b.tokens, b.seqs) for b in late} == {(t, s) for t in (512, 768) for s in (16, 64)}
+    assert not late[0].decode and not any(late_rung(b, False) for b in coarse)
+    # start-up (64 sequences, 1024 tokens) compiles the mixed rungs it did before they existed
+    first = {b.tokens for b in coarse if not b.decode and b.tokens <= 1024 and b not in late}
+    assert first == {256, 1024}
+
+
+def test_the_top_rung_is_never_late():
+    runner = types.SimpleNamespace(coarse_default=True, buckets=make_buckets(64, 768, coarse_mixed=True))
+    late = functools.partial(runner_mod.ModelRunner.late, runner)
+    assert [b.tokens for b in runner.buckets if not b.decode and late(b)] == [512, 512]
+
+
+def test_a_late_rung_compiles_in_the_background_and_changes_no_output(monkeypatch):
+    """Until a padding-only rung arrives, its steps run in the next larger bucket."""
+    lm = load_model("native-tiny")
+    monkeypatch.setattr(LLMEngine, "STARTUP_SEQS", 4)
+    monkeypatch.setattr(LLMEngine, "STARTUP_TOKENS", 32)
+    monkeypatch.setattr(runner_mod, "late_rung", lambda b, coarse: not b.decode and b.tokens == 16)
+    later = runner_mod.compile_later
+    gate = threading.Event()
+
+    def held(jobs, **kw):
+        return later([(k, lambda lo=lo: gate.wait() and lo(), sk, a) for k, lo, sk, a in jobs], **kw)
+
+    monkeypatch.setattr(runner_mod, "compile_later", held)
+    cfg = EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, max_prefill_chunk=32, max_model_len=96,
+                       seq_buckets=(4,), token_buckets=(16, 32), compile_in_background=True)
+    engine = LLMEngine(lm, cfg, show_progress=False)
+    assert Bucket(16, 4, False) not in engine.runner.compiled
+    assert Bucket(32, 4, False) in engine.runner.compiled
+    assert (engine.scheduler.max_num_seqs, engine.scheduler.max_num_batched_tokens) == (4, 32)
+    used: list[Bucket] = []
+    pick = engine.runner.pick
+    engine.runner.pick = lambda arrays: used.append(pick(arrays)) or used[-1]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+
+    def generate(tag: str) -> list[list[int]]:
+        out: dict[str, list[int]] = {}
+        for i in range(3):
+            engine.add_request(prompt_token_ids=[3 + i, 9, 27, 5 + i] * 3, request_id=f"{tag}{i}",
+                               params=params)
+        while engine.has_unfinished():
+            for d in engine.step():
+                out.setdefault(d.request_id, []).extend(d.token_ids)
+        return [out[f"{tag}{i}"] for i in range(3)]
+
+    before = generate("a")  # 3 prompts of 12 tokens: one 36-token step would not fit 32
+    assert Bucket(32, 4, False) in used and Bucket(16, 4, False) not in used
+    gate.set()
+    while not engine.background_ready():
+        gate.wait(0.05)
+    engine.install_background()
+    used.clear()
+    after = generate("b")
+    assert Bucket(16, 4, False) in used and before == after
