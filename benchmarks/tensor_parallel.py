@@ -178,6 +178,7 @@ def run_variant(name: str, lm, spec: str, a: argparse.Namespace, bw: float, base
 def _run(name: str, lm, spec: str, n: int, a: argparse.Namespace, bw: float, base: dict) -> None:
     big = max(a.batch)
     cfg = EngineConfig(max_num_seqs=big, max_num_batched_tokens=a.chunk, max_prefill_chunk=a.chunk,
+                       compile_in_background=False,  # all executables built before timing
                        max_model_len=a.context + a.steps + 128, dtype=a.dtype,
                        memory_fraction=a.memory_fraction,
                        seq_buckets=tuple(sorted({*a.batch, 8})), token_buckets=(a.chunk,),
