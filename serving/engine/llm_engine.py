@@ -239,18 +239,18 @@ class LLMEngine:
 
     def _spec_eligible(self, seq: Sequence) -> bool:
         """Verification samples with temperature, top-k, top-p and min-p: no penalties, no
-        logprobs, no EOS suppression (min_tokens) pending."""
+        logit bias, no logprobs, no EOS suppression (min_tokens) pending."""
         req, p = self.requests.get(seq.request_id), seq.params
         return (req is not None and not uses_penalties(p) and p.logprobs is None
-                and seq.num_output_tokens >= p.min_tokens)
+                and not p.logit_bias and seq.num_output_tokens >= p.min_tokens)
 
     def _multi_eligible(self, seq: Sequence) -> bool:
-        """Multi-step rows sample without penalties or top-n logprobs (temperature, seed,
-        top-k / top-p / min-p and the sampled token's logprob are kept) and have no EOS
-        suppression (min_tokens) pending."""
+        """Multi-step rows sample without penalties, logit bias or top-n logprobs
+        (temperature, seed, top-k / top-p / min-p and the sampled token's logprob are kept)
+        and have no EOS suppression (min_tokens) pending."""
         p = seq.params
         return (seq.request_id in self.requests and not uses_penalties(p) and not p.logprobs
-                and seq.num_output_tokens >= p.min_tokens)
+                and not p.logit_bias and seq.num_output_tokens >= p.min_tokens)
 
     def _propose(self, work: list[tuple[Sequence, int]]) -> list[list[int]]:
         t0 = time.perf_counter()
@@ -308,6 +308,9 @@ class LLMEngine:
         bad = [t for t in p.stop_token_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"stop_token_ids: {bad} outside the vocabulary [0, {vocab})")
+        bad = [t for t, _ in p.logit_bias if t >= vocab]
+        if bad:
+            raise ValueError(f"logit_bias: token ids {bad[:5]} outside the vocabulary [0, {vocab})")
         if p.min_tokens and len(set(p.stop_token_ids) | set(self.model_config.eos_token_ids)) \
                 > SUPPRESS_WIDTH:
             raise ValueError(f"stop_token_ids: at most {SUPPRESS_WIDTH} stop + EOS ids with min_tokens")
@@ -485,6 +488,8 @@ class LLMEngine:
     def _dispatch(self, schedule: Schedule) -> _Launched:
         arrays = flatten(schedule)
         sampling, full = self._sampling(schedule)
+        if full:  # the full sampler reads every row's slot's logit bias
+            self.runner.sync_logit_bias(arrays.slot_ids, [s.params.logit_bias for s in schedule.seqs])
         pending = self.runner.dispatch(arrays, sampling, self._feed(schedule, arrays), full=full)
         if hasattr(self.drafter, "after_step"):  # the MTP head: its K/V and the next drafts
             self.drafter.after_step(schedule, arrays)

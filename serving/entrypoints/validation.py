@@ -100,8 +100,8 @@ def unknown_fields(message: Message, path: str = "") -> list[str]:
     prefix = f"{path}." if path else ""
     found = [f"{prefix}#{f.field_number}" for f in UnknownFieldSet(message)]
     for desc, value in message.ListFields():
-        if desc.message_type is None:
-            continue
+        if desc.message_type is None or desc.message_type.GetOptions().map_entry:
+            continue  # scalars, and maps of scalars (logit_bias)
         children = value if desc.is_repeated else [value]
         for i, child in enumerate(children):
             sub = f"{prefix}{desc.name}" + (f"[{i}]" if desc.is_repeated else "")
@@ -169,6 +169,8 @@ def sampling_params(msg: pb.SamplingParameters, *, room: int) -> SamplingParams:
     kwargs.setdefault("max_tokens", min(DEFAULT_MAX_TOKENS, room))
     kwargs["stop"] = tuple(msg.stop)
     kwargs["stop_token_ids"] = tuple(msg.stop_token_ids)
+    if msg.logit_bias:
+        kwargs["logit_bias"] = dict(msg.logit_bias)
     try:
         return SamplingParams(**kwargs)
     except ValueError as err:  # SamplingParams names the field first ("top_p=0.0 must ...")
@@ -194,4 +196,6 @@ def to_engine_request(req: pb.GenerateRequest, tokenizer: Tokenizer | None, *, v
     bad = [t for t in params.stop_token_ids if t >= vocab_size]
     if bad:
         raise InvalidRequest("params.stop_token_ids", f"{bad} outside the vocabulary [0, {vocab_size})")
+    if (bad := outside_vocab([t for t, _ in params.logit_bias], vocab_size)) is not None:
+        raise InvalidRequest("params.logit_bias", f"token ids {bad}")
     return EngineRequest(req.request_id or f"req-{uuid.uuid4().hex[:16]}", ids, params)

@@ -61,7 +61,7 @@ from serving.runner.step_fns import (  # noqa: F401  (Bucket, make_buckets: impo
     late_rung,
     make_buckets,
 )
-from serving.sample.penalties import init_token_stats
+from serving.sample.penalties import bias_row, init_token_stats, set_logit_bias
 from serving.sample.sampling import SamplingArrays
 
 log = logging.getLogger(__name__)
@@ -144,6 +144,13 @@ class ModelRunner:
             if kv_scales is not None:  # each device's pages get the scales of their KV heads
                 self.caches = with_kv_scales(self.caches, tp.shard_kv_scales(self.cfg, kv_scales, n))
         self.stats = jax.device_put(init_token_stats(num_slots, self.cfg.vocab_size), self.replicated)
+        # Which request's logit bias each slot's row holds (absent: none); `sync_logit_bias`.
+        self.slot_bias: dict[int, tuple] = {}
+        # compiled now (ahead of time: a jitted call compiled again after the engine's first
+        # steps in a CPU test), not while serving
+        self._set_bias = jax.jit(set_logit_bias, donate_argnums=0, in_shardings=self.replicated,
+                                 out_shardings=self.replicated).lower(
+            self.stats, np.int32(0), *bias_row(())).compile()
         self.ring_widths = ring_widths
         self.page_size = page_size
         self.num_pages, self.num_slots = num_pages, num_slots
@@ -353,6 +360,17 @@ class ModelRunner:
         self.deferred = []
         if warm:
             self.warmup([k for k in built if isinstance(k, Bucket)])
+
+    def sync_logit_bias(self, slot_ids, biases) -> None:
+        """Before a step that runs the full sampler: every row's slot gets its request's
+        logit bias (`SamplingParams.logit_bias`, () for none) where the slot's row holds
+        another's. One small update per changed slot, ordered before the step by `stats`."""
+        for slot, bias in zip(slot_ids, biases, strict=True):
+            slot = int(slot)
+            if self.slot_bias.get(slot, ()) != bias:
+                ids, values = bias_row(bias)
+                self.stats = self._set_bias(self.stats, np.int32(slot), ids, values)
+                self.slot_bias[slot] = bias
 
     def pick(self, arrays: StepArrays) -> Bucket:
         b, t = len(arrays.slot_ids), len(arrays.token_ids)

@@ -32,7 +32,7 @@ from hybrid_jax.ragged import choose, forward_ragged, forward_verify
 from pallas_kernels.stage_copy import write_into
 from serving.runner.host_pack import HostLayout
 from serving.runner.packing import PackLayout, unpack
-from serving.sample.penalties import TokenStats, apply_penalties, update_token_stats
+from serving.sample.penalties import TokenStats, apply_logit_bias, apply_penalties, update_token_stats
 from serving.sample.sampling import sample
 from serving.spec_decode.speculative import accept
 
@@ -171,7 +171,8 @@ class CkptOps(NamedTuple):
 def _restore(caches: CacheStacks, ckpts: CacheStacks, stats: TokenStats, ops: CkptOps):
     st = jax.tree.map(lambda x, p: x.at[:, ops.restore_slot].set(p[:, ops.restore_ckpt]),
                       states_of(caches), ckpts)
-    stats = TokenStats(stats.counts.at[ops.restore_slot].set(0), stats.seen.at[ops.restore_slot].set(False))
+    stats = stats._replace(counts=stats.counts.at[ops.restore_slot].set(0),
+                           seen=stats.seen.at[ops.restore_slot].set(False))
     return with_states(caches, st), stats
 
 
@@ -438,8 +439,8 @@ def _sample(logits, stats: TokenStats, sampling, slot_ids, *, full: bool, max_se
     b = logits.shape[0]
     shaped = logits
     if full:
-        shaped = apply_penalties(logits, stats, slot_ids, sampling.repetition,
-                                 sampling.presence, sampling.frequency)
+        shaped = apply_penalties(apply_logit_bias(logits, stats, slot_ids), stats, slot_ids,
+                                 sampling.repetition, sampling.presence, sampling.frequency)
     tokens, _ = sample(shaped, sampling, filters=full if filters is None else filters)
     raw = jax.nn.log_softmax(logits, axis=-1)
     logprobs = jnp.take_along_axis(raw, tokens[:, None], axis=-1)[:, 0]
@@ -452,14 +453,15 @@ def _sample(logits, stats: TokenStats, sampling, slot_ids, *, full: bool, max_se
 
 
 def _sampler_fn(max_seqs: int, host: HostLayout, replicated: NamedSharding | None = None) -> Callable:
-    """The full sampler of a step's logits: penalties, top-k/p/min-p and top-n logprobs.
+    """The full sampler of a step's logits: logit bias, penalties, top-k/p/min-p and
+    top-n logprobs.
 
     The plain sampler (`_sample` with full=False: none of those) runs inside the forward
     executable; a row without those features samples the same token either way, so the
     host calls this one only for a step where some row needs them. Tokens come back
     padded to `max_seqs` rows: the buffer the next step feeds from. Logprobs (of the
-    sampled token and the top-n) are the model's raw distribution, before penalties and
-    filters. The sampling arrays and slot ids are the leading fields of the step's host
+    sampled token and the top-n) are the model's raw distribution, before bias, penalties
+    and filters. The sampling arrays and slot ids are the leading fields of the step's host
     buffer.
     """
 

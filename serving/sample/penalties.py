@@ -1,4 +1,4 @@
-"""Repetition, presence and frequency penalties, from per-slot token statistics on device.
+"""Logit bias, repetition, presence and frequency penalties, from per-slot tables on device.
 
 Each state slot keeps, over the vocabulary, how many times each token was generated
 (`counts`, output tokens only) and whether it was seen at all (`seen`, prompt or
@@ -10,6 +10,11 @@ time the statistics cover the prompt and every output token so far, identically 
 a solo run, a batch, or after preemption. Meanings follow vLLM:
   repetition r: seen tokens' logits l -> l / r if l > 0 else l * r
   frequency f, presence p: l -> l - f * count - p * (count > 0)
+
+Each slot also holds its request's logit bias (`bias_ids` / `bias_values`, up to
+MAX_LOGIT_BIAS pairs, id -1 unused), added to the logits before the penalties. The
+step never writes them: the host sets a slot's row when a request that differs from the
+row's owner samples there (`set_logit_bias`, serving/runner/runner.py).
 """
 
 from __future__ import annotations
@@ -18,15 +23,45 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+from serving.sample.sampling_params import MAX_LOGIT_BIAS
 
 
 class TokenStats(NamedTuple):
     counts: jax.Array  # [slots, v] int32: output occurrences
     seen: jax.Array  # [slots, v] bool: in prompt or output
+    bias_ids: jax.Array  # [slots, MAX_LOGIT_BIAS] int32: biased token ids, -1 = unused
+    bias_values: jax.Array  # [slots, MAX_LOGIT_BIAS] f32
 
 
 def init_token_stats(num_slots: int, vocab: int) -> TokenStats:
-    return TokenStats(jnp.zeros((num_slots, vocab), jnp.int32), jnp.zeros((num_slots, vocab), bool))
+    return TokenStats(jnp.zeros((num_slots, vocab), jnp.int32), jnp.zeros((num_slots, vocab), bool),
+                      jnp.full((num_slots, MAX_LOGIT_BIAS), -1, jnp.int32),
+                      jnp.zeros((num_slots, MAX_LOGIT_BIAS), jnp.float32))
+
+
+def bias_row(pairs: tuple[tuple[int, float], ...]) -> tuple[np.ndarray, np.ndarray]:
+    """A slot's (ids, values) rows for `SamplingParams.logit_bias` pairs (host side)."""
+    ids = np.full(MAX_LOGIT_BIAS, -1, np.int32)
+    values = np.zeros(MAX_LOGIT_BIAS, np.float32)
+    ids[:len(pairs)] = [t for t, _ in pairs]
+    values[:len(pairs)] = [b for _, b in pairs]
+    return ids, values
+
+
+def set_logit_bias(stats: TokenStats, slot: jax.Array, ids: jax.Array, values: jax.Array) -> TokenStats:
+    """Slot `slot`'s bias row replaced by (ids, values) (jit it with `stats` donated)."""
+    return stats._replace(bias_ids=stats.bias_ids.at[slot].set(ids),
+                          bias_values=stats.bias_values.at[slot].set(values))
+
+
+def apply_logit_bias(logits: jax.Array, stats: TokenStats, slot_ids: jax.Array) -> jax.Array:
+    """logits [b, v] plus each row's slot's bias (unused entries add 0 to token 0)."""
+    ids = stats.bias_ids[slot_ids]
+    values = jnp.where(ids >= 0, stats.bias_values[slot_ids], 0.0).astype(logits.dtype)
+    rows = jnp.arange(logits.shape[0])[:, None]
+    return logits.at[rows, jnp.maximum(ids, 0)].add(values)
 
 
 def update_token_stats(stats: TokenStats, tokens: jax.Array, positions: jax.Array,
@@ -57,7 +92,7 @@ def update_token_stats(stats: TokenStats, tokens: jax.Array, positions: jax.Arra
     output = valid & (positions >= prompt_lens[row])
     counts = counts.at[slot, tokens].add(output.astype(jnp.int32))
     seen = seen.at[slot, tokens].max(valid)
-    return TokenStats(counts, seen)
+    return stats._replace(counts=counts, seen=seen)
 
 
 def apply_penalties(logits: jax.Array, stats: TokenStats, slot_ids: jax.Array,

@@ -14,6 +14,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 300  # token ids a request may bias (OpenAI's limit)
+LOGIT_BIAS_RANGE = 100.0  # |bias| at most this (OpenAI's range)
 
 
 def _is_int(x: object) -> bool:
@@ -41,6 +43,10 @@ class SamplingParams:
         `seed mod 2**32` (so -1 and 2**32 - 1 sample alike).
       logprobs: None, or how many top log-probabilities (0..20) to return per
         sampled token besides the sampled token's own.
+      logit_bias: {token id: bias} added to those tokens' logits before penalties
+        and sampling (OpenAI's meaning): at most 300 ids, each bias in [-100, 100];
+        stored as a tuple of (id, bias) pairs sorted by id. Log-probabilities stay
+        the model's raw distribution, as with penalties.
 
     Stopping (a finish reason is reported on every output):
       max_tokens: >= 1 output tokens at most ("length").
@@ -69,6 +75,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         self._check_sampling()
@@ -105,6 +112,29 @@ class SamplingParams:
         logprobs = self.logprobs
         if logprobs is not None and (not _is_int(logprobs) or not 0 <= logprobs <= MAX_LOGPROBS):
             raise ValueError(f"{logprobs=} must be None or an int in [0, {MAX_LOGPROBS}]")
+        self._check_logit_bias()
+
+    def _check_logit_bias(self) -> None:
+        bias = self.logit_bias
+        if bias is None:
+            bias = ()
+        items = bias.items() if isinstance(bias, dict) else bias
+        try:
+            pairs = [(t, b) for t, b in items]
+        except (TypeError, ValueError):
+            raise ValueError(f"logit_bias={bias!r} must map token ids to biases") from None
+        if len(pairs) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias: {len(pairs)} token ids; at most {MAX_LOGIT_BIAS}")
+        bad = [t for t, _ in pairs if not _is_int(t) or t < 0]
+        if bad:
+            raise ValueError(f"logit_bias: token ids must be ints >= 0, got {bad[:5]}")
+        if len({t for t, _ in pairs}) != len(pairs):
+            raise ValueError("logit_bias: a token id appears twice")
+        off = [b for _, b in pairs if not _is_real(b) or abs(b) > LOGIT_BIAS_RANGE]
+        if off:
+            raise ValueError(f"logit_bias: biases must be numbers in [-{LOGIT_BIAS_RANGE:g}, "
+                             f"{LOGIT_BIAS_RANGE:g}], got {off[:5]}")
+        object.__setattr__(self, "logit_bias", tuple(sorted((int(t), float(b)) for t, b in pairs)))
 
     def _check_stopping(self) -> None:
         max_tokens, min_tokens = self.max_tokens, self.min_tokens

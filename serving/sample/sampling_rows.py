@@ -33,7 +33,7 @@ class Request:
     seq: Sequence
     detok: IncrementalDetokenizer | None
     ban: list[int]  # EOS and stop ids, suppressed while fewer than min_tokens were generated
-    full: bool  # needs the full sampler: penalties, top-k/p/min-p, or top-n logprobs
+    full: bool  # needs the full sampler: logit bias, penalties, top-k/p/min-p, or top-n logprobs
     row: tuple  # the constant sampling fields (seed included), in `ROW` order
 
 
@@ -47,7 +47,7 @@ def uses_penalties(p: SamplingParams) -> bool:
 
 
 def needs_full(p: SamplingParams) -> bool:
-    return uses_filters(p) or uses_penalties(p) or bool(p.logprobs)
+    return uses_filters(p) or uses_penalties(p) or bool(p.logprobs) or bool(p.logit_bias)
 
 
 def constant_row(p: SamplingParams, seed: int, prompt_len: int, vocab_size: int) -> tuple:

@@ -38,7 +38,8 @@ def request_for(prompt: str | list[int], params: SamplingParams, request_id: str
                         frequency_penalty=params.frequency_penalty,
                         max_tokens=params.max_tokens, min_tokens=params.min_tokens,
                         stop=list(params.stop), stop_token_ids=list(params.stop_token_ids),
-                        ignore_eos=params.ignore_eos, logprobs=params.logprobs)
+                        ignore_eos=params.ignore_eos, logprobs=params.logprobs,
+                        logit_bias=dict(params.logit_bias) or None)
 
 
 def collect(stub: pb_grpc.GenerationStub, request: pb.GenerateRequest, timeout: float = 60) -> Collected:

@@ -169,7 +169,8 @@ def prompts(vocab: int) -> list[list[int]]:
 
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True, logprobs=2)
-SEEDED = [SamplingParams(temperature=0.8, top_k=20, seed=7 + i, max_tokens=NEW, ignore_eos=True)
+SEEDED = [SamplingParams(temperature=0.8, top_k=20, seed=7 + i, max_tokens=NEW, ignore_eos=True,
+                         logit_bias={5: 3.0, 11: -100.0} if i == 1 else None)  # one row biased
           for i in range(len(PROMPT_LENS) + 1)]
 
 

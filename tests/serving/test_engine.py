@@ -34,9 +34,10 @@ def requests(n: int, seed: int) -> tuple[list[list[int]], list[SamplingParams]]:
         if i % 3 == 1:
             params.append(SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
         elif i % 3 == 2:  # greedy with penalties: per-slot statistics must follow the request
+            bias = {(7 * i) % 256 + 3: -100.0, 50: 4.0} if i % 6 == 5 else None  # so must the bias
             params.append(SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
                                          repetition_penalty=1.3, frequency_penalty=0.5,
-                                         presence_penalty=0.3))
+                                         presence_penalty=0.3, logit_bias=bias))
         else:
             params.append(SamplingParams(temperature=0.9, top_k=40, top_p=0.9, seed=1000 + i,
                                          max_tokens=max_tokens, ignore_eos=True))

@@ -10,6 +10,7 @@ directory.
 
 from __future__ import annotations
 
+import dataclasses
 import http.client
 import json
 import shutil
@@ -63,7 +64,10 @@ def refs(server_engine, hf_tokenizer):
     chat_ids = list(hf_tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True,
                                                      return_dict=True, enable_thinking=False,
                                                      greeting="Hello")["input_ids"])
-    return {"text": llm.generate([PROMPT], GREEDY)[0],
+    text = llm.generate([PROMPT], GREEDY)[0]
+    ban = text.token_ids[0]  # the greedy first token, biased away below
+    return {"text": text, "ban": ban,
+            "bias": llm.generate([PROMPT], dataclasses.replace(GREEDY, logit_bias={ban: -100.0}))[0],
             "logprobs": llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=4, logprobs=3))[0],
             "chat": llm.generate(prompt_token_ids=[chat_ids], sampling_params=GREEDY)[0],
             "chat_ids": chat_ids}
@@ -290,6 +294,25 @@ def test_error_bodies_name_the_field(served, client):
     with pytest.raises(openai.BadRequestError) as err:  # the SDK sees the same body
         client.completions.create(model=MODEL, prompt="x", presence_penalty=3)
     assert err.value.body["param"] == "presence_penalty"
+
+
+def test_logit_bias_equals_python_api_and_is_checked(served, client, refs):
+    want, ban = refs["bias"], refs["ban"]
+    assert want.token_ids[0] != ban and ban not in want.token_ids  # -100: never sampled
+    got = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0,
+                                    logit_bias={str(ban): -100}, extra_body={"ignore_eos": True})
+    assert got.choices[0].text == want.text
+    plain = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0,
+                                      extra_body={"ignore_eos": True})  # its slot's bias is gone
+    assert plain.choices[0].text == refs["text"].text
+    chat = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_completion_tokens=4,
+                                          temperature=0, logit_bias={"68": 100})
+    assert chat.choices[0].message.content == "AAAA"  # byte-level tokenizer: id 68 is "A"
+    for bias in ({"x": 1}, {"5": 101}, {"5": -100.5}, {"999999": 1}, {"-3": 1},
+                 {str(i): 1 for i in range(301)}):
+        status, err = _error(served, "/v1/completions", {"model": MODEL, "prompt": "x", "logit_bias": bias})
+        assert (status, err["param"]) == (400, "logit_bias"), (bias, err)
+    _idle(served)
 
 
 def test_no_template_queue_full_and_api_key(served, client):

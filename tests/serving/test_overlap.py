@@ -53,7 +53,8 @@ def _workload(engine: LLMEngine) -> tuple[list[list[int]], list[SamplingParams]]
                                          ignore_eos=True))
         elif kind == 4:
             params.append(SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True,
-                                         repetition_penalty=1.4, frequency_penalty=0.4))
+                                         repetition_penalty=1.4, frequency_penalty=0.4,
+                                         logit_bias={out.token_ids[2]: -100.0, 17: 2.5}))
         elif kind == 5:
             params.append(SamplingParams(temperature=0.0, max_tokens=9, logprobs=2, ignore_eos=True,
                                          min_tokens=5, stop_token_ids=[out.token_ids[1]]))

@@ -55,6 +55,11 @@ BAD = {
     "logprobs": (pb.GenerateRequest(text="a", params=_p(logprobs=99)), "params.logprobs"),
     "stop id over vocab": (pb.GenerateRequest(text="a", params=_p(stop_token_ids=[9999])),
                            "params.stop_token_ids"),
+    "logit_bias id over vocab": (pb.GenerateRequest(text="a", params=_p(logit_bias={9999: 1.0})),
+                                 "params.logit_bias"),
+    "logit_bias negative id": (pb.GenerateRequest(text="a", params=_p(logit_bias={-4: 1.0})),
+                               "params.logit_bias"),
+    "logit_bias value": (pb.GenerateRequest(text="a", params=_p(logit_bias={5: 200.0})), "params.logit_bias"),
 }
 
 
@@ -133,3 +138,13 @@ def test_tokenize_detokenize_and_model_info(served, server_engine):
     assert info.weight_bytes == sum(b.nbytes for b in server_engine.runner.params) > 0
     assert dict(info.weight_bytes_by_dtype) == {"float32": info.weight_bytes} and info.quantization == ""
     assert info.kv_cache_dtype == "float32"  # the pages' dtype (float8_e4m3fn with kv_cache_dtype="fp8")
+
+
+def test_logit_bias_is_served_over_grpc(served):
+    server, stub, raw, want = served
+    ban = want.token_ids[0]
+    got = collect(stub, request_for("Still serving", SamplingParams(
+        temperature=0.0, max_tokens=5, ignore_eos=True, logit_bias={ban: -100.0})))
+    assert len(got.token_ids) == 5 and ban not in got.token_ids
+    assert collect(stub, request_for("Still serving", GOOD)).token_ids == want.token_ids  # slot reset
+

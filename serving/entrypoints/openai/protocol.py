@@ -5,8 +5,8 @@ an int outside the wire range is refused with the field named (`Strict`), as the
 gRPC front refuses unknown proto fields. Values are checked for meaning later, by
 the same code as gRPC (`serving.entrypoints.validation` and `SamplingParams`). A few OpenAI
 fields that change nothing here are accepted so that stock clients work (`user`,
-and `best_of`, `logit_bias`, `suffix`, `response_format` only at values that ask for
-nothing); vLLM's extras `top_k`, `min_p`, `repetition_penalty`, `ignore_eos`,
+and `best_of`, `suffix`, `response_format` only at values that ask for nothing);
+`logit_bias` is served; vLLM's extras `top_k`, `min_p`, `repetition_penalty`, `ignore_eos`,
 `min_tokens`, `stop_token_ids` and `chat_template_kwargs` are served, and vLLM's
 /tokenize and /detokenize bodies.
 This module knows nothing of the engine or of HTTP.
@@ -55,7 +55,7 @@ class SamplingRequest(Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # OpenAI's end-user id: accepted, unused
-    logit_bias: dict[str, float] | None = None  # only empty: checked by the handler
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
 
 
 class CompletionRequest(SamplingRequest):

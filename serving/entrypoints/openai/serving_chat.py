@@ -64,8 +64,6 @@ def chat_prompt(front: Front, body, *, add_generation_prompt: bool = True,
 
 
 def _check_unsupported(body: ChatCompletionRequest) -> None:
-    if body.logit_bias:
-        raise ApiError(400, "logit_bias: not served", "logit_bias")
     if body.top_logprobs is not None and not body.logprobs:
         raise ApiError(400, "top_logprobs: needs logprobs: true", "top_logprobs")
 

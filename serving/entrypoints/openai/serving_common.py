@@ -94,7 +94,8 @@ def engine_request(prompt: str | list[int], body: SamplingRequest, *, request_id
         if v is not None:
             values[k] = v
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-    params = pb.SamplingParameters(stop=stop, stop_token_ids=body.stop_token_ids or [], **values)
+    params = pb.SamplingParameters(stop=stop, stop_token_ids=body.stop_token_ids or [],
+                                   logit_bias=_logit_bias(body.logit_bias), **values)
     msg = pb.GenerateRequest(request_id=request_id, params=params)
     if isinstance(prompt, str):
         msg.text = prompt
@@ -109,6 +110,21 @@ def engine_request(prompt: str | list[int], body: SamplingRequest, *, request_id
         param = names.param(err.field, index)
         message = str(err).split(": ", 1)[-1]
         raise ApiError(400, f"{param}: {message}", param) from err
+
+
+def _logit_bias(raw: dict[str, float] | None) -> dict[int, float]:
+    """OpenAI's logit_bias (token ids as JSON object keys) as {id: bias}; the values are
+    checked with the rest of the parameters (SamplingParams)."""
+    out: dict[int, float] = {}
+    for key, value in (raw or {}).items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise ApiError(400, f"logit_bias: key {key!r} is not a token id", "logit_bias") from None
+        if not 0 <= token < 2**31:
+            raise ApiError(400, f"logit_bias: token id {key} outside [0, 2**31)", "logit_bias")
+        out[token] = value
+    return out
 
 
 def choice_seed(seed: int | None, j: int) -> int | None:

@@ -63,8 +63,6 @@ def _check_unsupported(body: CompletionRequest) -> None:
         raise ApiError(400, f"best_of: only best_of == n ({body.n}) is served", "best_of")
     if body.suffix is not None:
         raise ApiError(400, "suffix: insertion (suffix) is not served", "suffix")
-    if body.logit_bias:
-        raise ApiError(400, "logit_bias: not served", "logit_bias")
     if body.echo and body.logprobs is not None:
         raise ApiError(400, "echo: echo with logprobs needs prompt log-probabilities, which this server "
                        "does not compute", "echo")

@@ -24,49 +24,53 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n,serving/proto/hybrid_jax/v1/generation.proto\x12\rhybrid_jax.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x98\x04\n\x12SamplingParameters\x12\x18\n\x0btemperature\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x06 \x01(\x01H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x07 \x01(\x01H\x06\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x03H\x07\x88\x01\x01\x12\x17\n\nmax_tokens\x18\t \x01(\x05H\x08\x88\x01\x01\x12\x17\n\nmin_tokens\x18\n \x01(\x05H\t\x88\x01\x01\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\x05\x12\x17\n\nignore_eos\x18\r \x01(\x08H\n\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0e \x01(\x05H\x0b\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\r\n\x0b_max_tokensB\r\n\x0b_min_tokensB\r\n\x0b_ignore_eosB\x0b\n\t_logprobs\"\xa0\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12,\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x17.hybrid_jax.v1.TokenIdsH\x00\x12\x31\n\x06params\x18\x04 \x01(\x0b\x32!.hybrid_jax.v1.SamplingParametersB\x08\n\x06prompt\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"Z\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12&\n\x03top\x18\x03 \x03(\x0b\x32\x19.hybrid_jax.v1.TopLogprob\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\"\xd0\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12.\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1c.hybrid_jax.v1.TokenLogprobs\x12\x32\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1b.hybrid_jax.v1.FinishReason\x12#\n\x05usage\x18\x06 \x01(\x0b\x32\x14.hybrid_jax.v1.Usage\"A\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x14\n\x07\x61\x64\x64_bos\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\n\n\x08_add_bos\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"`\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12 \n\x13skip_special_tokens\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x16\n\x14_skip_special_tokens\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\x15\n\x13GetModelInfoRequest\"9\n\tLayerInfo\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x13\n\x06window\x18\x02 \x01(\x05H\x00\x88\x01\x01\x42\t\n\x07_window\"P\n\x07KVGroup\x12\x13\n\x06window\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x12\n\nnum_layers\x18\x02 \x01(\x05\x12\x11\n\tnum_pages\x18\x03 \x01(\x05\x42\t\n\x07_window\"\xc6\x07\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12(\n\x06layers\x18\x03 \x03(\x0b\x32\x18.hybrid_jax.v1.LayerInfo\x12)\n\tkv_groups\x18\x04 \x03(\x0b\x32\x16.hybrid_jax.v1.KVGroup\x12\x12\n\nvocab_size\x18\x05 \x01(\x05\x12\x15\n\rmax_model_len\x18\x06 \x01(\x05\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x11\n\tpage_size\x18\x08 \x01(\x05\x12\x14\n\x0cmax_num_seqs\x18\t \x01(\x05\x12\x16\n\x0ekv_cache_bytes\x18\n \x01(\x03\x12\x1c\n\x14state_bytes_per_slot\x18\x0b \x01(\x03\x12\x16\n\x0essm_state_size\x18\x0c \x01(\x05\x12\x15\n\rssm_num_heads\x18\r \x01(\x05\x12\x14\n\x0cssm_head_dim\x18\x0e \x01(\x05\x12\x13\n\x0brglru_width\x18\x0f \x01(\x05\x12\x15\n\reos_token_ids\x18\x10 \x03(\x05\x12\x19\n\x0c\x62os_token_id\x18\x11 \x01(\x05H\x00\x88\x01\x01\x12\x16\n\x0eprefix_caching\x18\x12 \x01(\x08\x12\x1b\n\x13prefix_state_stride\x18\x13 \x01(\x05\x12 \n\x18prefix_state_checkpoints\x18\x14 \x01(\x05\x12%\n\x1dprefix_state_checkpoint_bytes\x18\x15 \x01(\x03\x12\'\n\x1fprefix_state_checkpoints_in_use\x18\x16 \x01(\x05\x12\x1f\n\x17prefix_cache_hit_tokens\x18\x17 \x01(\x03\x12!\n\x19prefix_cache_query_tokens\x18\x18 \x01(\x03\x12)\n!prefix_state_checkpoint_evictions\x18\x19 \x01(\x03\x12#\n\x1bprefix_cache_page_evictions\x18\x1a \x01(\x03\x12\x14\n\x0cweight_bytes\x18\x1b \x01(\x03\x12O\n\x15weight_bytes_by_dtype\x18\x1c \x03(\x0b\x32\x30.hybrid_jax.v1.ModelInfo.WeightBytesByDtypeEntry\x12\x14\n\x0cquantization\x18\x1d \x01(\t\x12\x16\n\x0ekv_cache_dtype\x18\x1e \x01(\t\x1a\x39\n\x17WeightBytesByDtypeEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x42\x0f\n\r_bos_token_id*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xc9\x02\n\nGeneration\x12M\n\x08Generate\x12\x1e.hybrid_jax.v1.GenerateRequest\x1a\x1f.hybrid_jax.v1.GenerateResponse0\x01\x12K\n\x08Tokenize\x12\x1e.hybrid_jax.v1.TokenizeRequest\x1a\x1f.hybrid_jax.v1.TokenizeResponse\x12Q\n\nDetokenize\x12 .hybrid_jax.v1.DetokenizeRequest\x1a!.hybrid_jax.v1.DetokenizeResponse\x12L\n\x0cGetModelInfo\x12\".hybrid_jax.v1.GetModelInfoRequest\x1a\x18.hybrid_jax.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n,serving/proto/hybrid_jax/v1/generation.proto\x12\rhybrid_jax.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x90\x05\n\x12SamplingParameters\x12\x18\n\x0btemperature\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x06 \x01(\x01H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x07 \x01(\x01H\x06\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x03H\x07\x88\x01\x01\x12\x17\n\nmax_tokens\x18\t \x01(\x05H\x08\x88\x01\x01\x12\x17\n\nmin_tokens\x18\n \x01(\x05H\t\x88\x01\x01\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\x05\x12\x17\n\nignore_eos\x18\r \x01(\x08H\n\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0e \x01(\x05H\x0b\x88\x01\x01\x12\x44\n\nlogit_bias\x18\x0f \x03(\x0b\x32\x30.hybrid_jax.v1.SamplingParameters.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\r\n\x0b_max_tokensB\r\n\x0b_min_tokensB\r\n\x0b_ignore_eosB\x0b\n\t_logprobs\"\xa0\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12,\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x17.hybrid_jax.v1.TokenIdsH\x00\x12\x31\n\x06params\x18\x04 \x01(\x0b\x32!.hybrid_jax.v1.SamplingParametersB\x08\n\x06prompt\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"Z\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12&\n\x03top\x18\x03 \x03(\x0b\x32\x19.hybrid_jax.v1.TopLogprob\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\"\xd0\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12.\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1c.hybrid_jax.v1.TokenLogprobs\x12\x32\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1b.hybrid_jax.v1.FinishReason\x12#\n\x05usage\x18\x06 \x01(\x0b\x32\x14.hybrid_jax.v1.Usage\"A\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x14\n\x07\x61\x64\x64_bos\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\n\n\x08_add_bos\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"`\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12 \n\x13skip_special_tokens\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x16\n\x14_skip_special_tokens\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\x15\n\x13GetModelInfoRequest\"9\n\tLayerInfo\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x13\n\x06window\x18\x02 \x01(\x05H\x00\x88\x01\x01\x42\t\n\x07_window\"P\n\x07KVGroup\x12\x13\n\x06window\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x12\n\nnum_layers\x18\x02 \x01(\x05\x12\x11\n\tnum_pages\x18\x03 \x01(\x05\x42\t\n\x07_window\"\xc6\x07\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12(\n\x06layers\x18\x03 \x03(\x0b\x32\x18.hybrid_jax.v1.LayerInfo\x12)\n\tkv_groups\x18\x04 \x03(\x0b\x32\x16.hybrid_jax.v1.KVGroup\x12\x12\n\nvocab_size\x18\x05 \x01(\x05\x12\x15\n\rmax_model_len\x18\x06 \x01(\x05\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x11\n\tpage_size\x18\x08 \x01(\x05\x12\x14\n\x0cmax_num_seqs\x18\t \x01(\x05\x12\x16\n\x0ekv_cache_bytes\x18\n \x01(\x03\x12\x1c\n\x14state_bytes_per_slot\x18\x0b \x01(\x03\x12\x16\n\x0essm_state_size\x18\x0c \x01(\x05\x12\x15\n\rssm_num_heads\x18\r \x01(\x05\x12\x14\n\x0cssm_head_dim\x18\x0e \x01(\x05\x12\x13\n\x0brglru_width\x18\x0f \x01(\x05\x12\x15\n\reos_token_ids\x18\x10 \x03(\x05\x12\x19\n\x0c\x62os_token_id\x18\x11 \x01(\x05H\x00\x88\x01\x01\x12\x16\n\x0eprefix_caching\x18\x12 \x01(\x08\x12\x1b\n\x13prefix_state_stride\x18\x13 \x01(\x05\x12 \n\x18prefix_state_checkpoints\x18\x14 \x01(\x05\x12%\n\x1dprefix_state_checkpoint_bytes\x18\x15 \x01(\x03\x12\'\n\x1fprefix_state_checkpoints_in_use\x18\x16 \x01(\x05\x12\x1f\n\x17prefix_cache_hit_tokens\x18\x17 \x01(\x03\x12!\n\x19prefix_cache_query_tokens\x18\x18 \x01(\x03\x12)\n!prefix_state_checkpoint_evictions\x18\x19 \x01(\x03\x12#\n\x1bprefix_cache_page_evictions\x18\x1a \x01(\x03\x12\x14\n\x0cweight_bytes\x18\x1b \x01(\x03\x12O\n\x15weight_bytes_by_dtype\x18\x1c \x03(\x0b\x32\x30.hybrid_jax.v1.ModelInfo.WeightBytesByDtypeEntry\x12\x14\n\x0cquantization\x18\x1d \x01(\t\x12\x16\n\x0ekv_cache_dtype\x18\x1e \x01(\t\x1a\x39\n\x17WeightBytesByDtypeEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x42\x0f\n\r_bos_token_id*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xc9\x02\n\nGeneration\x12M\n\x08Generate\x12\x1e.hybrid_jax.v1.GenerateRequest\x1a\x1f.hybrid_jax.v1.GenerateResponse0\x01\x12K\n\x08Tokenize\x12\x1e.hybrid_jax.v1.TokenizeRequest\x1a\x1f.hybrid_jax.v1.TokenizeResponse\x12Q\n\nDetokenize\x12 .hybrid_jax.v1.DetokenizeRequest\x1a!.hybrid_jax.v1.DetokenizeResponse\x12L\n\x0cGetModelInfo\x12\".hybrid_jax.v1.GetModelInfoRequest\x1a\x18.hybrid_jax.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'serving.proto.hybrid_jax.v1.generation_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_SAMPLINGPARAMETERS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMETERS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_MODELINFO_WEIGHTBYTESBYDTYPEENTRY']._loaded_options = None
   _globals['_MODELINFO_WEIGHTBYTESBYDTYPEENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=2574
-  _globals['_FINISHREASON']._serialized_end=2694
+  _globals['_FINISHREASON']._serialized_start=2694
+  _globals['_FINISHREASON']._serialized_end=2814
   _globals['_TOKENIDS']._serialized_start=63
   _globals['_TOKENIDS']._serialized_end=86
   _globals['_SAMPLINGPARAMETERS']._serialized_start=89
-  _globals['_SAMPLINGPARAMETERS']._serialized_end=625
-  _globals['_GENERATEREQUEST']._serialized_start=628
-  _globals['_GENERATEREQUEST']._serialized_end=788
-  _globals['_TOPLOGPROB']._serialized_start=790
-  _globals['_TOPLOGPROB']._serialized_end=837
-  _globals['_TOKENLOGPROBS']._serialized_start=839
-  _globals['_TOKENLOGPROBS']._serialized_end=929
-  _globals['_USAGE']._serialized_start=931
-  _globals['_USAGE']._serialized_end=988
-  _globals['_GENERATERESPONSE']._serialized_start=991
-  _globals['_GENERATERESPONSE']._serialized_end=1199
-  _globals['_TOKENIZEREQUEST']._serialized_start=1201
-  _globals['_TOKENIZEREQUEST']._serialized_end=1266
-  _globals['_TOKENIZERESPONSE']._serialized_start=1268
-  _globals['_TOKENIZERESPONSE']._serialized_end=1305
-  _globals['_DETOKENIZEREQUEST']._serialized_start=1307
-  _globals['_DETOKENIZEREQUEST']._serialized_end=1403
-  _globals['_DETOKENIZERESPONSE']._serialized_start=1405
-  _globals['_DETOKENIZERESPONSE']._serialized_end=1439
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1441
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1462
-  _globals['_LAYERINFO']._serialized_start=1464
-  _globals['_LAYERINFO']._serialized_end=1521
-  _globals['_KVGROUP']._serialized_start=1523
-  _globals['_KVGROUP']._serialized_end=1603
-  _globals['_MODELINFO']._serialized_start=1606
-  _globals['_MODELINFO']._serialized_end=2572
-  _globals['_MODELINFO_WEIGHTBYTESBYDTYPEENTRY']._serialized_start=2498
-  _globals['_MODELINFO_WEIGHTBYTESBYDTYPEENTRY']._serialized_end=2555
-  _globals['_GENERATION']._serialized_start=2697
-  _globals['_GENERATION']._serialized_end=3026
+  _globals['_SAMPLINGPARAMETERS']._serialized_end=745
+  _globals['_SAMPLINGPARAMETERS_LOGITBIASENTRY']._serialized_start=518
+  _globals['_SAMPLINGPARAMETERS_LOGITBIASENTRY']._serialized_end=566
+  _globals['_GENERATEREQUEST']._serialized_start=748
+  _globals['_GENERATEREQUEST']._serialized_end=908
+  _globals['_TOPLOGPROB']._serialized_start=910
+  _globals['_TOPLOGPROB']._serialized_end=957
+  _globals['_TOKENLOGPROBS']._serialized_start=959
+  _globals['_TOKENLOGPROBS']._serialized_end=1049
+  _globals['_USAGE']._serialized_start=1051
+  _globals['_USAGE']._serialized_end=1108
+  _globals['_GENERATERESPONSE']._serialized_start=1111
+  _globals['_GENERATERESPONSE']._serialized_end=1319
+  _globals['_TOKENIZEREQUEST']._serialized_start=1321
+  _globals['_TOKENIZEREQUEST']._serialized_end=1386
+  _globals['_TOKENIZERESPONSE']._serialized_start=1388
+  _globals['_TOKENIZERESPONSE']._serialized_end=1425
+  _globals['_DETOKENIZEREQUEST']._serialized_start=1427
+  _globals['_DETOKENIZEREQUEST']._serialized_end=1523
+  _globals['_DETOKENIZERESPONSE']._serialized_start=1525
+  _globals['_DETOKENIZERESPONSE']._serialized_end=1559
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1561
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1582
+  _globals['_LAYERINFO']._serialized_start=1584
+  _globals['_LAYERINFO']._serialized_end=1641
+  _globals['_KVGROUP']._serialized_start=1643
+  _globals['_KVGROUP']._serialized_end=1723
+  _globals['_MODELINFO']._serialized_start=1726
+  _globals['_MODELINFO']._serialized_end=2692
+  _globals['_MODELINFO_WEIGHTBYTESBYDTYPEENTRY']._serialized_start=2618
+  _globals['_MODELINFO_WEIGHTBYTESBYDTYPEENTRY']._serialized_end=2675
+  _globals['_GENERATION']._serialized_start=2817
+  _globals['_GENERATION']._serialized_end=3146
 # @@protoc_insertion_point(module_scope)
