@@ -37,7 +37,8 @@ SANE = {"max_tokens": [1, 3, 8], "temperature": [0.0, 0.7], "top_p": [0.5, 1.0],
         "n": [1, 2], "presence_penalty": [0.5], "frequency_penalty": [0.5], "repetition_penalty": [1.2],
         "ignore_eos": [True], "min_tokens": [0, 2], "stream": [True, False],
         "stream_options": [{"include_usage": True}], "logprobs": [2, True], "top_logprobs": [2],
-        "echo": [True], "chat_template_kwargs": [{"x": 1}, {"messages": 1}]}
+        "echo": [True], "chat_template_kwargs": [{"x": 1}, {"messages": 1}],
+        "logit_bias": [{"5": 2.0}, {"70": -100, "71": 0.5}, {}]}
 
 
 def _text(rng: np.random.Generator) -> str:
