@@ -64,6 +64,10 @@ def _params(rng: np.random.Generator) -> pb.SamplingParameters:
         elif field.name == "stop_token_ids":
             p.stop_token_ids.extend(int(rng.choice(INTS) if wild else rng.integers(3, 200))
                                     for _ in range(int(rng.integers(0, 4))))
+        elif field.name == "logit_bias":  # wild: past 300 ids, ids outside the vocabulary, NaN
+            for _ in range(int(rng.integers(0, 400 if wild else 4))):
+                token = int(rng.choice(INTS) if wild else rng.integers(3, 200))
+                p.logit_bias[token] = float(rng.choice(FLOATS) if wild else rng.uniform(-100, 100))
         else:
             value = _wild(rng, field) if wild else SANE[field.name][int(rng.integers(len(SANE[field.name])))]
             setattr(p, field.name, value)
