@@ -38,10 +38,10 @@ from serving.engine.startup import (  # noqa: F401  (freeze_heap: imported from 
     make_runner,
     use_compilation_cache,
 )
+from serving.runner.buckets import decode_row_floor
 from serving.runner.runner import Pending, StepResult
-from serving.runner.step_fns import decode_row_floor
 from serving.sample.sampling import SUPPRESS_WIDTH, SamplingArrays
-from serving.sample.sampling_params import SamplingParams
+from serving.sample.sampling_params import SamplingParams, outside_vocab
 from serving.sample.sampling_rows import (
     Request,
     SamplingRows,
@@ -184,7 +184,7 @@ class LLMEngine:
         decode_seqs = {b.seqs for b in buckets if b.decode}
         mixed_seqs = {b.seqs for b in buckets if not b.decode and b.tokens == tokens}
         seqs = max((b for b in decode_seqs & mixed_seqs if b <= min(self.STARTUP_SEQS, tokens)), default=None)
-        if seqs is None or all(b.seqs <= seqs and b.tokens <= tokens and not self.runner.late(b)
+        if seqs is None or all(b.seqs <= seqs and b.tokens <= tokens and b not in self.runner.late
                                for b in buckets):
             return None
         return seqs, tokens
@@ -295,22 +295,14 @@ class LLMEngine:
         ids = [int(t) for t in ids]
         if not ids:
             raise ValueError("prompt_token_ids: the prompt is empty")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt_token_ids: {bad[:5]} outside the vocabulary [0, {vocab})")
+        if (bad := outside_vocab(ids, self.model_config.vocab_size)) is not None:
+            raise ValueError(f"prompt_token_ids: {bad}")
         return ids
 
     def _check_params(self, p: SamplingParams) -> None:
         if p.stop and self.tokenizer is None:
             raise ValueError("stop: stop strings need a tokenizer; use stop_token_ids")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in p.stop_token_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"stop_token_ids: {bad} outside the vocabulary [0, {vocab})")
-        bad = [t for t, _ in p.logit_bias if t >= vocab]
-        if bad:
-            raise ValueError(f"logit_bias: token ids {bad[:5]} outside the vocabulary [0, {vocab})")
+        p.check_vocab(self.model_config.vocab_size)
         if p.min_tokens and len(set(p.stop_token_ids) | set(self.model_config.eos_token_ids)) \
                 > SUPPRESS_WIDTH:
             raise ValueError(f"stop_token_ids: at most {SUPPRESS_WIDTH} stop + EOS ids with min_tokens")

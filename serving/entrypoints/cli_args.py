@@ -149,7 +149,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seq-buckets", default=None, metavar="N,N,...",
                    help="sequence counts to compile step shapes for (default: x2 from 8 up to "
                         "--max-num-seqs; a GPU's prefill shapes x4 from 16); fewer buckets: faster "
-                        "start-up, more padding (serving/runner/step_fns.make_buckets)")
+                        "start-up, more padding (serving/runner/buckets.make_buckets)")
     g.add_argument("--token-buckets", default=None, metavar="N,N,...",
                    help="token counts to compile prefill step shapes for (default: x4 from 64, from "
                         "256 on a GPU, up to --max-num-batched-tokens)")

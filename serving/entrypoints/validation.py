@@ -22,7 +22,7 @@ from google.protobuf.unknown_fields import UnknownFieldSet
 
 from hybrid_jax.tokenizer import Tokenizer
 from serving.proto.hybrid_jax.v1 import generation_pb2 as pb
-from serving.sample.sampling_params import SamplingParams
+from serving.sample.sampling_params import SamplingParams, outside_vocab
 
 DEFAULT_MAX_TOKENS = SamplingParams().max_tokens
 _SCALARS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
@@ -117,12 +117,6 @@ def check_known(message: Message) -> None:
                              f"{message.DESCRIPTOR.full_name} does not define them")
 
 
-def outside_vocab(ids, vocab_size: int) -> str | None:
-    """The message for token ids outside [0, vocab_size) (the first five), None if all inside."""
-    bad = [t for t in ids if not 0 <= t < vocab_size]
-    return f"{bad[:5]} outside the vocabulary [0, {vocab_size})" if bad else None
-
-
 def prompt_ids(req: pb.GenerateRequest, tokenizer: Tokenizer | None, *, vocab_size: int,
                max_model_len: int) -> list[int]:
     """The prompt as token ids; InvalidRequest when missing, empty, out of vocab or too long."""
@@ -193,9 +187,9 @@ def to_engine_request(req: pb.GenerateRequest, tokenizer: Tokenizer | None, *, v
     if params.max_tokens > room:
         raise InvalidRequest("params.max_tokens", f"{params.max_tokens} + {len(ids)} prompt tokens "
                              f"exceeds max_model_len={max_model_len}")
-    bad = [t for t in params.stop_token_ids if t >= vocab_size]
-    if bad:
-        raise InvalidRequest("params.stop_token_ids", f"{bad} outside the vocabulary [0, {vocab_size})")
-    if (bad := outside_vocab([t for t, _ in params.logit_bias], vocab_size)) is not None:
-        raise InvalidRequest("params.logit_bias", f"token ids {bad}")
+    try:
+        params.check_vocab(vocab_size)
+    except ValueError as err:  # "stop_token_ids: [...] outside the vocabulary ..."
+        name, message = str(err).split(": ", 1)
+        raise InvalidRequest(f"params.{name}", message) from err
     return EngineRequest(req.request_id or f"req-{uuid.uuid4().hex[:16]}", ids, params)

@@ -12,7 +12,8 @@ import numpy as np
 
 from hybrid_jax.cache import RaggedBatch
 from serving.core.schedule import PENDING, StepArrays
-from serving.runner.step_fns import Bucket, CkptOps
+from serving.runner.buckets import Bucket
+from serving.runner.step_fns import CkptOps
 from serving.sample.sampling import SamplingArrays
 
 

@@ -34,7 +34,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
-from serving.runner.step_fns import TOP_LOGPROBS, Bucket
+from serving.runner.buckets import Bucket
+from serving.runner.step_fns import TOP_LOGPROBS
 
 FREE_SETS = 3  # sample sets kept per row count (two alternate in the overlapped loop)
 LOGITS_KEPT = 4  # row counts whose logits buffer is kept (the most recently used)

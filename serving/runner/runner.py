@@ -45,6 +45,12 @@ from hybrid_jax.layers.linear import Linear, reduction_gemv
 from hybrid_jax.model import CausalLM
 from hybrid_jax.mtp_ragged import mtp_group
 from serving.core.schedule import StepArrays
+from serving.runner.buckets import (  # noqa: F401  (Bucket, make_buckets: imported from here too)
+    Bucket,
+    decode_row_floor,
+    late_buckets,
+    make_buckets,
+)
 from serving.runner.compile_pool import Job, compile_jobs, compile_later
 from serving.runner.executables import add_executables
 from serving.runner.host_pack import HostLayout, host_layout, host_put
@@ -52,15 +58,7 @@ from serving.runner.packing import pack
 from serving.runner.padding import check_indices, dummy_batch, pad_batch, pad_ckpt_ops, pad_rows, q_bucket
 from serving.runner.result_buffers import ResultBuffers
 from serving.runner.sharded import local_shapes, place_sharded
-from serving.runner.step_fns import (  # noqa: F401  (Bucket, make_buckets: imported from here too)
-    Bucket,
-    CkptOps,
-    Shardings,
-    compile_options,
-    decode_row_floor,
-    late_rung,
-    make_buckets,
-)
+from serving.runner.step_fns import CkptOps, Shardings, compile_options
 from serving.sample.penalties import bias_row, init_token_stats, set_logit_bias
 from serving.sample.sampling import SamplingArrays
 
@@ -162,7 +160,8 @@ class ModelRunner:
                                     token_sizes=token_sizes, min_decode_rows=decode_row_floor(),
                                     single_row_decode=self.single_row,
                                     coarse_mixed=jax.default_backend() == "gpu")
-        self.coarse_default = jax.default_backend() == "gpu" and token_sizes is None
+        # padding-only rungs, compiled with the deferred executables (`late_buckets`)
+        self.late = late_buckets(self.buckets, jax.default_backend() == "gpu" and token_sizes is None)
         self.max_seqs = max(b.seqs for b in self.buckets)
         self.last_tokens = self._no_tokens()
         self.compiled: dict[Bucket, Callable] = {}
@@ -290,7 +289,7 @@ class ModelRunner:
         `defer` (seqs, tokens): the step executables with more sequences or tokens than
         these, and the samplers of more sequences, are left for `compile_deferred` unless
         the store holds them (`self.deferred`; `startup["deferred"]` counts them), and so
-        are the GPU ladder's padding-only rungs (`late_rung`). Until they are in, steps
+        are the GPU ladder's padding-only rungs (`self.late`). Until they are in, steps
         must stay within those limits (the engine lowers the scheduler's: see LLMEngine).
         """
         from serving.runner.exec_store import default_store, describe_args
@@ -320,7 +319,7 @@ class ModelRunner:
 
         def later(key) -> bool:
             if isinstance(key, Bucket):
-                return key.seqs > defer[0] or key.tokens > defer[1] or self.late(key)
+                return key.seqs > defer[0] or key.tokens > defer[1] or key in self.late
             return isinstance(key, int) and key > defer[0]
 
         self.deferred: list[Job] = []
@@ -339,12 +338,6 @@ class ModelRunner:
             self.mtp_steps[key[1]] = exe
         else:
             self.verifiers[key] = exe
-
-    def late(self, bucket: Bucket) -> bool:
-        """A padding-only rung, compiled with the deferred executables (`late_rung`); never
-        the ladder's top rung, so a rung above always serves until it arrives."""
-        top = max(b.tokens for b in self.buckets if not b.decode)
-        return late_rung(bucket, self.coarse_default) and bucket.tokens < top
 
     def compile_deferred(self, done: Callable[[dict | Exception], None]) -> None:
         """Build `self.deferred` on a background thread (serving/runner/compile_pool.py);

@@ -18,6 +18,12 @@ MAX_LOGIT_BIAS = 300  # token ids a request may bias (OpenAI's limit)
 LOGIT_BIAS_RANGE = 100.0  # |bias| at most this (OpenAI's range)
 
 
+def outside_vocab(ids, vocab_size: int) -> str | None:
+    """The message for token ids outside [0, vocab_size) (the first five), None if all inside."""
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    return f"{bad[:5]} outside the vocabulary [0, {vocab_size})" if bad else None
+
+
 def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
@@ -135,6 +141,14 @@ class SamplingParams:
             raise ValueError(f"logit_bias: biases must be numbers in [-{LOGIT_BIAS_RANGE:g}, "
                              f"{LOGIT_BIAS_RANGE:g}], got {off[:5]}")
         object.__setattr__(self, "logit_bias", tuple(sorted((int(t), float(b)) for t, b in pairs)))
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """ValueError naming the field when a stop id or a biased id is outside the
+        model's vocabulary (which only the engine and the servers know)."""
+        for name, ids in (("stop_token_ids", self.stop_token_ids),
+                          ("logit_bias", [t for t, _ in self.logit_bias])):
+            if (bad := outside_vocab(ids, vocab_size)) is not None:
+                raise ValueError(f"{name}: {bad}")
 
     def _check_stopping(self) -> None:
         max_tokens, min_tokens = self.max_tokens, self.min_tokens

@@ -3,9 +3,7 @@ XLA lower the projections to slow reduction fusions) serve exactly what unpadded
 
 from __future__ import annotations
 
-import functools
 import threading
-import types
 
 import jax
 
@@ -14,7 +12,7 @@ from hybrid_jax.layers import linear
 from hybrid_jax.loading import load_model
 from serving.engine.engine_config import EngineConfig
 from serving.engine.llm_engine import LLMEngine
-from serving.runner.runner import Bucket, late_rung, make_buckets
+from serving.runner.runner import Bucket, late_buckets, make_buckets
 from serving.sample.sampling_params import SamplingParams
 
 
@@ -192,18 +190,18 @@ def test_larger_executables_compile_in_the_background_while_smaller_ones_serve(m
 
 def test_padding_rungs_are_the_gpu_ladders_512_and_768_token_mixed_buckets():
     coarse = make_buckets(64, 2048, min_decode_rows=8, coarse_mixed=True)
-    late = [b for b in coarse if late_rung(b, True)]
+    late = late_buckets(coarse, True)
     assert {(b.tokens, b.seqs) for b in late} == {(t, s) for t in (512, 768) for s in (16, 64)}
-    assert not late[0].decode and not any(late_rung(b, False) for b in coarse)
+    assert not any(b.decode for b in late) and not late_buckets(coarse, False)
     # start-up (64 sequences, 1024 tokens) compiles the mixed rungs it did before they existed
     first = {b.tokens for b in coarse if not b.decode and b.tokens <= 1024 and b not in late}
     assert first == {256, 1024}
 
 
 def test_the_top_rung_is_never_late():
-    runner = types.SimpleNamespace(coarse_default=True, buckets=make_buckets(64, 768, coarse_mixed=True))
-    late = functools.partial(runner_mod.ModelRunner.late, runner)
-    assert [b.tokens for b in runner.buckets if not b.decode and late(b)] == [512, 512]
+    buckets = make_buckets(64, 768, coarse_mixed=True)
+    late = late_buckets(buckets, True)
+    assert [b.tokens for b in buckets if not b.decode and b in late] == [512, 512]
 
 
 def test_a_late_rung_compiles_in_the_background_and_changes_no_output(monkeypatch):
@@ -211,7 +209,8 @@ def test_a_late_rung_compiles_in_the_background_and_changes_no_output(monkeypatc
     lm = load_model("native-tiny")
     monkeypatch.setattr(LLMEngine, "STARTUP_SEQS", 4)
     monkeypatch.setattr(LLMEngine, "STARTUP_TOKENS", 32)
-    monkeypatch.setattr(runner_mod, "late_rung", lambda b, coarse: not b.decode and b.tokens == 16)
+    sixteen = lambda buckets, coarse: frozenset(b for b in buckets if not b.decode and b.tokens == 16)
+    monkeypatch.setattr(runner_mod, "late_buckets", sixteen)
     later = runner_mod.compile_later
     gate = threading.Event()
 
